@@ -1,0 +1,93 @@
+"""The whole-model forward pass: one pure function, jitted per (batch, token-bucket) shape.
+
+Every layer is unrolled into one program (no Python between layers, no host sync inside a step);
+layers are not scanned because quantized files mix GGML types across layers. The KV cache is donated
+so its update is in place.
+
+Shape legend: B batch, T tokens in this step (a power-of-two bucket), S cache length, L layers,
+K kv heads, Dh head dim, D model dim, V vocab, M MoE layers, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.layers import attention, rms_norm, swiglu
+from strata_jax.model.moe import moe_block
+from strata_jax.model.weights import Params, _dataclass_pytree
+from strata_jax.offload.slot_table import SlotTable
+
+
+@_dataclass_pytree
+class KVCache:
+    k_LBSKDh: jax.Array
+    v_LBSKDh: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> "KVCache":
+        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        make = functools.partial(jnp.zeros, shape, dtype)
+        if device is not None:
+            return cls(jax.device_put(make(), device), jax.device_put(make(), device))
+        return cls(make(), make())
+
+    @property
+    def length(self) -> int:
+        return self.k_LBSKDh.shape[2]
+
+
+def forward(
+    params: Params,
+    slots: SlotTable | None,
+    kv: KVCache,
+    tokens_BT: jax.Array,
+    start_B: jax.Array,
+    n_valid_B: jax.Array,
+    *,
+    cfg: ModelConfig,
+    dtype,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """Run T new tokens per sequence starting at cache position start_B.
+
+    Tokens past n_valid_B are bucket padding: they are computed (fixed shapes) but never read back, and
+    the cache slots they write lie past the sequence's end, where the next real token overwrites them
+    before anything attends to them. Returns (logits, cache, routed expert ids [M, B*T, k]).
+    Logits are float32, [B, T, V] with all_logits, else [B, V] for each sequence's last valid token.
+    """
+    B, T = tokens_BT.shape
+    pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    x = params.embed.take_rows(tokens_BT, dtype)
+    k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
+    routed = []
+    moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer{i}"):
+            with jax.named_scope("attn"):
+                h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
+                h, k_i, v_i = attention(layer.attn, h, pos_BT, k_all[i], v_all[i], cfg)
+                k_all = k_all.at[i].set(k_i)
+                v_all = v_all.at[i].set(v_i)
+                x = x + h
+            h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
+            if layer.moe is not None:
+                with jax.named_scope("moe"):
+                    h, ids = moe_block(layer.moe, slots, moe_idx[i], h, cfg)
+                    routed.append(ids)
+            else:
+                with jax.named_scope("mlp"):
+                    h = swiglu(h, layer.mlp)
+            x = x + h
+    with jax.named_scope("head"):
+        if not all_logits:
+            x = x[jnp.arange(B), n_valid_B - 1][:, None, :]
+        x = rms_norm(x, params.out_norm_D, cfg.rms_eps)
+        logits = jnp.einsum("btd,vd->btv", x, params.lm_head.dequant(dtype), preferred_element_type=jnp.float32)
+        if not all_logits:
+            logits = logits[:, 0]
+    routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)
+    return logits, KVCache(k_all, v_all), routed_MNk

@@ -1,0 +1,95 @@
+"""Transformer blocks as pure functions: RMSNorm, RoPE, GQA attention over a KV cache, SwiGLU MLP.
+
+Shape legend: B batch, T new tokens, S cache length, D model dim, H query heads, K kv heads,
+G = H // K query heads per kv head, Dh head dim, F ffn dim.
+Norms, RoPE angles, attention scores and softmax run in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.weights import AttnParams, MLPParams, QTensor
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: QTensor, bias: jax.Array | None = None) -> jax.Array:
+    """x @ W.T with W dequantized inside the jitted program (W is [out, in] GGML blocks)."""
+    y = jnp.einsum("...d,fd->...f", x, w.dequant(x.dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
+
+
+def rope(x_BTHDh: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotary embedding in llama.cpp's two layouts: "normal" rotates consecutive pairs (2i, 2i+1),
+    "neox" rotates (i, i + n/2). Only the first `rope_dim` dims rotate (partial rotary)."""
+    n = cfg.rope_dim
+    inv_freq = cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n)  # [n/2]
+    ang = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, n/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x = x_BTHDh.astype(jnp.float32)
+    rot, rest = x[..., :n], x[..., n:]
+    if cfg.rope_style == "neox":
+        a, b = rot[..., : n // 2], rot[..., n // 2 :]
+        rot = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rot = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([rot, rest], axis=-1).astype(x_BTHDh.dtype)
+
+
+def attention(
+    p: AttnParams,
+    x_BTD: jax.Array,
+    pos_BT: jax.Array,
+    k_cache_BSKDh: jax.Array,
+    v_cache_BSKDh: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal GQA attention. The new keys/values are written into the cache at `pos_BT` first, then
+    every query attends to cache positions <= its own; stale entries past a sequence's end are masked."""
+    B, T, _ = x_BTD.shape
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = linear(x_BTD, p.wq, p.bq)
+    k = linear(x_BTD, p.wk, p.bk)
+    v = linear(x_BTD, p.wv, p.bv)
+    if cfg.qk_norm == "full":  # olmoe: one norm over all heads
+        q = rms_norm(q, p.q_norm, cfg.rms_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_eps)
+    q = q.reshape(B, T, H, Dh)
+    k = k.reshape(B, T, K, Dh)
+    v = v.reshape(B, T, K, Dh)
+    if cfg.qk_norm == "head":  # qwen3: per-head norm before RoPE
+        q = rms_norm(q, p.q_norm, cfg.rms_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_eps)
+    q = rope(q, pos_BT, cfg)
+    k = rope(k, pos_BT, cfg)
+
+    b_idx = jnp.arange(B)[:, None]
+    k_cache_BSKDh = k_cache_BSKDh.at[b_idx, pos_BT].set(k.astype(k_cache_BSKDh.dtype), mode="drop")
+    v_cache_BSKDh = v_cache_BSKDh.at[b_idx, pos_BT].set(v.astype(v_cache_BSKDh.dtype), mode="drop")
+
+    S = k_cache_BSKDh.shape[1]
+    q = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache_BSKDh, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(Dh)))
+    mask_BTS = jnp.arange(S)[None, None, :] <= pos_BT[:, :, None]
+    scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache_BSKDh.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache_BSKDh, preferred_element_type=jnp.float32)
+    out = out.reshape(B, T, H * Dh).astype(x_BTD.dtype)
+    return linear(out, p.wo), k_cache_BSKDh, v_cache_BSKDh
+
+
+def swiglu(x: jax.Array, p: MLPParams) -> jax.Array:
+    h = jax.nn.silu(linear(x, p.w_gate)) * linear(x, p.w_up)
+    return linear(h, p.w_down)

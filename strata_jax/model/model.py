@@ -1,0 +1,289 @@
+"""`load()` and `Model`: the Python API around the jitted forward pass.
+
+The host drives one jitted call per prefill chunk and one per decoded token (which samples on the
+device and returns only the token id); nothing crosses to the host between layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.errors import ConfigError
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.sampling import SamplingParams, sample, validate_sampling
+from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.model.weights import WeightLoader, load_params
+from strata_jax.offload.slot_table import resident_slot_table
+
+log = logging.getLogger("strata_jax")
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, max_chunk: int) -> int:
+    """Power-of-two token bucket for a chunk of n tokens, so prefill compiles O(log n) shapes."""
+    return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "all_logits"), donate_argnames=("kv",))
+def _prefill(params, slots, kv, tokens_BT, start_B, n_valid_B, *, cfg, dtype, all_logits):
+    return forward(params, slots, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"), donate_argnames=("kv",))
+def _decode(params, slots, kv, tokens_B1, start_B, key, sp, *, cfg, dtype):
+    logits_BV, kv, routed = forward(
+        params, slots, kv, tokens_B1, start_B, jnp.ones_like(start_B), cfg=cfg, dtype=dtype
+    )
+    return sample(logits_BV, key, sp), kv, routed
+
+
+_sample = jax.jit(sample)
+
+
+@dataclasses.dataclass
+class GenerationChunk:
+    """One streamed piece: new text and the token ids behind it. The last chunk carries finish_reason
+    ("stop" or "length") and timings."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    timings: dict[str, float] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclasses.dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    timings: dict[str, float]
+
+
+def _resolve_dtype(dtype: Any, platform: str):
+    if dtype in (None, "auto"):
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ConfigError(f"dtype={dtype!r} is not supported: use 'float32', 'bfloat16', 'float16' or 'auto'.")
+    return dt.type
+
+
+class Model:
+    def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
+                 prefill_chunk: int = 512):
+        t0 = time.perf_counter()
+        self.gguf = gguf
+        self.config = cfg = ModelConfig.from_gguf(gguf)
+        self.device = device or jax.devices()[0]
+        self.dtype = _resolve_dtype(dtype, self.device.platform)
+        self.ctx = int(ctx or min(cfg.context_length, 4096))
+        if self.ctx < 1:
+            raise ConfigError(f"ctx={ctx!r} is invalid: give a positive context length.")
+        if self.ctx > cfg.context_length:
+            log.warning("ctx %d exceeds the model's trained context %d; quality may degrade past it",
+                        self.ctx, cfg.context_length)
+        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
+            raise ConfigError(f"prefill_chunk={prefill_chunk} must be a power of two >= {MIN_BUCKET}.")
+        self.prefill_chunk = prefill_chunk
+        self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
+        loader = WeightLoader(gguf, cfg, self.device)
+        self.params = load_params(loader)
+        self.slots = resident_slot_table(loader) if cfg.is_moe else None
+        jax.block_until_ready((self.params, self.slots))
+        dt = time.perf_counter() - t0
+        log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
+                 "compute %s, context %d",
+                 os.path.basename(gguf.path), cfg.arch, cfg.n_layers,
+                 f", {cfg.n_experts} experts top-{cfg.n_experts_used}" if cfg.is_moe else "",
+                 dt, loader.bytes_loaded / 2**30, self.device, loader.bytes_loaded / 2**30 / max(dt, 1e-9),
+                 jnp.dtype(self.dtype).name, self.ctx)
+        self._kv: KVCache | None = None
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict], **template_kwargs) -> list[int]:
+        """A raw prompt is tokenized as is (with BOS if the model wants one); a message list goes through
+        the GGUF's chat template first."""
+        if isinstance(prompt_or_messages, str):
+            return self.tokenize(prompt_or_messages)
+        if not prompt_or_messages:
+            raise ConfigError("messages is empty: give at least one message.")
+        text = self.tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
+                                                  **template_kwargs)
+        bos = self.tokenizer.bos_id
+        has_bos = bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
+        return self.tokenize(text, add_special=not has_bos)
+
+    # -- forward --------------------------------------------------------------------------------
+    def _cache(self) -> KVCache:
+        kv, self._kv = self._kv, None  # donated by the next call; never reuse a donated buffer
+        return kv if kv is not None else KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.ctx:
+            raise ConfigError(f"{n} tokens exceed the context of {self.ctx}; shorten the input or load the "
+                              f"model with a larger ctx (--ctx, up to the model's {self.config.context_length}).")
+
+    def _run_prefill(self, ids: Sequence[int], all_logits: bool) -> tuple[jax.Array, list[jax.Array]]:
+        kv = self._cache()
+        outs, pos = [], 0
+        try:
+            while pos < len(ids):
+                chunk = list(ids[pos : pos + self.prefill_chunk])
+                T = bucket(len(chunk), self.prefill_chunk)
+                toks = np.zeros((1, T), np.int32)
+                toks[0, : len(chunk)] = chunk
+                logits, kv, _ = _prefill(self.params, self.slots, kv, jnp.asarray(toks), jnp.array([pos], jnp.int32),
+                                         jnp.array([len(chunk)], jnp.int32), cfg=self.config, dtype=self.dtype,
+                                         all_logits=all_logits)
+                outs.append(logits[0, : len(chunk)] if all_logits else logits)
+                pos += len(chunk)
+        finally:
+            self._kv = kv
+        return outs[-1], outs
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the next-token logits after each position."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ConfigError("token_ids is empty.")
+        self._check_len(len(ids))
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size}).")
+        _, outs = self._run_prefill(ids, all_logits=True)
+        return np.concatenate([np.asarray(o) for o in outs], axis=0)
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate_stream(
+        self,
+        prompt_or_messages: str | Sequence[dict],
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **template_kwargs,
+    ) -> Iterator[GenerationChunk]:
+        validate_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
+        ids = self.prompt_tokens(prompt_or_messages, **template_kwargs)
+        self._check_len(len(ids) + 1)
+        max_tokens = min(max_tokens, self.ctx - len(ids))
+        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p)
+        key = jax.random.PRNGKey(seed if seed is not None else time.time_ns() % (2**31))
+
+        t0 = time.perf_counter()
+        last_logits, _ = self._run_prefill(ids, all_logits=False)
+        tok = _sample(last_logits, jax.random.fold_in(key, 0), sp)
+        tok_host = int(tok[0])
+        t_prefill = time.perf_counter() - t0
+
+        decoder = self.tokenizer.stream_decoder()
+        text, emitted = "", 0  # all generated text; how much of it has been yielded
+        generated: list[int] = []
+        finish = "length"
+        t1 = time.perf_counter()
+        pos = len(ids)
+        while True:
+            if tok_host in self.tokenizer.stop_ids:
+                finish = "stop"
+                break
+            generated.append(tok_host)
+            text += decoder.push(tok_host)
+            hit = _find_stop(text, stops, emitted)
+            if hit is not None:
+                text, finish = text[:hit], "stop"
+                break
+            safe = len(text) - _stop_prefix_len(text[emitted:], stops)
+            if safe > emitted:
+                yield GenerationChunk(text[emitted:safe], [tok_host])
+                emitted = safe
+            if len(generated) >= max_tokens:
+                text += decoder.flush()
+                break
+            kv = self._cache()
+            tok, kv, _ = _decode(self.params, self.slots, kv, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
+                                 jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype)
+            self._kv = kv
+            pos += 1
+            tok_host = int(tok[0])
+        t_decode = time.perf_counter() - t1
+        n_dec = len(generated)
+        timings = {
+            "prompt_n": len(ids),
+            "prompt_ms": t_prefill * 1e3,
+            "prompt_per_second": len(ids) / max(t_prefill, 1e-9),
+            "predicted_n": n_dec,
+            "predicted_ms": (t_prefill + t_decode) * 1e3 if n_dec else 0.0,
+            # the first token comes out of prefill; decode speed counts the tokens decode produced
+            "decode_per_second": max(n_dec - 1, 0) / max(t_decode, 1e-9),
+        }
+        timings["predicted_per_second"] = timings["decode_per_second"]
+        yield GenerationChunk(text[emitted:], [], finish_reason=finish, timings=timings, prompt_token_ids=ids)
+
+    def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
+        """Generate to completion; keyword arguments as for generate_stream."""
+        parts, ids = [], []
+        for chunk in self.generate_stream(prompt_or_messages, **kwargs):
+            parts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+        return Generation("".join(parts), ids, chunk.prompt_token_ids or [], chunk.finish_reason or "length",
+                          chunk.timings or {})
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in text (searching from `start`, the yielded boundary:
+    a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(tail: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `tail` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(tail)), best, -1):
+            if tail.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
+    """Load a GGUF model (the embedded default model when path is None). Options: ctx, dtype
+    ("auto" | "float32" | "bfloat16"), device, prefill_chunk."""
+    if path is None:
+        from strata_jax.model.default_model import default_model_path
+
+        path = default_model_path()
+    return Model(GGUFFile(path), **options)

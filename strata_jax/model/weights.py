@@ -1,0 +1,197 @@
+"""Parameter pytrees and their loading from a GGUF file.
+
+Matrices stay in their GGML block bytes (`QTensor`) on the device and are dequantized inside jit;
+small vectors (norms, biases) and routers are made float32 at load. Routed experts live in a
+`SlotTable` (see strata_jax/model/slots.py), not in the layer params.
+
+Shape legend: D model dim, F ffn dim, E experts, V vocab, H heads, K kv heads, Dh head dim,
+R row bytes (the quantized last axis), S slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from strata_jax.errors import TensorShapeError
+from strata_jax.model import quant
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.gguf_file import GGUFFile, TensorInfo
+
+log = logging.getLogger("strata_jax")
+
+
+def _dataclass_pytree(cls=None, *, meta=()):
+    """Register a dataclass as a pytree; fields named in `meta` are static (part of the treedef)."""
+
+    def wrap(c):
+        c = dataclasses.dataclass(frozen=True)(c)
+        names = [f.name for f in dataclasses.fields(c)]
+        jax.tree_util.register_dataclass(
+            c, data_fields=[n for n in names if n not in meta], meta_fields=[n for n in names if n in meta]
+        )
+        return c
+
+    return wrap if cls is None else wrap(cls)
+
+
+@_dataclass_pytree(meta=("qtype", "n_cols"))
+class QTensor:
+    """GGML block bytes `uint8[..., rows, R]` of a logical `[..., rows, n_cols]` matrix."""
+
+    data: jax.Array
+    qtype: GGMLQuantizationType
+    n_cols: int
+
+    def dequant(self, dtype=jnp.float32) -> jax.Array:
+        return quant.dequantize(self.data, self.qtype, self.n_cols, dtype)
+
+    def take_rows(self, idx: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Dequantize only the rows `idx` (embedding lookup) instead of the whole table."""
+        return quant.dequantize(jnp.take(self.data, idx, axis=-2), self.qtype, self.n_cols, dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.data.shape[:-1], self.n_cols)
+
+
+@_dataclass_pytree
+class AttnParams:
+    norm_D: jax.Array
+    wq: QTensor  # [H*Dh, D]
+    wk: QTensor  # [K*Dh, D]
+    wv: QTensor
+    wo: QTensor  # [D, H*Dh]
+    bq: jax.Array | None
+    bk: jax.Array | None
+    bv: jax.Array | None
+    q_norm: jax.Array | None  # [Dh] per head (qwen3) or [H*Dh] over all heads (olmoe)
+    k_norm: jax.Array | None
+
+
+@_dataclass_pytree
+class MLPParams:
+    """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
+
+    w_gate: QTensor  # [F, D]
+    w_up: QTensor  # [F, D]
+    w_down: QTensor  # [D, F]
+
+
+@_dataclass_pytree
+class MoEParams:
+    router_ED: jax.Array  # float32
+    shared: MLPParams | None
+    shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
+
+
+@_dataclass_pytree
+class LayerParams:
+    attn: AttnParams
+    ffn_norm_D: jax.Array
+    mlp: MLPParams | None  # dense layers
+    moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
+
+
+@_dataclass_pytree
+class Params:
+    embed: QTensor  # [V, D]
+    layers: tuple[LayerParams, ...]
+    out_norm_D: jax.Array
+    lm_head: QTensor  # [V, D]; the embedding when tied
+
+
+class WeightLoader:
+    """Moves tensors of one GGUF file to a device, checking shapes and types as it goes."""
+
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, device: Any = None):
+        self.gguf, self.cfg, self.device = gguf, cfg, device
+        self.bytes_loaded = 0
+
+    def info(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        t = self.gguf.tensor(name)
+        if tuple(t.shape) != tuple(shape):
+            raise TensorShapeError(
+                f"{self.gguf.path}: tensor {name!r} has shape {t.shape}, expected {tuple(shape)} from the "
+                f"metadata of this {self.cfg.arch} model. The file is inconsistent or from an unsupported variant."
+            )
+        quant.check_supported(t.ggml_type, name)
+        return t
+
+    def _put(self, a: np.ndarray) -> jax.Array:
+        self.bytes_loaded += a.nbytes
+        return jax.device_put(a, self.device)
+
+    def qtensor(self, name: str, shape: tuple[int, ...]) -> QTensor:
+        t = self.info(name, shape)
+        return QTensor(self._put(np.ascontiguousarray(t.data)), t.ggml_type, t.shape[-1])
+
+    def f32(self, name: str, shape: tuple[int, ...]) -> jax.Array:
+        """Small tensors (norms, biases, routers): dequantize once, on the host, to float32."""
+        t = self.info(name, shape)
+        if t.ggml_type == GGMLQuantizationType.F32:
+            arr = np.ascontiguousarray(t.data).view(np.float32).reshape(shape)
+        else:
+            from gguf.quants import dequantize  # the reference dequantizer; these tensors are tiny
+
+            arr = dequantize(np.ascontiguousarray(t.data), t.ggml_type).astype(np.float32).reshape(shape)
+        return self._put(arr)
+
+    def optional_f32(self, name: str, shape: tuple[int, ...]) -> jax.Array | None:
+        return self.f32(name, shape) if self.gguf.has(name) else None
+
+
+def load_params(loader: WeightLoader) -> Params:
+    cfg = loader.cfg
+    D, V = cfg.d_model, cfg.vocab_size
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
+        kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
+        attn = AttnParams(
+            norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+            wq=loader.qtensor(p + "attn_q.weight", (cfg.q_dim, D)),
+            wk=loader.qtensor(p + "attn_k.weight", (cfg.kv_dim, D)),
+            wv=loader.qtensor(p + "attn_v.weight", (cfg.kv_dim, D)),
+            wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
+            bq=loader.optional_f32(p + "attn_q.bias", (cfg.q_dim,)),
+            bk=loader.optional_f32(p + "attn_k.bias", (cfg.kv_dim,)),
+            bv=loader.optional_f32(p + "attn_v.bias", (cfg.kv_dim,)),
+            q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
+            k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
+        )
+        mlp = moe = None
+        if i in cfg.moe_layers:
+            shared = shared_gate = None
+            if cfg.shared_expert_ffn_dim:
+                Fs = cfg.shared_expert_ffn_dim
+                shared = MLPParams(
+                    w_gate=loader.qtensor(p + "ffn_gate_shexp.weight", (Fs, D)),
+                    w_up=loader.qtensor(p + "ffn_up_shexp.weight", (Fs, D)),
+                    w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
+                )
+                shared_gate = loader.optional_f32(p + "ffn_gate_inp_shexp.weight", (D,))
+            moe = MoEParams(
+                router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)),
+                shared=shared,
+                shared_gate_D=shared_gate,
+            )
+        else:
+            F = cfg.ffn_dim
+            mlp = MLPParams(
+                w_gate=loader.qtensor(p + "ffn_gate.weight", (F, D)),
+                w_up=loader.qtensor(p + "ffn_up.weight", (F, D)),
+                w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
+            )
+        layers.append(LayerParams(attn=attn, ffn_norm_D=loader.f32(p + "ffn_norm.weight", (D,)), mlp=mlp, moe=moe))
+
+    embed = loader.qtensor("token_embd.weight", (V, D))
+    lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
+    return Params(embed=embed, layers=tuple(layers), out_norm_D=loader.f32("output_norm.weight", (D,)), lm_head=lm_head)
