@@ -1,3 +1,13 @@
-"""strata-jax: run Mixture-of-Experts models larger than GPU memory, from GGUF, in JAX."""
+"""strata-jax: run Mixture-of-Experts models larger than GPU memory, from GGUF, in JAX.
+
+    import strata_jax
+    model = strata_jax.load("model.gguf")          # or load() for the embedded default model
+    print(model.generate("def fib(n):", max_tokens=64, temperature=0).text)
+"""
 
 __version__ = "0.1.0"
+
+from strata_jax.errors import StrataError  # noqa: E402
+from strata_jax.model.model import Generation, GenerationChunk, Model, load  # noqa: E402
+
+__all__ = ["load", "Model", "Generation", "GenerationChunk", "StrataError", "__version__"]

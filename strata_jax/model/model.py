@@ -88,7 +88,7 @@ def _resolve_dtype(dtype: Any, platform: str):
 
 class Model:
     def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, dequantize_dense: bool | None = None):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
@@ -104,17 +104,21 @@ class Model:
             raise ConfigError(f"prefill_chunk={prefill_chunk} must be a power of two >= {MIN_BUCKET}.")
         self.prefill_chunk = prefill_chunk
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
-        loader = WeightLoader(gguf, cfg, self.device)
+        if dequantize_dense is None:
+            dequantize_dense = self.device.platform == "cpu"
+        loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         self.params = load_params(loader)
         self.slots = resident_slot_table(loader) if cfg.is_moe else None
         jax.block_until_ready((self.params, self.slots))
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
-                 "compute %s, context %d",
+                 "compute %s, context %d, dense weights %s",
                  os.path.basename(gguf.path), cfg.arch, cfg.n_layers,
                  f", {cfg.n_experts} experts top-{cfg.n_experts_used}" if cfg.is_moe else "",
                  dt, loader.bytes_loaded / 2**30, self.device, loader.bytes_loaded / 2**30 / max(dt, 1e-9),
-                 jnp.dtype(self.dtype).name, self.ctx)
+                 jnp.dtype(self.dtype).name, self.ctx,
+                 "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
+                 else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -281,7 +285,7 @@ def _stop_prefix_len(tail: str, stops: list[str]) -> int:
 
 def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     """Load a GGUF model (the embedded default model when path is None). Options: ctx, dtype
-    ("auto" | "float32" | "bfloat16"), device, prefill_chunk."""
+    ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense (default: on CPU only)."""
     if path is None:
         from strata_jax.model.default_model import default_model_path
 

@@ -1,0 +1,116 @@
+"""The `strata-jax` command: generate, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from strata_jax.errors import StrataError
+
+log = logging.getLogger("strata_jax")
+
+
+def _positive_int(name):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", metavar="PATH",
+                   help="GGUF file (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched once)")
+    p.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
+                   help="context length in tokens (default: the model's, capped at 4096)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+
+
+def _cmd_generate(args) -> int:
+    import strata_jax
+
+    if args.prompt is None and args.chat is None:
+        raise StrataError("give --prompt TEXT (raw completion) or --chat TEXT (one user turn through the chat template)")
+    model = strata_jax.load(args.model, ctx=args.ctx, dtype=args.dtype)
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+        prompt = messages
+    else:
+        prompt = args.prompt
+    final = None
+    for chunk in model.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                       top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                                       stop=args.stop or None):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        final = chunk
+    sys.stdout.write("\n")
+    t = final.timings
+    print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
+          f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; finish: {final.finish_reason}",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.model.inspect import format_report, report
+    from strata_jax.units import parse_size
+
+    budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
+    print(format_report(report(GGUFFile(args.path), vram_budget=budget, ctx=args.ctx)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata-jax", description="MoE inference beyond GPU memory, from GGUF, in JAX.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    _add_engine_options(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", help="raw prompt, completed as is")
+    src.add_argument("--chat", "-c", help="a user message, rendered with the model's chat template")
+    g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--max-tokens", "-n", type=_positive_int("--max-tokens"), default=256)
+    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=40, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--seed", "-s", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(func=_cmd_generate)
+
+    i = sub.add_parser("inspect", help="describe a GGUF file and what fits in a VRAM budget")
+    i.add_argument("path")
+    i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
+    i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
+    i.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="strata-jax: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata-jax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nstrata-jax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
