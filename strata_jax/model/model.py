@@ -128,13 +128,22 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict], **template_kwargs) -> list[int]:
+    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], **template_kwargs) -> list[int]:
         """A raw prompt is tokenized as is (with BOS if the model wants one); a message list goes through
-        the GGUF's chat template first."""
+        the GGUF's chat template first; a list of token ids is used as is."""
         if isinstance(prompt_or_messages, str):
             return self.tokenize(prompt_or_messages)
         if not prompt_or_messages:
-            raise ConfigError("messages is empty: give at least one message.")
+            raise ConfigError("the prompt is empty: give text, token ids, or at least one message.")
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_or_messages):
+            ids = [int(t) for t in prompt_or_messages]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size}).")
+            return ids
+        if not all(isinstance(m, dict) for m in prompt_or_messages):
+            raise ConfigError("a prompt list must hold either token ids or message dicts "
+                              "({'role': ..., 'content': ...}), not a mix.")
         text = self.tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
                                                   **template_kwargs)
         bos = self.tokenizer.bos_id
@@ -171,20 +180,17 @@ class Model:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the next-token logits after each position."""
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ConfigError("token_ids is empty.")
+        if isinstance(token_ids, str) or not all(isinstance(t, (int, np.integer)) for t in token_ids):
+            raise ConfigError("logits() takes a list of token ids; use model.tokenize(text) first.")
+        ids = self.prompt_tokens(list(token_ids))
         self._check_len(len(ids))
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size}).")
         _, outs = self._run_prefill(ids, all_logits=True)
         return np.concatenate([np.asarray(o) for o in outs], axis=0)
 
     # -- generation -----------------------------------------------------------------------------
     def generate_stream(
         self,
-        prompt_or_messages: str | Sequence[dict],
+        prompt_or_messages: str | Sequence[dict] | Sequence[int],
         max_tokens: int = 256,
         temperature: float = 0.8,
         top_p: float = 0.95,

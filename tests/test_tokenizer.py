@@ -1,0 +1,260 @@
+"""GGUFTokenizer against transformers' own GGUF tokenizer: same ids, lossless decode, streaming, chat
+templates. Real-model tests skip unless STRATA_TEST_QWEN_GGUF / STRATA_TEST_GEMMA_GGUF name the files."""
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_jax.errors import ConfigError, StrataError
+from strata_jax.model import tokenizer as tkz
+from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.tokenizer import GGUFTokenizer
+
+CORPUS = [
+    "",
+    " ",
+    "\n",
+    "The quick brown fox jumps over the lazy dog. It wasn't me, she'd said; they'll see.",
+    "I'm can't won't they'd we'll you've She's IT'S O'Neil's",
+    "def f(x):\n\tif x:\n\t    return x ** 2  # tab then spaces\n        \n    return None\n",
+    "function add(a, b) {\n  return a + b;\n}\n\tconst x = [1, 2, 3].map((v) => v * 2);\r\n",
+    "我爱自然语言处理。日本語のテキストも。한국어 문장입니다.",
+    "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 👍🏽 thumbs, 🤖🦜🪿🫎 rare ones",
+    "a  b   c\n\n\nd\r\ne\t\tf   \n  ",
+    "   leading spaces and trailing   ",
+    "3.14159 1234567890 1,000,000 0x1F -42 1e-9 ２０２４",
+    "Café naïve résumé Ångström façade Zoë crème brûlée e\u0301 Ünïcödé",
+    "Ωμέγα Русский текст عربى हिन्दी ไทย",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "<start_of_turn>user\nHello<end_of_turn>\n<bos>text <eos>",
+    "nbsp\u00a0em\u2003zw\u200bspace \x00\x01\x7f control",
+    "==================== .... !!!??? ---",
+    "<table><tr><td>cell</td></tr></table> <s>struck</s>",
+]
+
+
+# qwen_gguf_path comes from conftest.py (the verified cached default model).
+@pytest.fixture(scope="session")
+def gemma_gguf_path():
+    path = os.environ.get("STRATA_TEST_GEMMA_GGUF")
+    if not path:
+        pytest.skip("set STRATA_TEST_GEMMA_GGUF to a Gemma-3 GGUF")
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen", "gemma"])
+def pair(request):
+    """(ours, transformers' tokenizer for the same file, build seconds)."""
+    path = request.getfixturevalue(f"{request.param}_gguf_path")
+    transformers = pytest.importorskip("transformers")
+    metadata = GGUFFile(path).metadata
+    start = time.perf_counter()
+    ours = GGUFTokenizer.from_metadata(metadata)
+    seconds = time.perf_counter() - start
+    # tokenizer_type (the config's model_type) skips transformers' 20 s read of the model config; the
+    # tokenizer is built from the GGUF exactly as without it.
+    ref = transformers.AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
+                                                     tokenizer_type=metadata["general.architecture"])
+    return ours, ref, seconds
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_gguf_path):
+    return GGUFTokenizer.from_metadata(GGUFFile(qwen_gguf_path).metadata)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf_path):
+    return GGUFTokenizer.from_metadata(GGUFFile(gemma_gguf_path).metadata)
+
+
+def test_ids_match_transformers(pair):
+    ours, ref, _ = pair
+    for text in CORPUS:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.encode(text, add_special=False) == ref.encode(text, add_special_tokens=False), text
+    assert ours.encode_batch(CORPUS) == [ref.encode(t) for t in CORPUS]
+
+
+def test_decode_round_trips(pair):
+    ours, ref, _ = pair
+    for text in CORPUS:
+        ids = ours.encode(text, add_special=False)
+        assert ours.decode(ids, skip_special=False) == text
+        with_bos = ours.encode(text)
+        assert ours.decode(with_bos) == ref.decode(with_bos, skip_special_tokens=True)
+        assert ours.decode(np.asarray(with_bos)) == ours.decode(with_bos)
+
+
+def test_stream_decoder_matches_decode(pair):
+    ours, _, _ = pair
+    for text in CORPUS:
+        ids = ours.encode(text)
+        for skip in (True, False):
+            stream = ours.stream_decoder(skip_special=skip)
+            chunks = [stream.push(i) for i in ids] + [stream.flush()]
+            assert "".join(chunks) == ours.decode(ids, skip_special=skip), text
+            assert not any("\ufffd" in c for c in chunks)
+
+
+def test_stream_holds_back_split_emoji(pair):
+    ours, _, _ = pair
+    # An emoji the vocabulary lacks is spelled in byte tokens: nothing may come out until its last byte.
+    text = next(t for t in ("🪿", "🫎", "🦜", "𓂀") if len(ours.encode(t, add_special=False)) > 1)
+    ids = ours.encode(text, add_special=False)
+    stream = ours.stream_decoder()
+    chunks = [stream.push(i) for i in ids]
+    assert chunks[:-1] == [""] * (len(ids) - 1) and chunks[-1] == text
+    assert stream.flush() == ""
+
+
+def test_build_time(pair):
+    ours, _, seconds = pair
+    limit = 2.0 if ours.vocab_size < 200_000 else 8.0  # Gemma's 262k vocabulary derives 515k merges
+    assert seconds < limit, f"{ours!r} took {seconds:.2f} s to build"
+
+
+CONVERSATIONS = [
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi! Zürich ☀️?"}], None),
+    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+      {"role": "user", "content": "And 3+3?"}], None),
+    ([{"role": "user", "content": "Weather in Zürich?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+      {"role": "tool", "content": "{\"temp_c\": 21}"}],
+     [{"type": "function", "function": {
+         "name": "get_weather", "description": "Current weather for a city, e.g. «Zürich».",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]),
+]
+
+
+@pytest.mark.parametrize("messages,tools", CONVERSATIONS)
+def test_chat_template_matches_transformers(pair, messages, tools):
+    ours, ref, _ = pair
+    if ours.chat_template is None:
+        pytest.skip("this GGUF carries no chat template")
+    for gen in (True, False):
+        expected = ref.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools) == expected
+
+
+def test_qwen_special_ids(qwen):
+    im_end, eot = qwen.token_to_id("<|im_end|>"), qwen.token_to_id("<|endoftext|>")
+    assert {im_end, eot} <= qwen.stop_ids
+    assert qwen.token_to_id("</s>") not in qwen.stop_ids  # ordinary text in this vocabulary
+    assert qwen.eos_id == im_end and not qwen.add_bos and qwen.vocab_size == 151936
+    assert qwen.encode("<|im_start|>") == [qwen.token_to_id("<|im_start|>")]
+
+
+def test_gemma_special_ids(gemma):
+    tok = gemma
+    assert {tok.eos_id, tok.token_to_id("<end_of_turn>")} <= tok.stop_ids and tok.add_bos
+    assert tok.token_to_id("</s>") not in tok.stop_ids  # a user-defined HTML tag here
+    if tok.chat_template is None:
+        with pytest.raises(ConfigError, match="raw prompt"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_llama_sentencepiece_matches_transformers(gemma_gguf_path):
+    """The plain (non-Gemma) sentencepiece path: merges from scores, Metaspace prefix, decoder strip;
+    checked on Gemma's vocabulary relabelled as a llama file against transformers' converter."""
+    gguf = pytest.importorskip("transformers.integrations.gguf")
+    arch, tokenizer_dict, _ = gguf.get_gguf_tokenizer(gemma_gguf_path)
+    ref, _ = gguf.convert_gguf_tokenizer("llama", tokenizer_dict)
+    metadata = dict(GGUFFile(gemma_gguf_path).metadata, **{"general.architecture": "llama",
+                                                          "tokenizer.ggml.add_space_prefix": True})
+    ours = GGUFTokenizer.from_metadata(metadata)
+    for text in CORPUS:
+        ids = ours.encode(text, add_special=False)
+        assert ids == ref.encode(text, add_special_tokens=False).ids, text
+        # skip_special=False: transformers also marks LlamaTokenizer's default "<s>"/"</s>" special here
+        assert ours.decode(ids, skip_special=False) == ref.decode(ids, skip_special_tokens=False), text
+        stream = ours.stream_decoder()
+        assert "".join([stream.push(i) for i in ids] + [stream.flush()]) == ours.decode(ids), text
+
+
+# --- synthetic vocabularies: error paths and every pre-tokenizer, no model files needed -----------------
+
+def toy_metadata(**overrides):
+    """A byte-level vocabulary: the 256 byte symbols, a few merges, two control tokens (one stored as raw
+    text outside the byte alphabet, as llama.cpp's converter writes DeepSeek's) and a user-defined one."""
+    alphabet = list(tkz._bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
+    added = ["<|endoftext|>", "<｜end▁of▁sentence｜>", "<think>"]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + added
+    md = {
+        "general.architecture": "qwen2",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": np.array([1] * (len(tokens) - 3) + [3, 3, 4], np.int32),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": len(tokens) - 3,
+        "tokenizer.chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                   "{% if add_generation_prompt %}<assistant>{% endif %}",
+    }
+    md.update(overrides)
+    return md
+
+
+def test_unsupported_tokenizer_model_is_clear():
+    with pytest.raises(ConfigError, match=r"'rwkv'.*Supported: 'gpt2'"):
+        GGUFTokenizer.from_metadata(toy_metadata(**{"tokenizer.ggml.model": "rwkv"}))
+
+
+def test_unsupported_pre_tokenizer_lists_supported():
+    with pytest.raises(ConfigError, match=r"'martian'.*qwen2"):
+        GGUFTokenizer.from_metadata(toy_metadata(**{"tokenizer.ggml.pre": "martian"}))
+
+
+def test_missing_tokenizer_is_a_strata_error():
+    md = {k: v for k, v in toy_metadata().items() if k != "tokenizer.ggml.tokens"}
+    with pytest.raises(StrataError, match="no tokenizer"):
+        GGUFTokenizer.from_metadata(md)
+
+
+@pytest.mark.parametrize("pre", sorted(tkz._PRE))
+def test_every_pre_tokenizer_builds_and_round_trips(pre):
+    tok = GGUFTokenizer.from_metadata(toy_metadata(**{"tokenizer.ggml.pre": pre}))
+    for text in CORPUS + ["x<｜end▁of▁sentence｜><think>é"]:
+        ids = tok.encode(text)
+        assert tok.decode(ids, skip_special=False) == text, (pre, text)
+        stream = tok.stream_decoder()
+        assert "".join([stream.push(i) for i in ids] + [stream.flush()]) == tok.decode(ids), (pre, text)
+    n = tok.vocab_size
+    assert tok.encode("<|endoftext|><｜end▁of▁sentence｜><think>") == [n - 3, n - 2, n - 1]
+    assert tok.decode([n - 3, n - 2, n - 1]) == "<think>"  # control tokens skipped, user-defined kept
+    assert tok.eos_id in tok.stop_ids and n - 2 in tok.stop_ids
+
+
+def test_chat_template_helpers_and_errors():
+    template = ("{{ bos_token }}|{{ strftime_now('%Y') }}|{{ x | tojson }}|{{ x | tojson(indent=2) }}|"
+                "{{ x | tojson(separators=(',', ':')) }}")
+    tok = GGUFTokenizer.from_metadata(toy_metadata(**{"tokenizer.ggml.bos_token_id": 0,
+                                                      "tokenizer.chat_template": template}))
+    x = {"city": "Zürich", "<tag>": [1, 2]}
+    out = tok.apply_chat_template([{"role": "user", "content": "hi"}], x=x)
+    assert out == "|".join(["!", str(datetime.datetime.now().year), json.dumps(x, ensure_ascii=False),
+                            json.dumps(x, ensure_ascii=False, indent=2),
+                            json.dumps(x, ensure_ascii=False, separators=(",", ":"))])
+
+    plain = GGUFTokenizer.from_metadata(toy_metadata())
+    assert plain.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi\n<assistant>"
+    with pytest.raises(ConfigError, match="empty conversation"):
+        plain.apply_chat_template([])
+    no_template = {k: v for k, v in toy_metadata().items() if k != "tokenizer.chat_template"}
+    with pytest.raises(ConfigError, match="raw prompt"):
+        GGUFTokenizer.from_metadata(no_template).apply_chat_template([{"role": "user", "content": "hi"}])
+    raising = GGUFTokenizer.from_metadata(toy_metadata(
+        **{"tokenizer.chat_template": "{{ raise_exception('only user/assistant roles') }}"}))
+    with pytest.raises(ConfigError, match="only user/assistant roles"):
+        raising.apply_chat_template([{"role": "user", "content": "hi"}])
+    broken = GGUFTokenizer.from_metadata(toy_metadata(**{"tokenizer.chat_template": "{% for m in messages %}"}))
+    with pytest.raises(ConfigError, match="does not parse"):
+        broken.apply_chat_template([{"role": "user", "content": "hi"}])
+
