@@ -1,0 +1,165 @@
+"""Bad input gets a clear error naming the problem and the fix; the CLI turns it into one line and
+exit code 2, never a traceback. Uses small synthetic GGUFs (random weights, real byte-level tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+import strata_jax
+from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, StrataError, TensorShapeError,
+                               UnsupportedArchitectureError, UnsupportedQuantTypeError)
+from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.model import Model
+from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+
+SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
+                     vocab_size=512, qtype="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "moe.gguf", SPEC)
+
+
+@pytest.fixture(scope="module")
+def model(moe_path):
+    return strata_jax.load(moe_path, ctx=64)
+
+
+def test_bad_magic(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(GGUFFormatError, match="not a GGUF file"):
+        GGUFFile(p)
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(GGUFFormatError, match="no such file"):
+        GGUFFile(tmp_path / "nope.gguf")
+    with pytest.raises(GGUFFormatError, match="directory"):
+        GGUFFile(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 200])
+def test_truncated_file(tmp_path, moe_path, keep):
+    data = moe_path.read_bytes()
+    n = int(len(data) * keep) if keep < 1 else keep
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:n])
+    with pytest.raises(GGUFFormatError, match="truncated|Download the file again"):
+        GGUFFile(p)
+
+
+def test_unsupported_architecture(tmp_path):
+    p = write_synthetic_gguf(tmp_path / "rwkv.gguf", dataclasses.replace(SPEC, arch="rwkv6"))
+    with pytest.raises(UnsupportedArchitectureError, match="rwkv6.*Supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe"):
+        strata_jax.load(p)
+
+
+def test_missing_tensor(moe_path):
+    g = GGUFFile(moe_path)
+    del g.tensors["blk.1.attn_v.weight"]
+    with pytest.raises(MissingTensorError, match="blk.1.attn_v.weight"):
+        Model(g)
+
+
+def test_wrong_shape(moe_path):
+    g = GGUFFile(moe_path)
+    g.metadata["qwen3moe.attention.head_count"] = 8  # 8 heads x 32 no longer matches attn_q's rows
+    with pytest.raises(TensorShapeError, match=r"attn_q.weight' has shape \(128, 128\), expected \(256, 128\)"):
+        Model(g)
+
+
+def test_unsupported_quant_type(moe_path):
+    g = GGUFFile(moe_path)
+    t = g.tensors["blk.0.attn_q.weight"]
+    g.tensors[t.name] = dataclasses.replace(t, ggml_type=GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(UnsupportedQuantTypeError, match="IQ2_XXS.*Q4_K"):
+        Model(g)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(min_p=2), "min_p"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_generation_options(model, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        model.generate("hello", **kwargs)
+
+
+def test_bad_prompts(model):
+    with pytest.raises(ConfigError, match="empty"):
+        model.generate([])
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        model.generate([1, 2, 10**6])
+    with pytest.raises(ConfigError, match="exceed the context of 64"):
+        model.generate(list(range(100)))
+    with pytest.raises(ConfigError, match="token ids"):
+        model.logits("hello")
+
+
+def test_generation_basics(model):
+    out = model.generate("the tea", max_tokens=6, temperature=0)
+    assert out.finish_reason in ("length", "stop")
+    assert out.prompt_token_ids == model.tokenize("the tea")
+    assert out.timings["prompt_n"] == len(out.prompt_token_ids)
+    assert out.timings["predicted_n"] == len(out.token_ids)
+    chunks = list(model.generate_stream("the tea", max_tokens=6, temperature=0))
+    assert "".join(c.text for c in chunks) == out.text
+    assert sum((c.token_ids for c in chunks), []) == out.token_ids
+    # a message list goes through the chat template
+    msgs = [{"role": "user", "content": "hi"}]
+    assert model.prompt_tokens(msgs) == model.tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_logits_shape_and_determinism(model):
+    ids = model.tokenize("a test of the logits")
+    a, b = model.logits(ids), model.logits(ids)
+    assert a.shape == (len(ids), SPEC.vocab_size) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
+    # the last row is the next-token distribution that generation samples greedily from
+    assert model.generate(ids, max_tokens=1, temperature=0).token_ids in ([int(a[-1].argmax())], [])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "strata_jax.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_streams_and_reports_speed(moe_path):
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "the tea", "-n", "5", "-t", "0", "--ctx", "64")
+    assert r.returncode == 0, r.stderr
+    assert "prefill:" in r.stderr and "tok/s" in r.stderr and "decode:" in r.stderr
+    ref = strata_jax.load(moe_path, ctx=64).generate("the tea", max_tokens=5, temperature=0).text
+    assert r.stdout == ref + "\n"
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    r = _cli("generate", "--model", str(bad), "--prompt", "x")
+    assert r.returncode == 2
+    assert "strata-jax: error:" in r.stderr and "not a GGUF file" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("inspect", str(bad), "--vram-budget", "lots")
+    assert r.returncode == 2 and "32GiB" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_inspect(moe_path):
+    r = _cli("inspect", str(moe_path), "--vram-budget", "1GiB", "--ctx", "256")
+    assert r.returncode == 0, r.stderr
+    assert "qwen3moe: 2 layers" in r.stdout
+    assert "2 MoE layers x 8 experts = 16" in r.stdout
+    assert "routed experts" in r.stdout and "Q8_0" in r.stdout
+    assert "16 expert slots (100% of 16 experts)" in r.stdout
+    r = _cli("inspect", str(moe_path), "--vram-budget", "10KiB")
+    assert "too small" in r.stdout
+
