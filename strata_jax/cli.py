@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="strata-jax: %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("jax").setLevel(logging.WARNING)  # not its backend-probing chatter
     try:
         return args.func(args)
     except StrataError as e:
