@@ -19,7 +19,9 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import attention, rms_norm, swiglu
 from strata_jax.model.moe import moe_block
 from strata_jax.model.weights import Params, _dataclass_pytree
+from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
+from strata_jax.offload.store import ExpertStore
 
 
 @_dataclass_pytree
@@ -43,6 +45,7 @@ class KVCache:
 def forward(
     params: Params,
     slots: SlotTable | None,
+    store: ExpertStore | None,
     kv: KVCache,
     tokens_BT: jax.Array,
     start_B: jax.Array,
@@ -50,20 +53,25 @@ def forward(
     *,
     cfg: ModelConfig,
     dtype,
+    policy: Policy | None = None,
     all_logits: bool = False,
-) -> tuple[jax.Array, KVCache, jax.Array]:
+) -> tuple[jax.Array, KVCache, SlotTable | None, jax.Array, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
 
     Tokens past n_valid_B are bucket padding: they are computed (fixed shapes) but never read back, and
     the cache slots they write lie past the sequence's end, where the next real token overwrites them
-    before anything attends to them. Returns (logits, cache, routed expert ids [M, B*T, k]).
-    Logits are float32, [B, T, V] with all_logits, else [B, V] for each sequence's last valid token.
+    before anything attends to them. Routed experts come from `slots` (with misses fetched from `store`
+    by `policy` when the cache is not fully resident).
+
+    Returns (logits, kv cache, slot table, routed expert ids [M, B*T, k], counters int32 [M, 3] of
+    hits, misses and streamed experts per MoE layer). Logits are float32, [B, T, V] with all_logits,
+    else [B, V] for each sequence's last valid token.
     """
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params.embed.take_rows(tokens_BT, dtype)
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
-    routed = []
+    routed, stats = [], []
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer{i}"):
@@ -76,8 +84,9 @@ def forward(
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
             if layer.moe is not None:
                 with jax.named_scope("moe"):
-                    h, ids = moe_block(layer.moe, slots, moe_idx[i], h, cfg)
+                    h, ids, slots, st = moe_block(layer.moe, slots, store, moe_idx[i], h, cfg, policy)
                     routed.append(ids)
+                    stats.append(st)
             else:
                 with jax.named_scope("mlp"):
                     h = swiglu(h, layer.mlp)
@@ -90,4 +99,5 @@ def forward(
         if not all_logits:
             logits = logits[:, 0]
     routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)
-    return logits, KVCache(k_all, v_all), routed_MNk
+    stats_M3 = jnp.stack(stats) if stats else jnp.zeros((0, 3), jnp.int32)
+    return logits, KVCache(k_all, v_all), slots, routed_MNk, stats_M3

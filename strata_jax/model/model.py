@@ -25,7 +25,10 @@ from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.sampling import SamplingParams, sample, validate_sampling
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
-from strata_jax.offload.slot_table import resident_slot_table
+from strata_jax.offload.policies import Policy, get_policy
+from strata_jax.offload.sizing import describe, device_free_bytes, plan_cache
+from strata_jax.offload.slot_table import empty_slot_table, expert_bytes, expert_layout, resident_slot_table
+from strata_jax.offload.store import load_expert_store
 
 log = logging.getLogger("strata_jax")
 
@@ -37,17 +40,22 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "all_logits"), donate_argnames=("kv",))
-def _prefill(params, slots, kv, tokens_BT, start_B, n_valid_B, *, cfg, dtype, all_logits):
-    return forward(params, slots, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype, all_logits=all_logits)
+_STATIC = ("cfg", "dtype", "policy")
+_DONATE = ("kv", "slots", "stats_M3")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"), donate_argnames=("kv",))
-def _decode(params, slots, kv, tokens_B1, start_B, key, sp, *, cfg, dtype):
-    logits_BV, kv, routed = forward(
-        params, slots, kv, tokens_B1, start_B, jnp.ones_like(start_B), cfg=cfg, dtype=dtype
-    )
-    return sample(logits_BV, key, sp), kv, routed
+@functools.partial(jax.jit, static_argnames=_STATIC + ("all_logits",), donate_argnames=_DONATE)
+def _prefill(params, slots, store, kv, stats_M3, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, all_logits):
+    logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
+                                            dtype=dtype, policy=policy, all_logits=all_logits)
+    return logits, kv, slots, routed, stats_M3 + st
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
+def _decode(params, slots, store, kv, stats_M3, tokens_B1, start_B, key, sp, *, cfg, dtype, policy):
+    logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
+                                               cfg=cfg, dtype=dtype, policy=policy)
+    return sample(logits_BV, key, sp), kv, slots, routed, stats_M3 + st
 
 
 _sample = jax.jit(sample)
@@ -88,7 +96,9 @@ def _resolve_dtype(dtype: Any, platform: str):
 
 class Model:
     def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
-                 prefill_chunk: int = 512, dequantize_dense: bool | None = None):
+                 prefill_chunk: int = 512, dequantize_dense: bool | None = None, expert_slots: int | None = None,
+                 vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
+                 policy: str | Policy = "lru", record_routing: bool = False):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
@@ -108,7 +118,9 @@ class Model:
             dequantize_dense = self.device.platform == "cpu"
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         self.params = load_params(loader)
-        self.slots = resident_slot_table(loader) if cfg.is_moe else None
+        self.policy = get_policy(policy)
+        self.slots, self.store, self.cache_plan = self._build_expert_cache(loader, expert_slots, vram_budget,
+                                                                           vram_reserve)
         jax.block_until_ready((self.params, self.slots))
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
@@ -120,6 +132,75 @@ class Model:
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
+        self._stats_M3 = jnp.zeros((len(cfg.moe_layers), 3), jnp.int32)
+        self._routing: list[np.ndarray] | None = [] if record_routing else None
+
+    def _build_expert_cache(self, loader: WeightLoader, expert_slots, vram_budget, vram_reserve):
+        cfg = self.config
+        if not cfg.is_moe:
+            return None, None, None
+        layout = expert_layout(loader)
+        kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize
+        act_bytes = 64 * self.prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
+        dense_bytes = sum(t.nbytes for t in self.gguf.tensors.values() if "_exps." not in t.name)
+        plan = plan_cache(pool_layers=layout.pool_layers,
+                          pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
+                          n_experts=cfg.n_experts, min_slots_per_pool=min(cfg.n_experts_used, cfg.n_experts),
+                          fixed_bytes=dense_bytes + kv_bytes + act_bytes, expert_slots=expert_slots,
+                          vram_budget=vram_budget, vram_reserve=vram_reserve,
+                          free_bytes=device_free_bytes(self.device))
+        log.info(describe(plan))
+        if plan.resident:
+            return resident_slot_table(loader), None, plan
+        store = load_expert_store(loader)
+        return empty_slot_table(loader, list(plan.slots_per_pool), self.policy), store, plan
+
+    # -- telemetry --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Expert-cache counters since load (or reset_stats): decode lookups, hits, misses, hit rate, bytes
+        moved host->device (misses, plus whole layers streamed for prefill)."""
+        st = np.asarray(self._stats_M3, np.int64)
+        hits, misses, streamed = (int(x) for x in st.sum(axis=0)) if st.size else (0, 0, 0)
+        per_expert = np.array([layer.bytes_per_expert for layer in self.store.layers] if self.store else [0] * len(st))
+        out = {
+            "lookups": hits + misses,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "bytes_h2d": int(((st[:, 1] + st[:, 2]) * per_expert).sum()) if st.size else 0,
+            "prefill_streamed_experts": streamed,
+            "per_layer_hit_rate": [float(h / (h + m)) if h + m else 1.0 for h, m, _ in st.tolist()],
+        }
+        if self.cache_plan is not None:
+            out.update(expert_slots=self.cache_plan.n_slots, resident=self.cache_plan.resident,
+                       total_experts=self.cache_plan.total_experts,
+                       policy=self.policy.name if not self.cache_plan.resident else None)
+        return out
+
+    def reset_stats(self) -> None:
+        self._stats_M3 = jnp.zeros_like(self._stats_M3)
+
+    def routing_trace(self) -> np.ndarray:
+        """int32 [tokens, MoE layers, k]: the experts routed for every token processed since load (needs
+        record_routing=True). Feed it to strata_jax.offload.simulate."""
+        if self._routing is None:
+            raise ConfigError("routing is not recorded: load the model with record_routing=True.")
+        if not self._routing:
+            return np.zeros((0, len(self.config.moe_layers), self.config.n_experts_used), np.int32)
+        return np.concatenate(self._routing, axis=0)
+
+    def _record(self, routed_MNk: jax.Array, n_valid: int) -> None:
+        if self._routing is not None and routed_MNk.shape[0]:
+            self._routing.append(np.asarray(routed_MNk)[:, :n_valid].transpose(1, 0, 2))
+
+    def _step_args(self):
+        """Take the donated state out of the model for one jitted call (never reuse donated buffers)."""
+        kv, self._kv = self._kv, None
+        if kv is None:
+            kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
+        slots, self.slots = self.slots, None
+        stats, self._stats_M3 = self._stats_M3, None
+        return slots, kv, stats
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -151,31 +232,26 @@ class Model:
         return self.tokenize(text, add_special=not has_bos)
 
     # -- forward --------------------------------------------------------------------------------
-    def _cache(self) -> KVCache:
-        kv, self._kv = self._kv, None  # donated by the next call; never reuse a donated buffer
-        return kv if kv is not None else KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
-
     def _check_len(self, n: int) -> None:
         if n > self.ctx:
             raise ConfigError(f"{n} tokens exceed the context of {self.ctx}; shorten the input or load the "
                               f"model with a larger ctx (--ctx, up to the model's {self.config.context_length}).")
 
     def _run_prefill(self, ids: Sequence[int], all_logits: bool) -> tuple[jax.Array, list[jax.Array]]:
-        kv = self._cache()
         outs, pos = [], 0
-        try:
-            while pos < len(ids):
-                chunk = list(ids[pos : pos + self.prefill_chunk])
-                T = bucket(len(chunk), self.prefill_chunk)
-                toks = np.zeros((1, T), np.int32)
-                toks[0, : len(chunk)] = chunk
-                logits, kv, _ = _prefill(self.params, self.slots, kv, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                                         jnp.array([len(chunk)], jnp.int32), cfg=self.config, dtype=self.dtype,
-                                         all_logits=all_logits)
-                outs.append(logits[0, : len(chunk)] if all_logits else logits)
-                pos += len(chunk)
-        finally:
-            self._kv = kv
+        while pos < len(ids):
+            chunk = list(ids[pos : pos + self.prefill_chunk])
+            T = bucket(len(chunk), self.prefill_chunk)
+            toks = np.zeros((1, T), np.int32)
+            toks[0, : len(chunk)] = chunk
+            slots, kv, stats = self._step_args()
+            logits, self._kv, self.slots, routed, self._stats_M3 = _prefill(
+                self.params, slots, self.store, kv, stats, jnp.asarray(toks), jnp.array([pos], jnp.int32),
+                jnp.array([len(chunk)], jnp.int32), cfg=self.config, dtype=self.dtype, policy=self.policy,
+                all_logits=all_logits)
+            self._record(routed, len(chunk))
+            outs.append(logits[0, : len(chunk)] if all_logits else logits)
+            pos += len(chunk)
         return outs[-1], outs
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -221,6 +297,7 @@ class Model:
         decoder = self.tokenizer.stream_decoder()
         text, emitted = "", 0  # all generated text; how much of it has been yielded
         generated: list[int] = []
+        pending: list[int] = []  # ids whose text is still held back (partial UTF-8, possible stop string)
         finish = "length"
         t1 = t_steady = time.perf_counter()
         pos = len(ids)
@@ -229,6 +306,7 @@ class Model:
                 finish = "stop"
                 break
             generated.append(tok_host)
+            pending.append(tok_host)
             text += decoder.push(tok_host)
             hit = _find_stop(text, stops, emitted)
             if hit is not None:
@@ -236,15 +314,16 @@ class Model:
                 break
             safe = len(text) - _stop_prefix_len(text[emitted:], stops)
             if safe > emitted:
-                yield GenerationChunk(text[emitted:safe], [tok_host])
-                emitted = safe
+                yield GenerationChunk(text[emitted:safe], pending)
+                emitted, pending = safe, []
             if len(generated) >= max_tokens:
                 text += decoder.flush()
                 break
-            kv = self._cache()
-            tok, kv, _ = _decode(self.params, self.slots, kv, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                                 jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype)
-            self._kv = kv
+            slots, kv, stats = self._step_args()
+            tok, self._kv, self.slots, routed, self._stats_M3 = _decode(
+                self.params, slots, self.store, kv, stats, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
+                jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype, policy=self.policy)
+            self._record(routed, 1)
             pos += 1
             tok_host = int(tok[0])
             if len(generated) == 1:  # steady-state decode speed starts after the first step (which compiles)
@@ -263,7 +342,7 @@ class Model:
             "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
         }
         timings["predicted_per_second"] = timings["decode_per_second"]
-        yield GenerationChunk(text[emitted:], [], finish_reason=finish, timings=timings, prompt_token_ids=ids)
+        yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
@@ -305,8 +384,12 @@ def enable_compilation_cache() -> None:
 
 
 def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
-    """Load a GGUF model (the embedded default model when path is None). Options: ctx, dtype
-    ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense (default: on CPU only)."""
+    """Load a GGUF model (the embedded default model when path is None).
+
+    Options: ctx, dtype ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense
+    (default: on CPU only); for MoE models the expert cache: expert_slots (total slots) or vram_budget
+    (bytes or "32GiB"; default: free device memory) and vram_reserve, policy ("lru", ... or a Policy),
+    record_routing."""
     enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path

@@ -2,9 +2,12 @@
 experts read from their slots, and qwen2moe's sigmoid-gated shared expert.
 
 Two static code paths, chosen by the token count (a trace-time constant):
-- few tokens (decode): gather just the N*K routed experts' blocks and dequantize those;
+- few tokens (decode): gather just the N*K routed experts' blocks and dequantize those; when the cache
+  does not hold every expert, the policy first decides hits, misses and victims, and the misses are
+  DMA'd from the pinned-host store into their slots (all inside the jitted step: no host sync);
 - many tokens (prefill): dequantize each of the layer's experts once and run every token through a
-  dense masked product, so each expert's bytes are read once per chunk rather than once per token.
+  dense masked product, so each expert's bytes are read once per chunk rather than once per token;
+  with offloading, the layer's experts are streamed from the host store once per chunk.
 
 Shape legend: N tokens (B*T flattened), D model dim, E experts, K experts per token, F expert ffn dim.
 """
@@ -14,11 +17,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.model.config import ModelConfig
+import dataclasses
+
 from strata_jax.model import quant
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import swiglu
 from strata_jax.model.weights import MoEParams
+from strata_jax.offload.fetch import fetch_misses, stream_layer
+from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
+from strata_jax.offload.store import ExpertStore
 
 
 def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -59,23 +67,49 @@ def _dequant_slots(qt, slots, dtype):
 
 
 def moe_block(
-    p: MoEParams, slots: SlotTable, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig
-) -> tuple[jax.Array, jax.Array]:
-    """Returns the block output and the routed expert ids [N, K] (for telemetry and offloading)."""
+    p: MoEParams, slots: SlotTable, store: ExpertStore | None, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig,
+    policy: Policy | None,
+) -> tuple[jax.Array, jax.Array, SlotTable, jax.Array]:
+    """Returns the block output, the routed expert ids [N, k], the updated slot table, and this layer's
+    counters int32 [hits, misses, streamed experts]."""
     B, T, D = x_BTD.shape
     dtype = x_BTD.dtype
-    x_ND = x_BTD.reshape(B * T, D)
+    N, K, E = B * T, cfg.n_experts_used, cfg.n_experts
+    x_ND = x_BTD.reshape(N, D)
     w_NK, ids_NK = route(x_ND, p.router_ED, cfg)
-    pool = slots.pools[slots.layer_pool[moe_idx]]
-    slot_E = slots.slot_map_LE[moe_idx]
-    if B * T * cfg.n_experts_used <= cfg.n_experts:
-        out_ND = _experts_gathered(x_ND, w_NK, slot_E[ids_NK], pool, dtype)
+    pool_i = slots.layer_pool[moe_idx]
+    pool = slots.pools[pool_i]
+    zero = jnp.zeros((), jnp.int32)
+    few = N * K <= E
+    if slots.resident:
+        slot_E = slots.slot_map(moe_idx)
+        if few:  # every lookup hits; counted like the offloading path (unique experts per step)
+            out_ND = _experts_gathered(x_ND, w_NK, slot_E[ids_NK], pool, dtype)
+            n_unique = jnp.sum(jnp.unique(ids_NK.reshape(-1), size=min(N * K, E), fill_value=-1) >= 0)
+            stats = jnp.stack([n_unique.astype(jnp.int32), zero, zero])
+        else:
+            out_ND = _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, E)
+            stats = jnp.stack([zero, zero, zero])
+    elif few:
+        local = slots.layer_local[moe_idx]
+        ids_U = jnp.unique(ids_NK.reshape(-1), size=min(N * K, E), fill_value=-1)
+        cache, plan = policy.access(slots.caches[pool_i], local, ids_U)
+        pool = fetch_misses(pool, store.layers[moe_idx], plan)
+        out_ND = _experts_gathered(x_ND, w_NK, cache.slot_map_LE[local][ids_NK], pool, dtype)
+        slots = dataclasses.replace(
+            slots,
+            pools=tuple(pool if i == pool_i else q for i, q in enumerate(slots.pools)),
+            caches=tuple(cache if i == pool_i else c for i, c in enumerate(slots.caches)),
+        )
+        stats = jnp.stack([plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32), zero])
     else:
-        out_ND = _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, cfg.n_experts)
+        streamed = stream_layer(store.layers[moe_idx])
+        out_ND = _experts_dense(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed, dtype, E)
+        stats = jnp.stack([zero, zero, jnp.int32(E)])
     if p.shared is not None:
         shared_ND = swiglu(x_ND, p.shared).astype(jnp.float32)
         if p.shared_gate_D is not None:
             gate_N1 = jax.nn.sigmoid(jnp.einsum("nd,d->n", x_ND.astype(jnp.float32), p.shared_gate_D))[:, None]
             shared_ND = shared_ND * gate_N1
         out_ND = out_ND + shared_ND
-    return out_ND.astype(dtype).reshape(B, T, D), ids_NK
+    return out_ND.astype(dtype).reshape(B, T, D), ids_NK, slots, stats

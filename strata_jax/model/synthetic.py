@@ -75,6 +75,7 @@ class SyntheticSpec:
     rope_theta: float = 1e6
     qtype: str = "Q8_0"  # matrices
     expert_qtype: str | None = None  # routed experts (default: qtype)
+    odd_down_qtype: str | None = None  # down projections of odd layers' experts (Q4_K_M mixes types by layer)
     seed: int = 0
 
     @property
@@ -155,7 +156,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
                 (p + "ffn_gate_inp.weight", Q.F32, (E, D), std_in),
                 (p + "ffn_gate_exps.weight", eqt, (E, F, D), std_in),
                 (p + "ffn_up_exps.weight", eqt, (E, F, D), std_in),
-                (p + "ffn_down_exps.weight", eqt, (E, D, F), 1.0 / np.sqrt(F)),
+                (p + "ffn_down_exps.weight", Q[spec.odd_down_qtype] if spec.odd_down_qtype and i % 2 else eqt,
+                 (E, D, F), 1.0 / np.sqrt(F)),
             ]
             if spec.shared_expert_ffn_dim:
                 Fs = spec.shared_expert_ffn_dim

@@ -1,11 +1,13 @@
-"""The device expert cache: fixed-shape pools of expert slots and the `[layer, expert] -> slot` map.
+"""The device expert cache: fixed-shape pools of expert slots and, per pool, the cache state
+(`[layer, expert] -> slot` map, slot owners, policy metadata).
 
 Routed experts are addressed only through this table, so the jitted forward pass is the same whether
-every expert is resident or a few slots are shared by thousands of experts that an offload manager
-swaps in. Layers whose expert tensors have the same GGML types share one pool (a Q4_K_M file mixes
-Q4_K and Q6_K down projections by layer, and a pool array has one type).
+every expert is resident or a few slots are shared by thousands of experts swapped in on demand.
+Layers whose expert tensors have the same GGML types share one pool (a Q4_K_M file mixes Q4_K and
+Q6_K down projections by layer, and a pool array has one type); within a pool all its layers compete
+for slots, so hot layers can hold more experts than cold ones.
 
-Shape legend: S slots in a pool, F expert ffn dim, D model dim, R row bytes, L MoE layers, E experts.
+Shape legend: S slots in a pool, F expert ffn dim, D model dim, R row bytes, L layers of a pool, E experts.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.model.config import ModelConfig
-from strata_jax.model.weights import QTensor, WeightLoader, _dataclass_pytree
+from gguf import GGML_QUANT_SIZES
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+from strata_jax.model.weights import QTensor, WeightLoader, _dataclass_pytree
+from strata_jax.offload.policies import CacheState, Policy
+from strata_jax.offload.store import EXPERT_TENSORS, expert_shapes
 
 
 @_dataclass_pytree
@@ -29,24 +32,34 @@ class ExpertPool:
     down: QTensor  # [S, D, R]
 
 
-@_dataclass_pytree(meta=("layer_pool",))
+@_dataclass_pytree(meta=("layer_pool", "layer_local", "resident"))
 class SlotTable:
     pools: tuple[ExpertPool, ...]
-    slot_map_LE: jax.Array  # int32; -1 where the expert is not resident
-    layer_pool: tuple[int, ...]  # static: the pool each MoE layer's experts live in
+    caches: tuple[CacheState, ...]  # one per pool
+    layer_pool: tuple[int, ...]  # static: the pool of each MoE layer
+    layer_local: tuple[int, ...]  # static: the layer's row in its pool's cache
+    resident: bool  # static: every expert has a slot (no policy, no fetches)
 
     @property
     def n_slots(self) -> int:
         return sum(p.gate.data.shape[0] for p in self.pools)
 
+    def slot_map(self, moe_idx: int) -> jax.Array:
+        """int32 [E]: the slot of each expert of MoE layer `moe_idx` (-1 if not resident)."""
+        return self.caches[self.layer_pool[moe_idx]].slot_map_LE[self.layer_local[moe_idx]]
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """Where each MoE layer's experts go: pool index per layer, pool types, experts per pool."""
+    """Where each MoE layer's experts go: pool index per layer, pool types, layers per pool."""
 
     layer_pool: tuple[int, ...]
     pool_types: tuple[tuple, ...]
     pool_layers: tuple[tuple[int, ...], ...]
+
+    @property
+    def layer_local(self) -> tuple[int, ...]:
+        return tuple(self.pool_layers[p].index(i) for i, p in enumerate(self.layer_pool))
 
 
 def expert_layout(loader: WeightLoader) -> ExpertLayout:
@@ -62,9 +75,13 @@ def expert_layout(loader: WeightLoader) -> ExpertLayout:
     return ExpertLayout(tuple(layer_pool), tuple(types), pool_layers)
 
 
-def _expert_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
-    E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model
-    return (E, F, D), (E, F, D), (E, D, F)
+def expert_bytes(cfg, types: tuple) -> int:
+    """Bytes of one expert (gate + up + down) stored in the given GGML types."""
+    total = 0
+    for qtype, shape in zip(types, expert_shapes(cfg)):
+        block, size = GGML_QUANT_SIZES[qtype]
+        total += shape[1] * shape[2] // block * size
+    return total
 
 
 def resident_slot_table(loader: WeightLoader) -> SlotTable:
@@ -72,16 +89,39 @@ def resident_slot_table(loader: WeightLoader) -> SlotTable:
     cfg = loader.cfg
     E = cfg.n_experts
     layout = expert_layout(loader)
-    pools = []
+    pools, caches = [], []
     for layers in layout.pool_layers:
         tensors = []
-        for name, shape in zip(EXPERT_TENSORS, _expert_shapes(cfg)):
+        for name, shape in zip(EXPERT_TENSORS, expert_shapes(cfg)):
             infos = [loader.info(f"blk.{cfg.moe_layers[i]}.{name}.weight", shape) for i in layers]
             host = np.concatenate([np.asarray(t.data) for t in infos], axis=0)
             tensors.append(QTensor(loader._put(host), infos[0].ggml_type, shape[-1]))
         pools.append(ExpertPool(*tensors))
-    slot_map = np.full((len(cfg.moe_layers), E), -1, np.int32)
-    for layers in layout.pool_layers:
-        for i, layer in enumerate(layers):
-            slot_map[layer] = i * E + np.arange(E)
-    return SlotTable(tuple(pools), jnp.asarray(slot_map), layout.layer_pool)
+        n = len(layers) * E
+        caches.append(CacheState(jnp.arange(n, dtype=jnp.int32).reshape(len(layers), E),
+                                 jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32), {}))
+    return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, True)
+
+
+def split_slots(n_slots: int, layout: ExpertLayout, min_per_pool: int) -> list[int]:
+    """Slots per pool, proportional to its number of layers, each at least `min_per_pool`."""
+    n_layers = sum(len(p) for p in layout.pool_layers)
+    out = [max(min_per_pool, n_slots * len(p) // n_layers) for p in layout.pool_layers]
+    return out
+
+
+def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Policy) -> SlotTable:
+    """An offloading cache: pools of the given sizes, empty; experts arrive on demand."""
+    cfg = loader.cfg
+    layout = expert_layout(loader)
+    pools, caches = [], []
+    for types, layers, S in zip(layout.pool_types, layout.pool_layers, slots_per_pool):
+        tensors = []
+        for qtype, shape in zip(types, expert_shapes(cfg)):
+            block, size = GGML_QUANT_SIZES[qtype]
+            data = jnp.zeros((S, shape[1], shape[2] // block * size), jnp.uint8, device=loader.device)
+            loader.bytes_loaded += data.nbytes
+            tensors.append(QTensor(data, qtype, shape[2]))
+        pools.append(ExpertPool(*tensors))
+        caches.append(policy.init(S, len(layers), cfg.n_experts))
+    return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, False)

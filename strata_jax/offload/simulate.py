@@ -1,0 +1,156 @@
+"""Replay a recorded expert-routing trace through a cache policy, without weights: hit rates per policy
+and cache size in well under a second, from the same jnp policy code the engine runs.
+
+Access order is the engine's: for each token, each MoE layer in order, one `access` with that layer's
+unique routed experts. By default one cache of `n_slots` serves every layer (as the engine's
+`expert_slots` does within a pool); `per_layer=True` gives each layer its own cache of n_slots // L slots,
+the setting of published per-layer reuse curves.
+
+Shape legend: T tokens, L layers, K routed experts per token (trace width), U unique ids per access
+(K, -1 padded), A accesses (T * L, a = t * L + l), S slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.offload.policies import (CacheState, Plan, Policy, belady_access, belady_policy, get_policy,
+                                         static_policy, usage_profile)
+
+
+def load_trace(path, prompt: str | None = None) -> np.ndarray:
+    """int32 [T, L, K] from the shared trace JSON ({"prompts": {name: {"prefill", "decode"}}}): prefill
+    then decode tokens of `prompt`, or of every prompt one after another (file order) when None."""
+    data = json.loads(Path(path).read_text())
+    prompts = data["prompts"]
+    if prompt is not None and prompt not in prompts:
+        raise KeyError(f"prompt {prompt!r} not in the trace; it has {', '.join(prompts)}")
+    names = list(prompts) if prompt is None else [prompt]
+    rows = [np.asarray(prompts[n]["prefill"] + prompts[n]["decode"], np.int32) for n in names]
+    return np.concatenate(rows, axis=0)
+
+
+def unique_requests(trace_TLK) -> np.ndarray:
+    """int32 [T, L, K]: each (token, layer) row's distinct ids in router order, -1 padding at the end
+    (duplicates are legal in a trace but `admit` needs unique requests)."""
+    t = np.asarray(trace_TLK, np.int32)
+    keep = t >= 0
+    for j in range(1, t.shape[-1]):
+        keep[..., j] &= ~np.any(t[..., :j] == t[..., j:j + 1], axis=-1)
+    order = np.argsort(~keep, axis=-1, kind="stable")  # kept entries first, router order preserved
+    return np.where(np.take_along_axis(keep, order, -1), np.take_along_axis(t, order, -1), -1).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("access", "keep_states"))
+def replay(access, state: CacheState, layer_A: jax.Array, ids_AU: jax.Array, keep_states: bool = False):
+    """Run `access` over a sequence of requests: (final state, Plans stacked [A, U], states stacked [A]
+    after each access or None). Any layer order works for the online policies."""
+
+    def step(st, x):
+        st, plan = access(st, x[0], x[1])
+        return st, (plan, st if keep_states else None)
+
+    final, (plans, states) = jax.lax.scan(step, state, (layer_A, ids_AU))
+    return final, plans, states
+
+
+@functools.partial(jax.jit, static_argnames=("access",))
+def _replay_per_layer(access, states_L: CacheState, ids_TLU: jax.Array):
+    """One independent cache per layer, stacked on a leading axis: the layers of a token are independent,
+    so they run side by side (vmap) and the scan is over tokens only."""
+    layer_L = jnp.arange(ids_TLU.shape[1], dtype=jnp.int32)
+
+    def step(st, ids_LU):
+        st, plan = jax.vmap(access)(st, layer_L, ids_LU)
+        return st, plan
+
+    return jax.lax.scan(step, states_L, ids_TLU)[1]
+
+
+def _stack(states: list[CacheState]) -> CacheState:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
+
+
+def _resolve(policy, trace_TLK: np.ndarray, n_experts: int) -> tuple[str, callable]:
+    """(report name, factory sub_trace_TLK -> Policy): Belady must be built from the exact accesses its
+    cache will see, which differ between the shared and the per-layer replay."""
+    if isinstance(policy, str) and policy.strip() == "belady":
+        return "belady", lambda sub: belady_policy(sub, name="belady")
+    if isinstance(policy, str) and policy.strip() == "static":
+        # oracle: the profile comes from the very trace being replayed, an upper bound for a saved profile
+        prof = usage_profile(trace_TLK, trace_TLK.shape[1], n_experts)
+        pol = static_policy(prof, name="static(oracle)")
+        return pol.name, lambda sub: pol
+    pol = get_policy(policy)
+    return pol.name, lambda sub: pol
+
+
+def _rate(h, m) -> float:
+    return float(h / (h + m)) if h + m else 1.0
+
+
+def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool = False, warmup_tokens: int = 0,
+             n_experts: int | None = None) -> dict:
+    """Replay `trace_TLK` (int [tokens, layers, k] of routed ids, -1 padding) through `policy` with
+    `n_slots` slots in total, starting from an empty cache.
+
+    policy: a registered name ("lru", "lfu", "lrfu", "lrfu(0.2)"), a Policy, or one built from the trace
+    itself: "belady" (offline optimum) or "static" (profile = this trace's own usage counts, an oracle:
+    a real deployment would use a profile saved from other traffic via static_policy). A Policy made by
+    belady_policy is only valid for the shared replay of the trace it was built from.
+    per_layer: each layer gets its own cache of n_slots // L slots instead of one shared cache.
+    warmup_tokens: the first tokens still fill the cache but are left out of the *_after_warmup counts.
+    n_experts: experts per layer (default: the largest id in the trace + 1).
+
+    Returns hits, misses, lookups, hit_rate, per_layer_hit_rate, the same after warmup, compulsory
+    misses (distinct experts in the trace: no cache size can do better), and the setup."""
+    trace_TLK = np.asarray(trace_TLK)
+    if trace_TLK.ndim != 3:
+        raise ValueError(f"trace must be [tokens, layers, k], got shape {trace_TLK.shape}")
+    T, L, K = trace_TLK.shape
+    E = int(n_experts) if n_experts is not None else max(int(trace_TLK.max(initial=-1)) + 1, 1)
+    if trace_TLK.size and (trace_TLK.min() < -1 or trace_TLK.max() >= E):
+        raise ValueError(f"trace ids must lie in [-1, {E})")
+    ids_TLU = unique_requests(trace_TLK)
+    U = max(int((ids_TLU >= 0).sum(-1).max(initial=0)), 1)  # the widest request; K for a top-k trace
+    ids_TLU = ids_TLU[..., :U]
+    name, make = _resolve(policy, trace_TLK, E)
+    S = n_slots // L if per_layer else n_slots
+    if S < U:
+        raise ValueError(f"{S} slots{' per layer' if per_layer else ''} cannot hold the {U} experts one "
+                         "access needs")
+
+    if per_layer and isinstance(policy, Policy) and policy.access is belady_access:
+        raise ValueError("a belady_policy(...) Policy is built for the shared replay; pass 'belady' by name")
+    if per_layer:
+        pols = [make(trace_TLK[:, l:l + 1]) for l in range(L)]
+        states = _stack([p.init(S, L, E) for p in pols])
+        plans = _replay_per_layer(pols[0].access, states, jnp.asarray(ids_TLU))  # leaves [T, L, U]
+    else:
+        pol = make(trace_TLK)
+        layer_A = jnp.asarray(np.tile(np.arange(L, dtype=np.int32), T))
+        _, plans, _ = replay(pol.access, pol.init(S, L, E), layer_A, jnp.asarray(ids_TLU.reshape(T * L, U)))
+    miss_TLU = np.asarray(plans.miss_U).reshape(T, L, U)
+    valid_TLU = ids_TLU >= 0
+    hit_TL = (valid_TLU & ~miss_TLU).sum(-1)
+    miss_TL = miss_TLU.sum(-1)
+    w = min(max(int(warmup_tokens), 0), T)
+    hits, misses = int(hit_TL.sum()), int(miss_TL.sum())
+    hits_w, misses_w = int(hit_TL[w:].sum()), int(miss_TL[w:].sum())
+    distinct = int(sum(len(np.unique(ids_TLU[:, l][valid_TLU[:, l]])) for l in range(L)))
+    return {
+        "policy": name, "n_slots": int(n_slots), "per_layer": bool(per_layer),
+        "slots_per_layer": S if per_layer else n_slots / L,
+        "tokens": T, "layers": L, "experts": E,
+        "hits": hits, "misses": misses, "lookups": hits + misses, "hit_rate": _rate(hits, misses),
+        "per_layer_hit_rate": [_rate(h, m) for h, m in zip(hit_TL.sum(0).tolist(), miss_TL.sum(0).tolist())],
+        "warmup_tokens": w, "hits_after_warmup": hits_w, "misses_after_warmup": misses_w,
+        "hit_rate_after_warmup": _rate(hits_w, misses_w),
+        "compulsory_misses": distinct,
+    }

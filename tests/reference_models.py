@@ -1,0 +1,498 @@
+"""Reference artefacts for the logit tests: tiny random HF models converted by llama.cpp's own converter.
+
+`tiny_model(arch, outtype)` builds a seeded tiny transformers model of one supported architecture,
+saves it as safetensors, and converts it with `convert_hf_to_gguf.py` taken from the llama-cpp-python
+sdist (downloaded with pip, sha256-pinned; its code never enters this repo). `hf_logits` / `hf_greedy`
+run the transformers model in fp32 as the reference (`hf_quantized_model` gives the same model with the
+q8_0 GGUF's exact weights); `hf_model_from_gguf` loads the real default model through transformers'
+GGUF loader.
+
+Everything lands in `cache_dir()/test-artifacts/`, keyed by a hash of what determines it, and is built
+under a file lock, so a warm run does no work and parallel runs don't collide.
+
+Tokenizers (the converter insists on one): the llama-family archs (llama, mixtral) get a 512-piece
+SentencePiece model trained here in ~0.1 s. The others go through the converter's gpt2-BPE path,
+which refuses any tokenizer whose pre-tokenizer hash it doesn't know, and no small known one can be
+built offline; they use the real Qwen2 tokenizer taken from the default model's GGUF (vocab 151,936,
+so their embeddings dominate file size). `python tests/reference_models.py` prebuilds everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strata_jax.model.default_model import DEFAULT_MODEL_SHA256, cache_dir, default_model_path, file_lock
+from strata_jax.model.gguf_file import GGUFFile
+
+# The converter ships in this sdist (vendor/llama.cpp). Bump both together; the sha is what pip served.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+_SDIST_ROOT = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+# What convert_hf_to_gguf.py imports from its checkout (models/templates is only read for archs we don't use).
+_CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "gguf-py/pyproject.toml", "LICENSE")
+
+RECIPE_VERSION = 1  # bump to rebuild every tiny model after changing how they are made
+SEED = 1234
+OUTTYPES = ("f32", "q8_0")
+
+TINY_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen2", "qwen3", "llama")
+MOE_ARCHS = frozenset({"qwen3moe", "qwen2moe", "mixtral", "olmoe"})
+
+# Weight scales: big enough that logits spread (std ~1.2; ~4 for tied qwen3) and the router is decisive
+# (logit std ~4), so different tokens route to different experts and a wrong expert shows up.
+WEIGHT_STD = 0.15
+EMBED_STD = 0.5
+ROUTER_STD = 0.5
+NORM_JITTER = 0.1  # norm weights ~ 1 + N(0, 0.1): a dropped or misplaced norm changes the output
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    gguf_path: Path
+    hf_dir: Path
+    arch: str  # our name, a key of TINY_ARCHS
+    gguf_arch: str  # general.architecture in the GGUF
+    outtype: str = "f32"
+    config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the HF config kwargs
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+
+# -- architecture recipes ----------------------------------------------------------------------------
+
+_QWEN_VOCAB = 151_936  # the default model's token list (151,643 BPE + specials + padding)
+_QWEN_SPECIAL = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+_SPM_VOCAB = 512
+_SPM_SPECIAL = dict(bos_token_id=1, eos_token_id=2)
+
+# Attention 4 heads / 2 KV heads (GQA); every matrix dim a multiple of 32 for q8_0; expert FFN (32)
+# differs from hidden (64) and dense FFN (96) so a transposed or swapped expert tensor can't fit.
+_COMMON = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False,
+)
+_MOE = dict(num_experts_per_tok=2)
+
+# arch -> (transformers config class, model class, GGUF arch, tokenizer kind, config kwargs)
+# Expert-weight renormalisation follows what llama.cpp hard-codes per arch: on for qwen3moe and
+# llama/mixtral, off for qwen2moe and olmoe.
+ARCH_SPECS: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3moe", "qwen2", dict(
+        _COMMON, **_MOE, **_QWEN_SPECIAL, vocab_size=_QWEN_VOCAB,
+        head_dim=32,  # heads * head_dim (128) != hidden (64), as in the real Qwen3 MoEs
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[])),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2moe", "qwen2", dict(
+        _COMMON, **_MOE, **_QWEN_SPECIAL, vocab_size=_QWEN_VOCAB,
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+        num_experts=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", "spm", dict(
+        _COMMON, **_MOE, **_SPM_SPECIAL, vocab_size=_SPM_VOCAB,
+        intermediate_size=32, num_local_experts=8, sliding_window=None)),
+    # OLMoE: the converter writes rms eps 1e-5 whatever the config says, so use the real model's 1e-5.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "olmoe", "qwen2", dict(
+        _COMMON, **_MOE, **_QWEN_SPECIAL, vocab_size=_QWEN_VOCAB, rms_norm_eps=1e-5,
+        intermediate_size=32, num_experts=8, norm_topk_prob=False, clip_qkv=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", "qwen2", dict(
+        _COMMON, **_QWEN_SPECIAL, vocab_size=_QWEN_VOCAB, intermediate_size=96)),
+    # Tied like the real Qwen3-0.6B..4B: covers a GGUF without output.weight.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", "qwen2", dict(
+        _COMMON, **_QWEN_SPECIAL, vocab_size=_QWEN_VOCAB, head_dim=32, intermediate_size=96,
+        tie_word_embeddings=True)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", "spm", dict(
+        _COMMON, **_SPM_SPECIAL, vocab_size=_SPM_VOCAB, intermediate_size=96)),
+}
+assert set(ARCH_SPECS) == set(TINY_ARCHS)
+
+
+# -- paths and keys ----------------------------------------------------------------------------------
+
+
+def artifacts_dir() -> Path:
+    return cache_dir() / "test-artifacts"
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _lock(name: str):
+    return file_lock(artifacts_dir() / "locks" / f"{name}.lock", what=name)
+
+
+@contextlib.contextmanager
+def _building(final: Path):
+    """Yield a scratch dir beside `final`, renamed to `final` on success (so a directory under its final
+    name is always complete) and deleted on failure."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        yield tmp
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def qwen_gguf_path() -> Path:
+    """The real default model: $STRATA_TEST_QWEN_GGUF if set (a local copy, for speed), else the cache."""
+    env = os.environ.get("STRATA_TEST_QWEN_GGUF")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"STRATA_TEST_QWEN_GGUF={env} is not a file")
+        return path
+    return default_model_path()
+
+
+# -- the converter -----------------------------------------------------------------------------------
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_sdist(dest: Path) -> Path:
+    """pip fetches the sdist (and, to read its metadata, installs its build backend in a throwaway env)."""
+    local = os.environ.get("STRATA_TEST_LLAMA_CPP_SDIST")  # an already-downloaded copy, still verified
+    if local:
+        return Path(local)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest),
+           f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(dest.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
+    if proc.returncode or not found:
+        raise RuntimeError(
+            f"pip could not download the llama-cpp-python sdist:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return found[0]
+
+
+@functools.lru_cache(maxsize=None)
+def llama_cpp_converter() -> Path:
+    """Path of convert_hf_to_gguf.py, extracted (with the modules it imports) from the pinned sdist."""
+    root = artifacts_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_PYTHON_SDIST_SHA256[:12]}"
+    script = root / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    with _lock("converter"):
+        if script.is_file():
+            return script
+        with _building(root) as out, tempfile.TemporaryDirectory(dir=root.parent) as work:
+            sdist = _download_sdist(Path(work))
+            got = _sha256_file(sdist)
+            if got != LLAMA_CPP_PYTHON_SDIST_SHA256:
+                raise RuntimeError(
+                    f"llama-cpp-python sdist sha256 {got}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}")
+            with tarfile.open(sdist, "r:gz") as tar:
+                for m in tar:
+                    rel = m.name[len(_SDIST_ROOT):] if m.name.startswith(_SDIST_ROOT) else None
+                    wanted = rel and any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in _CONVERTER_MEMBERS)
+                    if wanted and m.isfile():
+                        target = out / rel
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with tar.extractfile(m) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
+                            shutil.copyfileobj(src, dst)
+            if not (out / "convert_hf_to_gguf.py").is_file() or not (out / "conversion" / "base.py").is_file():
+                raise RuntimeError(f"{sdist.name} lacks {_SDIST_ROOT}convert_hf_to_gguf.py or conversion/")
+    return script
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """Run the converter in a subprocess; `out` appears only when the conversion succeeded."""
+    script = llama_cpp_converter()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("NO_LOCAL_GGUF", None)  # use the converter's own gguf-py, matched to it
+    cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp), "--outtype", outtype]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode or not tmp.is_file():
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} ({outtype}), exit {proc.returncode}:\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        GGUFFile(tmp)  # readable, or raise now rather than in every test that uses it
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# -- tokenizers --------------------------------------------------------------------------------------
+
+
+def _qwen2_tokenizer_dir() -> Path:
+    """The real Qwen2 BPE tokenizer, read out of the default model's GGUF by transformers (~15 s, once)."""
+    final = artifacts_dir() / f"tokenizer-qwen2-{DEFAULT_MODEL_SHA256[:12]}"
+    if final.is_dir():
+        return final
+    with _lock("tokenizer-qwen2"):
+        if final.is_dir():
+            return final
+        from transformers import AutoTokenizer
+
+        gguf = qwen_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with _building(final) as tmp:
+            tok.save_pretrained(tmp)
+    return final
+
+
+def _spm_corpus(seed: int) -> list[str]:
+    """Deterministic pseudo-text with code-ish punctuation and digits (random.Random is stable across versions)."""
+    rng = random.Random(seed)
+    syll = "ka ri to na mo su le vi da po qu en th er st ing ion ed ly al ex ou wh ch".split()
+    words = ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(600)]
+    words += "the quick brown fox jumps over lazy dog def return class import self print if else for".split()
+    punct = list(".,!?:;()=+-*/{}[]\"'#_<>")
+    lines = []
+    for i in range(3000):
+        toks = []
+        for _ in range(rng.randint(3, 16)):
+            r = rng.random()
+            tok = rng.choice(words) if r < 0.8 else rng.choice(punct) if r < 0.93 else str(rng.randint(0, 9999))
+            toks.append(tok)
+        s = " ".join(toks)
+        lines.append(s.capitalize() if i % 2 else "    " + s)
+    return lines
+
+
+def _spm_tokenizer_name() -> str:
+    import sentencepiece
+
+    return f"tokenizer-spm{_SPM_VOCAB}-{_key(RECIPE_VERSION, SEED, sentencepiece.__version__)}"
+
+
+def _spm_tokenizer_dir() -> Path:
+    """A 512-piece llama-style SentencePiece BPE (byte fallback, <unk>/<s>/</s> = 0/1/2)."""
+    import sentencepiece as spm
+
+    final = artifacts_dir() / _spm_tokenizer_name()
+    if final.is_dir():
+        return final
+    with _lock("tokenizer-spm"):
+        if final.is_dir():
+            return final
+        import io
+
+        from transformers import LlamaTokenizer
+
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(_spm_corpus(SEED)), model_writer=buf, vocab_size=_SPM_VOCAB,
+            model_type="bpe", byte_fallback=True, character_coverage=1.0, num_threads=1,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True,
+            normalization_rule_name="identity", split_digits=True, allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False, minloglevel=2,
+        )
+        with _building(final) as tmp:
+            (tmp / "tokenizer.model").write_bytes(buf.getvalue())
+            # tokenizer.json + tokenizer_config.json too, so AutoTokenizer works on the tiny HF dirs.
+            LlamaTokenizer.from_pretrained(str(tmp)).save_pretrained(tmp)
+    return final
+
+
+def _tokenizer_dir(kind: str) -> Path:
+    return _qwen2_tokenizer_dir() if kind == "qwen2" else _spm_tokenizer_dir()
+
+
+# -- tiny HF models ----------------------------------------------------------------------------------
+
+
+def _hf_key(arch: str) -> str:
+    import transformers
+
+    cfg_cls, model_cls, _, tok_kind, kwargs = ARCH_SPECS[arch]
+    tok_id = DEFAULT_MODEL_SHA256 if tok_kind == "qwen2" else _spm_tokenizer_name()
+    stds = (WEIGHT_STD, EMBED_STD, ROUTER_STD, NORM_JITTER)
+    return _key(RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, tok_id, transformers.__version__)
+
+
+def _init_weights(model, seed: int) -> None:
+    """Set every parameter from a per-name seeded stream: reproducible whatever transformers' init does."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                v = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(".bias"):
+                v = WEIGHT_STD * rng.standard_normal(shape)
+            elif "embed_tokens" in name:
+                v = EMBED_STD * rng.standard_normal(shape)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # routers
+                v = ROUTER_STD * rng.standard_normal(shape)
+            else:
+                v = WEIGHT_STD * rng.standard_normal(shape)
+            p.copy_(torch.from_numpy(v.astype(np.float32)))
+
+
+def tiny_hf_dir(arch: str) -> Path:
+    """The saved tiny transformers model (safetensors + config + tokenizer) for `arch`."""
+    if arch not in ARCH_SPECS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+    final = artifacts_dir() / "hf" / f"{arch}-{_hf_key(arch)}"
+    if final.is_dir():
+        return final
+    cfg_cls, model_cls, _, tok_kind, kwargs = ARCH_SPECS[arch]
+    tok_dir = _tokenizer_dir(tok_kind)  # outside our lock: it takes its own
+    with _lock(f"hf-{arch}"):
+        if final.is_dir():
+            return final
+        import torch
+        import transformers
+
+        torch.manual_seed(SEED)
+        config = getattr(transformers, cfg_cls)(**kwargs)
+        model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+        _init_weights(model, SEED)
+        with _building(final) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            for f in tok_dir.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, tmp / f.name)
+    return final
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, outtype: str = "f32") -> TinyModel:
+    """A tiny random model of `arch` as GGUF (`outtype` f32 or q8_0) plus the HF directory it came from."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
+    hf_dir = tiny_hf_dir(arch)
+    _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
+    key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype)
+    out = artifacts_dir() / "gguf" / f"{arch}-{outtype}-{key}.gguf"
+    if not out.is_file():
+        llama_cpp_converter()
+        with _lock(f"gguf-{arch}-{outtype}"):
+            if not out.is_file():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                convert(hf_dir, out, outtype)
+    return TinyModel(out, hf_dir, arch, gguf_arch, outtype, dict(kwargs))
+
+
+def build_all(archs=TINY_ARCHS, outtypes=OUTTYPES, jobs: int | None = None) -> list[TinyModel]:
+    """Build every artefact; conversions (subprocesses) run `jobs` at a time."""
+    llama_cpp_converter()
+    for kind in sorted({ARCH_SPECS[a][3] for a in archs}):
+        _tokenizer_dir(kind)
+    for a in archs:
+        tiny_hf_dir(a)
+    jobs = jobs or max(2, os.cpu_count() or 2)
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda ao: tiny_model(*ao), [(a, o) for a in archs for o in outtypes]))
+
+
+# -- transformers references -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(hf_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(dtype=torch.float32, attn_implementation="eager")
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    if "num_experts" in config or "num_local_experts" in config:
+        kwargs["experts_implementation"] = "eager"  # the plain per-expert loop: the clearest reference
+    return AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs).eval()
+
+
+def _as_model(model_or_dir):
+    return model_or_dir if hasattr(model_or_dir, "forward") else _load_hf(str(Path(model_or_dir).resolve()))
+
+
+def hf_logits(hf_dir, token_ids: list[int]) -> np.ndarray:
+    """float32 [len(token_ids), vocab]: one fp32 forward pass without a KV cache.
+    `hf_dir` is a tiny model's directory, or a loaded model (e.g. from `hf_model_from_gguf`)."""
+    import torch
+
+    model = _as_model(hf_dir)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].to(torch.float32).numpy()
+
+
+def hf_greedy(hf_dir, token_ids: list[int], n_new: int) -> list[int]:
+    """The `n_new` tokens greedy decoding appends (each step a full forward pass, no cache)."""
+    ids = list(token_ids)
+    for _ in range(n_new):
+        ids.append(int(np.argmax(hf_logits(hf_dir, ids)[-1])))
+    return ids[len(token_ids):]
+
+
+# Matrices the converter keeps in F32 whatever --outtype says (routers); 1-D tensors and norms stay F32 too.
+_KEPT_F32 = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+
+
+@functools.lru_cache(maxsize=4)
+def hf_quantized_model(arch: str, outtype: str = "q8_0"):
+    """The tiny transformers model holding exactly the weights of `tiny_model(arch, outtype)`: every matrix
+    the converter quantizes is round-tripped through gguf-py's Q8_0 (row-wise along the input dim, so
+    the converter's row permutations and expert stacking commute with it). Against this reference an
+    engine reading the q8_0 GGUF is held to fp32 tolerances; against the fp32 model, a perfect engine
+    is off by 3-9% of the max logit (random 3-layer models amplify the rounding)."""
+    import copy
+
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    base = _load_hf(str(tiny_hf_dir(arch).resolve()))
+    if outtype == "f32":
+        return base
+    if outtype != "q8_0":
+        raise ValueError(f"outtype {outtype!r}: one of {OUTTYPES}")
+    model = copy.deepcopy(base)
+    q8 = GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith(_KEPT_F32):
+                w = p.detach().numpy()
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, q8), q8).reshape(w.shape)))
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def hf_model_from_gguf(gguf_path):
+    """transformers' Qwen2ForCausalLM with the GGUF's weights dequantized to fp32 (~40 s, ~2 GiB)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gguf_path).resolve()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+if __name__ == "__main__":  # prebuild (e.g. a CI cache step): python tests/reference_models.py
+    t0 = time.monotonic()
+    for m in build_all():
+        print(f"{m.arch:9s} {m.outtype:5s} {m.gguf_path.stat().st_size / 2**20:7.1f} MiB  {m.gguf_path}")
+    print(f"done in {time.monotonic() - t0:.1f} s under {artifacts_dir()}")

@@ -1,0 +1,116 @@
+"""Offloading changes where experts live, never what the model computes: with any policy and any cache
+size from the minimum to all experts, logits and generated tokens equal the all-resident run exactly
+(the same jitted math reads the same bytes from a slot instead of its resident copy)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+import strata_jax
+from strata_jax.errors import ConfigError
+from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.offload.policies import POLICIES
+
+# 4 MoE layers x 8 experts, top-2; odd layers' down projections in another type -> two slot pools
+SPEC = SyntheticSpec(arch="qwen3moe", n_layers=4, d_model=128, head_dim=32, expert_ffn_dim=64, vocab_size=512,
+                     qtype="Q8_0", expert_qtype="Q8_0", odd_down_qtype="Q4_0", seed=3)
+PROMPT = "the tea is hot and the rain is there, so she sat on the stairs to read"
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("offload") / "moe.gguf", SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_path):
+    m = strata_jax.load(moe_path, ctx=128)
+    ids = m.tokenize(PROMPT)
+    return ids, m.logits(ids), m.generate(ids, max_tokens=24, temperature=0).token_ids
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("slots", [4, 6, 12, 24])
+def test_offloaded_equals_resident(moe_path, reference, policy, slots):
+    ids, ref_logits, ref_tokens = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, policy=policy)
+    assert not m.cache_plan.resident and m.cache_plan.n_slots == slots
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    gen = m.generate(ids, max_tokens=24, temperature=0)
+    assert gen.token_ids == ref_tokens
+    st = m.stats()
+    assert st["lookups"] == st["hits"] + st["misses"] > 0
+    assert st["misses"] > 0  # fewer slots than experts: something had to move
+    assert st["bytes_h2d"] > 0 and st["prefill_streamed_experts"] > 0
+
+
+def test_all_slots_is_resident(moe_path, reference):
+    ids, ref_logits, _ = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=32)
+    assert m.cache_plan.resident
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+
+
+def test_hit_rate_grows_with_slots(moe_path, reference):
+    ids, _, _ = reference
+    rates = []
+    for slots in (4, 8, 16, 24):
+        m = strata_jax.load(moe_path, ctx=128, expert_slots=slots)
+        m.generate(ids, max_tokens=32, temperature=0)
+        rates.append(m.stats()["hit_rate"])
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+
+
+def test_too_few_slots_is_a_clear_error(moe_path):
+    with pytest.raises(ConfigError, match="at least 4"):  # two pools x top-2
+        strata_jax.load(moe_path, ctx=128, expert_slots=3)
+    with pytest.raises(ConfigError, match="smallest budget that works is"):
+        strata_jax.load(moe_path, ctx=128, vram_budget="1MiB")
+
+
+def test_unknown_policy(moe_path):
+    with pytest.raises(ConfigError, match="unknown cache policy 'mru'.*lru"):
+        strata_jax.load(moe_path, ctx=128, expert_slots=8, policy="mru")
+
+
+def test_budget_sizes_the_cache(moe_path, caplog):
+    plan = strata_jax.load(moe_path, ctx=128).cache_plan  # fully resident; tells the fixed and per-expert bytes
+    budget = plan.fixed_bytes + int(10.5 * plan.avg_expert_bytes)
+    with caplog.at_level(logging.INFO, logger="strata_jax"):
+        m = strata_jax.load(moe_path, ctx=128, vram_budget=budget, vram_reserve=0)
+    assert not m.cache_plan.resident and m.cache_plan.n_slots == 10
+    assert "expert cache:" in caplog.text and "-> 10 slots (31% of 32 experts), offloading" in caplog.text
+
+
+def test_pinned_memory_failure_falls_back_to_pageable(moe_path, reference, monkeypatch, caplog):
+    """If pinned host memory cannot be had, experts go to pageable memory with a warning naming the cost."""
+    real_put = jax.device_put
+
+    def put(x, dst=None, *a, **kw):
+        if getattr(dst, "memory_kind", None) == "pinned_host":
+            raise RuntimeError("RESOURCE_EXHAUSTED: could not allocate pinned host memory")
+        return real_put(x, dst, *a, **kw)
+
+    monkeypatch.setattr(jax, "device_put", put)
+    with caplog.at_level(logging.WARNING, logger="strata_jax"):
+        m = strata_jax.load(moe_path, ctx=128, expert_slots=8)
+    monkeypatch.undo()
+    assert m.store.memory_kind == "unpinned_host"
+    assert "falling back to unpinned_host" in caplog.text and "ulimit -l" in caplog.text
+    ids, ref_logits, _ = reference
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+
+
+def test_routing_trace_records_every_token(moe_path, reference):
+    ids, _, _ = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8, record_routing=True)
+    gen = m.generate(ids, max_tokens=10, temperature=0)
+    trace = m.routing_trace()
+    # prompt tokens + every generated token fed back through the model (all but the last one sampled)
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 10
+    assert trace.shape == (len(ids) + 10 - 1, 4, 2)
+    assert trace.min() >= 0 and trace.max() < 8
