@@ -52,7 +52,7 @@ def test_q8_0_logits_match_dequantized_reference(arch):
 def test_in_jit_dequant_equals_load_time_dequant(arch):
     """The GPU path (GGML blocks on device, dequantized per step) = the CPU default (dequantized once)."""
     tm = tiny_model(arch, "q8_0")
-    ids = _ids(1000, 20, seed=3)
+    ids = _ids(tm.vocab_size, 20, seed=3)
     a = strata_jax.load(tm.gguf_path, ctx=64, dequantize_dense=True).logits(ids)
     b = strata_jax.load(tm.gguf_path, ctx=64, dequantize_dense=False).logits(ids)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())

@@ -162,7 +162,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
             if spec.shared_expert_ffn_dim:
                 Fs = spec.shared_expert_ffn_dim
                 tensors += [
-                    (p + "ffn_gate_inp_shexp.weight", Q.F32, (D,), std_in),
+                    (p + "ffn_gate_inp_shexp.weight", Q.F32, (1, D), std_in),
                     (p + "ffn_gate_shexp.weight", qt, (Fs, D), std_in),
                     (p + "ffn_up_shexp.weight", qt, (Fs, D), std_in),
                     (p + "ffn_down_shexp.weight", qt, (D, Fs), 1.0 / np.sqrt(Fs)),

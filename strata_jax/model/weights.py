@@ -199,7 +199,11 @@ def load_params(loader: WeightLoader) -> Params:
                     w_up=loader.qtensor(p + "ffn_up_shexp.weight", (Fs, D)),
                     w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
                 )
-                shared_gate = loader.optional_f32(p + "ffn_gate_inp_shexp.weight", (D,))
+                # llama.cpp's converter writes this gate as a [1, D] matrix; older files as a [D] vector
+                gate_name = p + "ffn_gate_inp_shexp.weight"
+                if loader.gguf.has(gate_name):
+                    gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
+                    shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
             moe = MoEParams(
                 router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)),
                 shared=shared,

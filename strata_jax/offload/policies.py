@@ -73,12 +73,14 @@ class Plan:
 
 def _lex_smallest(score_S: jax.Array, tie_S: jax.Array, k: int) -> jax.Array:
     """Indices of the k smallest (score, tie) pairs in lexicographic order (then lowest index). Built from
-    float top_k, which XLA runs far faster than a sort or an integer top_k (about 50x on CPU at S=576):
+    float top_k, which XLA runs far faster than a sort or an integer top_k (20-50x on CPU at S=576):
     the k smallest scores give a threshold v; the fewer than k slots below v are ordered pairwise, the
     slots at v by their tie key."""
     vals_k, idx_k = jax.lax.top_k(-score_S, k)
-    v = -vals_k[k - 1]
-    cs, ct = score_S[idx_k], tie_S[idx_k]
+    # a reduction, not vals_k[k - 1]: XLA folds a one-element slice into the top_k's sort and then no
+    # longer recognises it as a top_k (a full sort, 20x slower)
+    v = -jnp.min(vals_k)
+    cs, ct = -vals_k, tie_S[idx_k]
     lower = jnp.arange(k)[:, None] < jnp.arange(k)[None, :]  # top_k lists equal scores by index
     before_kk = (cs[:, None] < cs[None, :]) | ((cs[:, None] == cs[None, :]) & (
         (ct[:, None] < ct[None, :]) | ((ct[:, None] == ct[None, :]) & lower)))
