@@ -114,3 +114,22 @@ def test_routing_trace_records_every_token(moe_path, reference):
     assert gen.finish_reason == "length" and len(gen.token_ids) == 10
     assert trace.shape == (len(ids) + 10 - 1, 4, 2)
     assert trace.min() >= 0 and trace.max() < 8
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
+def test_simulator_equals_engine_telemetry(tmp_path, policy):
+    """The simulator replays the engine's own routing trace through the same policy functions: the same
+    hits and misses, layer by layer (one pool, prefetch off: the simulator models demand fetches)."""
+    from strata_jax.offload import simulate
+
+    path = write_synthetic_gguf(tmp_path / "uniform.gguf", SyntheticSpec(
+        arch="qwen3moe", n_layers=4, d_model=128, head_dim=32, expert_ffn_dim=64, vocab_size=512, qtype="Q8_0",
+        seed=5))
+    m = strata_jax.load(path, ctx=128, expert_slots=10, policy=policy, prefetch=False, record_routing=True)
+    ids = m.tokenize(PROMPT)
+    m.generate(ids, max_tokens=40, temperature=0)
+    decode_trace = m.routing_trace()[len(ids):]  # prefill streams whole layers and leaves the cache alone
+    sim = simulate(decode_trace, policy, 10)
+    st = m.stats()
+    assert (sim["hits"], sim["misses"]) == (st["hits"], st["misses"])
+    np.testing.assert_allclose(sim["per_layer_hit_rate"], st["per_layer_hit_rate"])

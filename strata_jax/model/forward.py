@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import attention, rms_norm, swiglu
-from strata_jax.model.moe import moe_block
+from strata_jax.model.moe import N_STATS, moe_block, route
 from strata_jax.model.weights import Params, _dataclass_pytree
 from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
@@ -54,6 +54,7 @@ def forward(
     cfg: ModelConfig,
     dtype,
     policy: Policy | None = None,
+    prefetch: bool = False,
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache, SlotTable | None, jax.Array, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
@@ -63,8 +64,11 @@ def forward(
     before anything attends to them. Routed experts come from `slots` (with misses fetched from `store`
     by `policy` when the cache is not fully resident).
 
-    Returns (logits, kv cache, slot table, routed expert ids [M, B*T, k], counters int32 [M, 3] of
-    hits, misses and streamed experts per MoE layer). Logits are float32, [B, T, V] with all_logits,
+    With prefetch (offloading, decode), each MoE layer also admits and fetches the experts that the next
+    MoE layer's router predicts from the current residual stream.
+
+    Returns (logits, kv cache, slot table, routed expert ids [M, B*T, k], counters int32 [M, N_STATS]
+    per MoE layer: see moe.N_STATS). Logits are float32, [B, T, V] with all_logits,
     else [B, V] for each sequence's last valid token.
     """
     B, T = tokens_BT.shape
@@ -73,6 +77,8 @@ def forward(
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
     routed, stats = [], []
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    offloading = slots is not None and not slots.resident and B * T * cfg.n_experts_used <= cfg.n_experts
+    predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attn"):
@@ -84,7 +90,16 @@ def forward(
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
             if layer.moe is not None:
                 with jax.named_scope("moe"):
-                    h, ids, slots, st = moe_block(layer.moe, slots, store, moe_idx[i], h, cfg, policy)
+                    mi = moe_idx[i]
+                    pf = None
+                    if prefetch and offloading and mi + 1 < len(cfg.moe_layers):
+                        # the next MoE layer's router on this residual stream predicts its experts
+                        nxt = params.layers[cfg.moe_layers[mi + 1]]
+                        h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
+                        pf = (mi + 1, route(h_next, nxt.moe.router_ED, cfg)[1])
+                        predicted[mi + 1] = pf[1]
+                    h, ids, slots, st = moe_block(layer.moe, slots, store, mi, h, cfg, policy, pf,
+                                                  predicted.get(mi))
                     routed.append(ids)
                     stats.append(st)
             else:
@@ -99,5 +114,5 @@ def forward(
         if not all_logits:
             logits = logits[:, 0]
     routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)
-    stats_M3 = jnp.stack(stats) if stats else jnp.zeros((0, 3), jnp.int32)
-    return logits, KVCache(k_all, v_all), slots, routed_MNk, stats_M3
+    stats_MS = jnp.stack(stats) if stats else jnp.zeros((0, N_STATS), jnp.int32)
+    return logits, KVCache(k_all, v_all), slots, routed_MNk, stats_MS

@@ -22,6 +22,7 @@ from strata_jax.errors import ConfigError
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import SamplingParams, sample, validate_sampling
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
@@ -40,22 +41,23 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-_STATIC = ("cfg", "dtype", "policy")
-_DONATE = ("kv", "slots", "stats_M3")
+_STATIC = ("cfg", "dtype", "policy", "prefetch")
+_DONATE = ("kv", "slots", "stats_MS")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("all_logits",), donate_argnames=_DONATE)
-def _prefill(params, slots, store, kv, stats_M3, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, all_logits):
+def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
+             all_logits):
     logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
-                                            dtype=dtype, policy=policy, all_logits=all_logits)
-    return logits, kv, slots, routed, stats_M3 + st
+                                            dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits)
+    return logits, kv, slots, routed, stats_MS + st
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode(params, slots, store, kv, stats_M3, tokens_B1, start_B, key, sp, *, cfg, dtype, policy):
+def _decode(params, slots, store, kv, stats_MS, tokens_B1, start_B, key, sp, *, cfg, dtype, policy, prefetch):
     logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
-                                               cfg=cfg, dtype=dtype, policy=policy)
-    return sample(logits_BV, key, sp), kv, slots, routed, stats_M3 + st
+                                               cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch)
+    return sample(logits_BV, key, sp), kv, slots, routed, stats_MS + st
 
 
 _sample = jax.jit(sample)
@@ -98,7 +100,7 @@ class Model:
     def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
                  prefill_chunk: int = 512, dequantize_dense: bool | None = None, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", record_routing: bool = False):
+                 policy: str | Policy = "lru", prefetch: bool = True, record_routing: bool = False):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
@@ -119,6 +121,7 @@ class Model:
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         self.params = load_params(loader)
         self.policy = get_policy(policy)
+        self.prefetch = bool(prefetch)
         self.slots, self.store, self.cache_plan = self._build_expert_cache(loader, expert_slots, vram_budget,
                                                                            vram_reserve)
         jax.block_until_ready((self.params, self.slots))
@@ -132,7 +135,7 @@ class Model:
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
-        self._stats_M3 = jnp.zeros((len(cfg.moe_layers), 3), jnp.int32)
+        self._stats_MS = jnp.zeros((len(cfg.moe_layers), N_STATS), jnp.int32)
         self._routing: list[np.ndarray] | None = [] if record_routing else None
 
     def _build_expert_cache(self, loader: WeightLoader, expert_slots, vram_budget, vram_reserve):
@@ -159,17 +162,21 @@ class Model:
     def stats(self) -> dict[str, Any]:
         """Expert-cache counters since load (or reset_stats): decode lookups, hits, misses, hit rate, bytes
         moved host->device (misses, plus whole layers streamed for prefill)."""
-        st = np.asarray(self._stats_M3, np.int64)
-        hits, misses, streamed = (int(x) for x in st.sum(axis=0)) if st.size else (0, 0, 0)
+        st = np.asarray(self._stats_MS, np.int64)
+        hits, misses, streamed, prefetched, pred_hit, pred_total = (int(x) for x in st.sum(axis=0))
+        actual = hits + misses - int(st[0, 0] + st[0, 1] if st.size else 0)  # lookups of layers with a prediction
         per_expert = np.array([layer.bytes_per_expert for layer in self.store.layers] if self.store else [0] * len(st))
         out = {
             "lookups": hits + misses,
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-            "bytes_h2d": int(((st[:, 1] + st[:, 2]) * per_expert).sum()) if st.size else 0,
+            "bytes_h2d": int(((st[:, 1] + st[:, 2] + st[:, 3]) * per_expert).sum()) if st.size else 0,
             "prefill_streamed_experts": streamed,
-            "per_layer_hit_rate": [float(h / (h + m)) if h + m else 1.0 for h, m, _ in st.tolist()],
+            "prefetched": prefetched,
+            "prefetch_precision": pred_hit / pred_total if pred_total else None,
+            "prefetch_recall": pred_hit / actual if pred_total and actual else None,
+            "per_layer_hit_rate": [float(r[0] / (r[0] + r[1])) if r[0] + r[1] else 1.0 for r in st.tolist()],
         }
         if self.cache_plan is not None:
             out.update(expert_slots=self.cache_plan.n_slots, resident=self.cache_plan.resident,
@@ -178,7 +185,7 @@ class Model:
         return out
 
     def reset_stats(self) -> None:
-        self._stats_M3 = jnp.zeros_like(self._stats_M3)
+        self._stats_MS = jnp.zeros_like(self._stats_MS)
 
     def routing_trace(self) -> np.ndarray:
         """int32 [tokens, MoE layers, k]: the experts routed for every token processed since load (needs
@@ -199,7 +206,7 @@ class Model:
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
         slots, self.slots = self.slots, None
-        stats, self._stats_M3 = self._stats_M3, None
+        stats, self._stats_MS = self._stats_MS, None
         return slots, kv, stats
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -245,10 +252,10 @@ class Model:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             slots, kv, stats = self._step_args()
-            logits, self._kv, self.slots, routed, self._stats_M3 = _prefill(
+            logits, self._kv, self.slots, routed, self._stats_MS = _prefill(
                 self.params, slots, self.store, kv, stats, jnp.asarray(toks), jnp.array([pos], jnp.int32),
                 jnp.array([len(chunk)], jnp.int32), cfg=self.config, dtype=self.dtype, policy=self.policy,
-                all_logits=all_logits)
+                prefetch=self.prefetch, all_logits=all_logits)
             self._record(routed, len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
@@ -320,9 +327,10 @@ class Model:
                 text += decoder.flush()
                 break
             slots, kv, stats = self._step_args()
-            tok, self._kv, self.slots, routed, self._stats_M3 = _decode(
+            tok, self._kv, self.slots, routed, self._stats_MS = _decode(
                 self.params, slots, self.store, kv, stats, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype, policy=self.policy)
+                jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype, policy=self.policy,
+                prefetch=self.prefetch)
             self._record(routed, 1)
             pos += 1
             tok_host = int(tok[0])

@@ -39,10 +39,13 @@ def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig) -> tuple[jax.
     return w_NK * cfg.expert_weights_scale, ids_NK.astype(jnp.int32)
 
 
-def _experts_gathered(x_ND, w_NK, slot_NK, pool, dtype):
-    g_NKFD = _dequant_slots(pool.gate, slot_NK, dtype)
-    u_NKFD = _dequant_slots(pool.up, slot_NK, dtype)
-    d_NKDF = _dequant_slots(pool.down, slot_NK, dtype)
+def _gather_experts(pool, slot_NK, dtype):
+    """Dequantized copies of the routed experts' weights; after this the pool may be overwritten."""
+    return tuple(_dequant_slots(t, slot_NK, dtype) for t in (pool.gate, pool.up, pool.down))
+
+
+def _apply_experts(x_ND, w_NK, weights, dtype):
+    g_NKFD, u_NKFD, d_NKDF = weights
     f32 = jnp.float32
     h = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", x_ND, g_NKFD, preferred_element_type=f32))
     h = (h * jnp.einsum("nd,nkfd->nkf", x_ND, u_NKFD, preferred_element_type=f32)).astype(dtype)
@@ -66,50 +69,76 @@ def _dequant_slots(qt, slots, dtype):
     return quant.dequantize(jnp.take(qt.data, slots, axis=0), qt.qtype, qt.n_cols, dtype)
 
 
+N_STATS = 6  # hits, misses, streamed experts, prefetched experts, predicted-and-routed, predicted
+
+
+def _unique(ids_NK: jax.Array, n_experts: int) -> jax.Array:
+    return jnp.unique(ids_NK.reshape(-1), size=min(ids_NK.size, n_experts), fill_value=-1)
+
+
+def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U: jax.Array, policy: Policy):
+    """Run the policy for MoE layer `moe_idx` and DMA its misses into their slots."""
+    pool_i, local = slots.layer_pool[moe_idx], slots.layer_local[moe_idx]
+    cache, plan = policy.access(slots.caches[pool_i], local, ids_U)
+    pool = fetch_misses(slots.pools[pool_i], store.layers[moe_idx], plan)
+    slots = dataclasses.replace(
+        slots,
+        pools=tuple(pool if i == pool_i else q for i, q in enumerate(slots.pools)),
+        caches=tuple(cache if i == pool_i else c for i, c in enumerate(slots.caches)),
+    )
+    return slots, plan
+
+
 def moe_block(
     p: MoEParams, slots: SlotTable, store: ExpertStore | None, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig,
-    policy: Policy | None,
+    policy: Policy | None, prefetch: tuple[int, jax.Array] | None = None, predicted_NK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SlotTable, jax.Array]:
     """Returns the block output, the routed expert ids [N, k], the updated slot table, and this layer's
-    counters int32 [hits, misses, streamed experts]."""
+    counters int32 [N_STATS].
+
+    prefetch = (next MoE layer, its predicted expert ids): once this layer's experts are gathered, the
+    predicted ones are admitted and fetched for the next layer, so their copies can overlap this layer's
+    expert compute. predicted_NK: what the previous layer predicted for this one (for precision/recall).
+    """
     B, T, D = x_BTD.shape
     dtype = x_BTD.dtype
     N, K, E = B * T, cfg.n_experts_used, cfg.n_experts
     x_ND = x_BTD.reshape(N, D)
     w_NK, ids_NK = route(x_ND, p.router_ED, cfg)
-    pool_i = slots.layer_pool[moe_idx]
-    pool = slots.pools[pool_i]
     zero = jnp.zeros((), jnp.int32)
+    hits = misses = streamed = prefetched = zero
     few = N * K <= E
     if slots.resident:
         slot_E = slots.slot_map(moe_idx)
+        pool = slots.pools[slots.layer_pool[moe_idx]]
         if few:  # every lookup hits; counted like the offloading path (unique experts per step)
-            out_ND = _experts_gathered(x_ND, w_NK, slot_E[ids_NK], pool, dtype)
-            n_unique = jnp.sum(jnp.unique(ids_NK.reshape(-1), size=min(N * K, E), fill_value=-1) >= 0)
-            stats = jnp.stack([n_unique.astype(jnp.int32), zero, zero])
+            out_ND = _apply_experts(x_ND, w_NK, _gather_experts(pool, slot_E[ids_NK], dtype), dtype)
+            hits = jnp.sum(_unique(ids_NK, E) >= 0).astype(jnp.int32)
         else:
             out_ND = _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, E)
-            stats = jnp.stack([zero, zero, zero])
     elif few:
-        local = slots.layer_local[moe_idx]
-        ids_U = jnp.unique(ids_NK.reshape(-1), size=min(N * K, E), fill_value=-1)
-        cache, plan = policy.access(slots.caches[pool_i], local, ids_U)
-        pool = fetch_misses(pool, store.layers[moe_idx], plan)
-        out_ND = _experts_gathered(x_ND, w_NK, cache.slot_map_LE[local][ids_NK], pool, dtype)
-        slots = dataclasses.replace(
-            slots,
-            pools=tuple(pool if i == pool_i else q for i, q in enumerate(slots.pools)),
-            caches=tuple(cache if i == pool_i else c for i, c in enumerate(slots.caches)),
-        )
-        stats = jnp.stack([plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32), zero])
+        slots, plan = _access_and_fetch(slots, store, moe_idx, _unique(ids_NK, E), policy)
+        weights = _gather_experts(slots.pools[slots.layer_pool[moe_idx]], slots.slot_map(moe_idx)[ids_NK], dtype)
+        hits, misses = plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32)
+        if prefetch is not None:
+            next_idx, pred_NK = prefetch
+            slots, pf_plan = _access_and_fetch(slots, store, next_idx, _unique(pred_NK, E), policy)
+            prefetched = pf_plan.n_misses.astype(jnp.int32)
+        out_ND = _apply_experts(x_ND, w_NK, weights, dtype)
     else:
-        streamed = stream_layer(store.layers[moe_idx])
-        out_ND = _experts_dense(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed, dtype, E)
-        stats = jnp.stack([zero, zero, jnp.int32(E)])
+        streamed_pool = stream_layer(store.layers[moe_idx])
+        out_ND = _experts_dense(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed_pool, dtype, E)
+        streamed = jnp.int32(E)
+    pred_hit = pred_total = zero
+    if predicted_NK is not None:
+        actual_U, pred_U = _unique(ids_NK, E), _unique(predicted_NK, E)
+        pred_hit = jnp.sum((pred_U[:, None] == actual_U[None, :]) & (pred_U[:, None] >= 0)).astype(jnp.int32)
+        pred_total = jnp.sum(pred_U >= 0).astype(jnp.int32)
     if p.shared is not None:
         shared_ND = swiglu(x_ND, p.shared).astype(jnp.float32)
         if p.shared_gate_D is not None:
             gate_N1 = jax.nn.sigmoid(jnp.einsum("nd,d->n", x_ND.astype(jnp.float32), p.shared_gate_D))[:, None]
             shared_ND = shared_ND * gate_N1
         out_ND = out_ND + shared_ND
+    stats = jnp.stack([hits, misses, streamed, prefetched, pred_hit, pred_total])
     return out_ND.astype(dtype).reshape(B, T, D), ids_NK, slots, stats
