@@ -95,10 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
     i.set_defaults(func=_cmd_inspect)
+    sub.add_parser("bench", help="offload benchmark on a synthetic MoE (strata-jax bench --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser
+        from strata_jax.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="strata-jax: %(message)s",
                         stream=sys.stderr)

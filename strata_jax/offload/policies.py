@@ -38,10 +38,13 @@ import numpy as np
 from strata_jax.model.weights import _dataclass_pytree
 
 
+FREE, DISABLED = -1, -2  # owner_S of an empty slot / of a slot that must stay unused
+
+
 @_dataclass_pytree
 class CacheState:
     slot_map_LE: jax.Array  # int32: slot holding (layer, expert), -1 if absent
-    owner_S: jax.Array  # int32: global expert id in each slot, -1 if free
+    owner_S: jax.Array  # int32: global expert id in each slot, FREE (-1) or DISABLED (-2)
     clock: jax.Array  # int32 scalar: accesses so far (one per layer visit)
     meta: dict[str, jax.Array]  # policy-specific state (recency, frequency, ...)
 
@@ -98,7 +101,8 @@ def admit(state: CacheState, layer, ids_U: jax.Array, evict_score_S: jax.Array,
     """Look up ids_U in layer; give each miss the not-needed slot with the lowest evict score (free slots
     first; among equal scores the lowest `tiebreak_S` if given, else the lowest slot index). Scores are
     compared in float32: keep them finite, and small or relative (an int above 2^24 is rounded).
-    Requires U <= S; ids_U must be unique apart from -1 padding."""
+    A slot whose owner is DISABLED (-2) is never used, so one compiled replay can serve several cache
+    sizes (the simulator pads with them). Requires U <= usable slots; ids_U unique apart from -1 padding."""
     S = state.owner_S.shape[0]
     L, E = state.slot_map_LE.shape
     U = ids_U.shape[0]
@@ -110,8 +114,8 @@ def admit(state: CacheState, layer, ids_U: jax.Array, evict_score_S: jax.Array,
     hit = valid & (cur >= 0)
     miss = valid & ~hit
     protected_S = jnp.zeros((S,), bool).at[jnp.where(hit, cur, S)].set(True, mode="drop")
-    score = jnp.where(state.owner_S < 0, -jnp.inf, evict_score_S.astype(jnp.float32))
-    score = jnp.where(protected_S, jnp.inf, score)
+    score = jnp.where(state.owner_S == FREE, -jnp.inf, evict_score_S.astype(jnp.float32))
+    score = jnp.where(protected_S | (state.owner_S == DISABLED), jnp.inf, score)
     if tiebreak_S is None:
         _, victims_U = jax.lax.top_k(-score, U)
     else:
@@ -179,13 +183,19 @@ class Policy:
 # --- LRU ---------------------------------------------------------------------------------------------
 
 def lru_init(n_slots: int, n_layers: int, n_experts: int) -> CacheState:
-    return CacheState.empty(n_slots, n_layers, n_experts, last_use_S=jnp.full((n_slots,), -1, jnp.int32))
+    return CacheState.empty(n_slots, n_layers, n_experts, last_use_S=jnp.full((n_slots,), -1, jnp.int32),
+                            last_pos_S=jnp.zeros((n_slots,), jnp.int32))
 
 
 def lru_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
-    state, plan = admit(state, layer, ids_U, _age_S(state))
-    last = state.meta["last_use_S"].at[used_slots(plan, state.owner_S.shape[0])].set(state.clock, mode="drop")
-    return dataclasses.replace(state, meta={**state.meta, "last_use_S": last}), plan
+    """Evict the least recently used. Experts used by the same access are ordered by their position in
+    that request (earlier = older), as an OrderedDict LRU touching them in order would: the order is then
+    independent of where experts happen to sit, and a pure-Python reference reproduces it exactly."""
+    state, plan = admit(state, layer, ids_U, _age_S(state), state.meta["last_pos_S"])
+    idx_U = used_slots(plan, state.owner_S.shape[0])
+    last = state.meta["last_use_S"].at[idx_U].set(state.clock, mode="drop")
+    pos = state.meta["last_pos_S"].at[idx_U].set(jnp.arange(ids_U.shape[0], dtype=jnp.int32), mode="drop")
+    return dataclasses.replace(state, meta={**state.meta, "last_use_S": last, "last_pos_S": pos}), plan
 
 
 LRU = Policy("lru", lru_init, lru_access)

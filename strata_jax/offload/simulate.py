@@ -12,6 +12,7 @@ Shape legend: T tokens, L layers, K routed experts per token (trace width), U un
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.offload.policies import (CacheState, Plan, Policy, belady_access, belady_policy, get_policy,
+from strata_jax.offload.policies import (DISABLED, CacheState, Policy, belady_access, belady_policy, get_policy,
                                          static_policy, usage_profile)
 
 
@@ -73,6 +74,12 @@ def _replay_per_layer(access, states_L: CacheState, ids_TLU: jax.Array):
     return jax.lax.scan(step, states_L, ids_TLU)[1]
 
 
+def with_slots(state: CacheState, n_usable: int) -> CacheState:
+    """An empty cache with only its first n_usable slots in use (the rest DISABLED)."""
+    owner = jnp.where(jnp.arange(state.owner_S.shape[0]) < n_usable, state.owner_S, DISABLED)
+    return dataclasses.replace(state, owner_S=owner.astype(jnp.int32))
+
+
 def _stack(states: list[CacheState]) -> CacheState:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
 
@@ -118,24 +125,30 @@ def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool =
     if trace_TLK.size and (trace_TLK.min() < -1 or trace_TLK.max() >= E):
         raise ValueError(f"trace ids must lie in [-1, {E})")
     ids_TLU = unique_requests(trace_TLK)
-    U = max(int((ids_TLU >= 0).sum(-1).max(initial=0)), 1)  # the widest request; K for a top-k trace
-    ids_TLU = ids_TLU[..., :U]
     name, make = _resolve(policy, trace_TLK, E)
     S = n_slots // L if per_layer else n_slots
+    # requests are K wide (one compiled replay per trace width); narrower only if the cache needs it
+    U = K if S >= K else max(int((ids_TLU >= 0).sum(-1).max(initial=0)), 1)
+    ids_TLU = ids_TLU[..., :U]
     if S < U:
         raise ValueError(f"{S} slots{' per layer' if per_layer else ''} cannot hold the {U} experts one "
                          "access needs")
 
+    # every size runs on the same padded shape (the extra slots DISABLED): one compile per policy and
+    # trace shape covers a whole sweep; slots beyond one per expert could never be used anyway
+    S_pad = max(E if per_layer else L * E, U)
+    S_use = min(S, S_pad)
     if per_layer and isinstance(policy, Policy) and policy.access is belady_access:
         raise ValueError("a belady_policy(...) Policy is built for the shared replay; pass 'belady' by name")
     if per_layer:
         pols = [make(trace_TLK[:, l:l + 1]) for l in range(L)]
-        states = _stack([p.init(S, L, E) for p in pols])
+        states = _stack([with_slots(p.init(S_pad, L, E), S_use) for p in pols])
         plans = _replay_per_layer(pols[0].access, states, jnp.asarray(ids_TLU))  # leaves [T, L, U]
     else:
         pol = make(trace_TLK)
         layer_A = jnp.asarray(np.tile(np.arange(L, dtype=np.int32), T))
-        _, plans, _ = replay(pol.access, pol.init(S, L, E), layer_A, jnp.asarray(ids_TLU.reshape(T * L, U)))
+        _, plans, _ = replay(pol.access, with_slots(pol.init(S_pad, L, E), S_use), layer_A,
+                             jnp.asarray(ids_TLU.reshape(T * L, U)))
     miss_TLU = np.asarray(plans.miss_U).reshape(T, L, U)
     valid_TLU = ids_TLU >= 0
     hit_TL = (valid_TLU & ~miss_TLU).sum(-1)
