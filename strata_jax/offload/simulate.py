@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -84,13 +85,13 @@ def _stack(states: list[CacheState]) -> CacheState:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
 
 
-def _resolve(policy, trace_TLK: np.ndarray, n_experts: int) -> tuple[str, callable]:
+def _resolve(policy, trace_TLK: np.ndarray, n_experts: int) -> tuple[str, Callable[[np.ndarray], Policy]]:
     """(report name, factory sub_trace_TLK -> Policy): Belady must be built from the exact accesses its
     cache will see, which differ between the shared and the per-layer replay."""
     if isinstance(policy, str) and policy.strip() == "belady":
         return "belady", lambda sub: belady_policy(sub, name="belady")
     if isinstance(policy, str) and policy.strip() == "static":
-        # oracle: the profile comes from the very trace being replayed, an upper bound for a saved profile
+        # oracle: the profile is the replayed trace's own usage, i.e. a perfectly representative saved one
         prof = usage_profile(trace_TLK, trace_TLK.shape[1], n_experts)
         pol = static_policy(prof, name="static(oracle)")
         return pol.name, lambda sub: pol
@@ -108,9 +109,9 @@ def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool =
     `n_slots` slots in total, starting from an empty cache.
 
     policy: a registered name ("lru", "lfu", "lrfu", "lrfu(0.2)"), a Policy, or one built from the trace
-    itself: "belady" (offline optimum) or "static" (profile = this trace's own usage counts, an oracle:
-    a real deployment would use a profile saved from other traffic via static_policy). A Policy made by
-    belady_policy is only valid for the shared replay of the trace it was built from.
+    itself: "belady" (offline optimum) or "static" (profile = this trace's own usage counts: an oracle,
+    so optimistic; a deployment would use a profile saved from other traffic via static_policy). A
+    Policy made by belady_policy is only valid for the shared replay of the trace it was built from.
     per_layer: each layer gets its own cache of n_slots // L slots instead of one shared cache.
     warmup_tokens: the first tokens still fill the cache but are left out of the *_after_warmup counts.
     n_experts: experts per layer (default: the largest id in the trace + 1).
