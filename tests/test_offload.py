@@ -133,3 +133,27 @@ def test_simulator_equals_engine_telemetry(tmp_path, policy):
     st = m.stats()
     assert (sim["hits"], sim["misses"]) == (st["hits"], st["misses"])
     np.testing.assert_allclose(sim["per_layer_hit_rate"], st["per_layer_hit_rate"])
+
+
+@pytest.mark.parametrize("slots", [None, 8])
+def test_second_request_compiles_nothing(moe_path, slots):
+    """State fed back from a jitted step must hit the same compiled program (committed arrays on both
+    calls), so a repeated request shape compiles nothing, resident or offloading."""
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots)
+    ids = m.tokenize(PROMPT)
+    m.generate(ids, max_tokens=4, temperature=0)
+    m.logits(ids)
+    compiles = []
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        m.reset_stats()
+        m.generate(ids, max_tokens=8, temperature=0.5, seed=3)
+        m.logits(ids)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []

@@ -135,7 +135,11 @@ class Model:
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
-        self._stats_MS = jnp.zeros((len(cfg.moe_layers), N_STATS), jnp.int32)
+        # Everything a jitted step takes is committed to the device up front: jit's cache key includes
+        # committedness, and the step's outputs are committed, so uncommitted initial state would make
+        # the second call compile everything again.
+        self.slots = jax.device_put(self.slots, self.device)
+        self._stats_MS = jax.device_put(jnp.zeros((len(cfg.moe_layers), N_STATS), jnp.int32), self.device)
         self._routing: list[np.ndarray] | None = [] if record_routing else None
 
     def _build_expert_cache(self, loader: WeightLoader, expert_slots, vram_budget, vram_reserve):
@@ -185,7 +189,7 @@ class Model:
         return out
 
     def reset_stats(self) -> None:
-        self._stats_MS = jnp.zeros_like(self._stats_MS)
+        self._stats_MS = jax.device_put(jnp.zeros((len(self.config.moe_layers), N_STATS), jnp.int32), self.device)
 
     def routing_trace(self) -> np.ndarray:
         """int32 [tokens, MoE layers, k]: the experts routed for every token processed since load (needs
