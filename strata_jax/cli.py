@@ -31,6 +31,20 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the model's, capped at 4096)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    c = p.add_argument_group("expert cache (MoE models)")
+    c.add_argument("--expert-slots", type=_positive_int("--expert-slots"), default=None,
+                   help="total expert slots on the device (default: as many as the VRAM budget holds)")
+    c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB (default: free memory)")
+    c.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace (default 1GiB)")
+    c.add_argument("--policy", default="lru", help="cache policy: lru, lfu, lrfu or lrfu(LAMBDA)")
+    c.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="do not prefetch the next layer's predicted experts")
+
+
+def engine_options(args) -> dict:
+    """load() keyword arguments from the shared engine flags (generate, serve)."""
+    return dict(ctx=args.ctx, dtype=args.dtype, expert_slots=args.expert_slots, vram_budget=args.vram_budget,
+                vram_reserve=args.vram_reserve, policy=args.policy, prefetch=args.prefetch)
 
 
 def _cmd_generate(args) -> int:
@@ -38,7 +52,7 @@ def _cmd_generate(args) -> int:
 
     if args.prompt is None and args.chat is None:
         raise StrataError("give --prompt TEXT (raw completion) or --chat TEXT (one user turn through the chat template)")
-    model = strata_jax.load(args.model, ctx=args.ctx, dtype=args.dtype)
+    model = strata_jax.load(args.model, **engine_options(args))
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -57,6 +71,10 @@ def _cmd_generate(args) -> int:
     print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; finish: {final.finish_reason}",
           file=sys.stderr)
+    if model.config.is_moe:
+        st = model.stats()
+        print(f"experts: {st['lookups']} lookups, hit rate {st['hit_rate']:.1%}, {st['bytes_h2d'] / 1e6:.1f} MB "
+              f"host->device, {st['expert_slots']} slots of {st['total_experts']}", file=sys.stderr)
     return 0
 
 

@@ -143,6 +143,20 @@ def test_cli_generate_streams_and_reports_speed(moe_path):
     assert r.stdout == ref + "\n"
 
 
+def test_cli_generate_with_expert_cache_options(moe_path):
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "the tea", "-n", "5", "-t", "0", "--ctx", "64",
+             "--expert-slots", "4", "--policy", "lfu", "--no-prefetch")
+    assert r.returncode == 0, r.stderr
+    assert "4 slots (25% of 16 experts), offloading" in r.stderr
+    assert "hit rate" in r.stderr and "slots of 16" in r.stderr
+    ref = strata_jax.load(moe_path, ctx=64).generate("the tea", max_tokens=5, temperature=0).text
+    assert r.stdout == ref + "\n"
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--policy", "nope", "--expert-slots", "4")
+    assert r.returncode == 2 and "unknown cache policy 'nope'" in r.stderr
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-slots", "1")
+    assert r.returncode == 2 and "too few" in r.stderr
+
+
 def test_cli_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"nope")
