@@ -87,7 +87,7 @@ def run(args) -> dict:
         gen, wall, st = _decode_run(model, prompt, args.tokens)
         tps = gen.timings["decode_per_second"]
         n = len(gen.token_ids)
-        per_expert = model.store.layers[0].bytes_per_expert if model.store is not None else 0
+        per_expert = int(model.experts.bytes_per_expert_M[0]) if model.experts is not None else 0
         moved = (st.get("misses", 0) + st.get("prefetched", 0)) * per_expert  # decode traffic only
         run = {"config": name, "decode_tok_s": tps, "prefill_tok_s": gen.timings["prompt_per_second"],
                "wall_s": wall, "n_tokens": n, "hit_rate": st.get("hit_rate"),

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import strata_jax
-from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, StrataError, TensorShapeError,
+from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
 from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.model import Model

@@ -99,7 +99,7 @@ def test_pinned_memory_failure_falls_back_to_pageable(moe_path, reference, monke
     with caplog.at_level(logging.WARNING, logger="strata_jax"):
         m = strata_jax.load(moe_path, ctx=128, expert_slots=8)
     monkeypatch.undo()
-    assert m.store.memory_kind == "unpinned_host"
+    assert m.experts.store.memory_kind == "unpinned_host"
     assert "falling back to unpinned_host" in caplog.text and "ulimit -l" in caplog.text
     ids, ref_logits, _ = reference
     np.testing.assert_array_equal(m.logits(ids), ref_logits)

@@ -26,10 +26,8 @@ from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import SamplingParams, sample, validate_sampling
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
-from strata_jax.offload.policies import Policy, get_policy
-from strata_jax.offload.sizing import describe, device_free_bytes, plan_cache
-from strata_jax.offload.slot_table import empty_slot_table, expert_bytes, expert_layout, resident_slot_table
-from strata_jax.offload.store import load_expert_store
+from strata_jax.offload.manager import OffloadManager
+from strata_jax.offload.policies import Policy
 
 log = logging.getLogger("strata_jax")
 
@@ -120,11 +118,15 @@ class Model:
             dequantize_dense = self.device.platform == "cpu"
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         self.params = load_params(loader)
-        self.policy = get_policy(policy)
-        self.prefetch = bool(prefetch)
-        self.slots, self.store, self.cache_plan = self._build_expert_cache(loader, expert_slots, vram_budget,
-                                                                           vram_reserve)
-        jax.block_until_ready((self.params, self.slots))
+        self.experts: OffloadManager | None = None
+        if cfg.is_moe:
+            kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize
+            act_bytes = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
+            dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
+            self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
+                                          expert_slots=expert_slots, vram_budget=vram_budget,
+                                          vram_reserve=vram_reserve, policy=policy, prefetch=prefetch)
+        jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
                  "compute %s, context %d, dense weights %s",
@@ -135,61 +137,20 @@ class Model:
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
-        # Everything a jitted step takes is committed to the device up front: jit's cache key includes
-        # committedness, and the step's outputs are committed, so uncommitted initial state would make
-        # the second call compile everything again.
-        self.slots = jax.device_put(self.slots, self.device)
-        self._stats_MS = jax.device_put(jnp.zeros((len(cfg.moe_layers), N_STATS), jnp.int32), self.device)
         self._routing: list[np.ndarray] | None = [] if record_routing else None
 
-    def _build_expert_cache(self, loader: WeightLoader, expert_slots, vram_budget, vram_reserve):
-        cfg = self.config
-        if not cfg.is_moe:
-            return None, None, None
-        layout = expert_layout(loader)
-        kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize
-        act_bytes = 64 * self.prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
-        dense_bytes = sum(t.nbytes for t in self.gguf.tensors.values() if "_exps." not in t.name)
-        plan = plan_cache(pool_layers=layout.pool_layers,
-                          pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
-                          n_experts=cfg.n_experts, min_slots_per_pool=min(cfg.n_experts_used, cfg.n_experts),
-                          fixed_bytes=dense_bytes + kv_bytes + act_bytes, expert_slots=expert_slots,
-                          vram_budget=vram_budget, vram_reserve=vram_reserve,
-                          free_bytes=device_free_bytes(self.device))
-        log.info(describe(plan))
-        if plan.resident:
-            return resident_slot_table(loader), None, plan
-        store = load_expert_store(loader)
-        return empty_slot_table(loader, list(plan.slots_per_pool), self.policy), store, plan
-
     # -- telemetry --------------------------------------------------------------------------------
+    @property
+    def cache_plan(self):
+        return self.experts.plan if self.experts is not None else None
+
     def stats(self) -> dict[str, Any]:
-        """Expert-cache counters since load (or reset_stats): decode lookups, hits, misses, hit rate, bytes
-        moved host->device (misses, plus whole layers streamed for prefill)."""
-        st = np.asarray(self._stats_MS, np.int64)
-        hits, misses, streamed, prefetched, pred_hit, pred_total = (int(x) for x in st.sum(axis=0))
-        actual = hits + misses - int(st[0, 0] + st[0, 1] if st.size else 0)  # lookups of layers with a prediction
-        per_expert = np.array([layer.bytes_per_expert for layer in self.store.layers] if self.store else [0] * len(st))
-        out = {
-            "lookups": hits + misses,
-            "hits": hits,
-            "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-            "bytes_h2d": int(((st[:, 1] + st[:, 2] + st[:, 3]) * per_expert).sum()) if st.size else 0,
-            "prefill_streamed_experts": streamed,
-            "prefetched": prefetched,
-            "prefetch_precision": pred_hit / pred_total if pred_total else None,
-            "prefetch_recall": pred_hit / actual if pred_total and actual else None,
-            "per_layer_hit_rate": [float(r[0] / (r[0] + r[1])) if r[0] + r[1] else 1.0 for r in st.tolist()],
-        }
-        if self.cache_plan is not None:
-            out.update(expert_slots=self.cache_plan.n_slots, resident=self.cache_plan.resident,
-                       total_experts=self.cache_plan.total_experts,
-                       policy=self.policy.name if not self.cache_plan.resident else None)
-        return out
+        """Expert-cache telemetry since load or reset_stats (see OffloadManager.stats); {} for dense models."""
+        return self.experts.stats() if self.experts is not None else {}
 
     def reset_stats(self) -> None:
-        self._stats_MS = jax.device_put(jnp.zeros((len(self.config.moe_layers), N_STATS), jnp.int32), self.device)
+        if self.experts is not None:
+            self.experts.reset_stats()
 
     def routing_trace(self) -> np.ndarray:
         """int32 [tokens, MoE layers, k]: the experts routed for every token processed since load (needs
@@ -204,14 +165,20 @@ class Model:
         if self._routing is not None and routed_MNk.shape[0]:
             self._routing.append(np.asarray(routed_MNk)[:, :n_valid].transpose(1, 0, 2))
 
-    def _step_args(self):
-        """Take the donated state out of the model for one jitted call (never reuse donated buffers)."""
+    def _step(self, fn, *args, **static):
+        """One jitted step over the donated state (KV cache, slot table, counters); puts it back after."""
         kv, self._kv = self._kv, None
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
-        slots, self.slots = self.slots, None
-        stats, self._stats_MS = self._stats_MS, None
-        return slots, kv, stats
+        e = self.experts
+        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        out, self._kv, slots, routed, stats = fn(
+            self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
+            dtype=self.dtype, policy=e.policy if e is not None else None,
+            prefetch=e.prefetch if e is not None else False, **static)
+        if e is not None:
+            e.put(slots, stats)
+        return out, routed
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -255,11 +222,8 @@ class Model:
             T = bucket(len(chunk), self.prefill_chunk)
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
-            slots, kv, stats = self._step_args()
-            logits, self._kv, self.slots, routed, self._stats_MS = _prefill(
-                self.params, slots, self.store, kv, stats, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                jnp.array([len(chunk)], jnp.int32), cfg=self.config, dtype=self.dtype, policy=self.policy,
-                prefetch=self.prefetch, all_logits=all_logits)
+            logits, routed = self._step(_prefill, jnp.asarray(toks), jnp.array([pos], jnp.int32),
+                                        jnp.array([len(chunk)], jnp.int32), all_logits=all_logits)
             self._record(routed, len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
@@ -330,11 +294,8 @@ class Model:
             if len(generated) >= max_tokens:
                 text += decoder.flush()
                 break
-            slots, kv, stats = self._step_args()
-            tok, self._kv, self.slots, routed, self._stats_MS = _decode(
-                self.params, slots, self.store, kv, stats, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                jax.random.fold_in(key, len(generated)), sp, cfg=self.config, dtype=self.dtype, policy=self.policy,
-                prefetch=self.prefetch)
+            tok, routed = self._step(_decode, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
+                                     jax.random.fold_in(key, len(generated)), sp)
             self._record(routed, 1)
             pos += 1
             tok_host = int(tok[0])
