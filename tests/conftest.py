@@ -31,3 +31,9 @@ def llama_cpp_converter() -> Path:
 def tiny_model():
     """Factory: `tiny_model(arch, outtype="f32") -> reference_models.TinyModel` (built once, then cached)."""
     return reference_models.tiny_model
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_path() -> Path:
+    """Gemma-3-270M Q4_K_M: a real SentencePiece ("llama" model) tokenizer, from the test extra."""
+    return reference_models.gemma_gguf_path()

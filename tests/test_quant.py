@@ -1,6 +1,5 @@
 """jnp dequantizers vs gguf.quants.dequantize: bit-exact, under jit, any leading axes."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -125,13 +124,11 @@ def test_check_supported():
         dequantize(jnp.zeros((1, 66), jnp.uint8), T.IQ2_XXS, 256)
 
 
-def test_real_gguf_tensors():
-    path = os.environ.get("STRATA_TEST_QWEN_GGUF")
-    if not path:
-        pytest.skip("set STRATA_TEST_QWEN_GGUF to a Qwen2.5-Coder-0.5B Q4_K_M GGUF")
+@pytest.mark.slow
+def test_real_gguf_tensors(qwen_gguf_path):
     from strata_jax.model.gguf_file import GGUFFile
 
-    f = GGUFFile(path)
+    f = GGUFFile(qwen_gguf_path)
     one_per_type = {}
     for info in f.tensors.values():
         one_per_type.setdefault(info.ggml_type, info)

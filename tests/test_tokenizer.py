@@ -3,7 +3,6 @@ templates. Real-model tests skip unless STRATA_TEST_QWEN_GGUF / STRATA_TEST_GEMM
 
 import datetime
 import json
-import os
 import time
 from pathlib import Path
 
@@ -39,14 +38,6 @@ CORPUS = [
 
 
 # qwen_gguf_path comes from conftest.py (the verified cached default model).
-@pytest.fixture(scope="session")
-def gemma_gguf_path():
-    path = os.environ.get("STRATA_TEST_GEMMA_GGUF")
-    if not path:
-        pytest.skip("set STRATA_TEST_GEMMA_GGUF to a Gemma-3 GGUF")
-    return path
-
-
 @pytest.fixture(scope="module", params=["qwen", "gemma"])
 def pair(request):
     """(ours, transformers' tokenizer for the same file, build seconds)."""
