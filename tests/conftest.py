@@ -7,8 +7,10 @@ use them should be marked `pytest.mark.slow`.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import jax
 import pytest
 
 import reference_models
@@ -37,3 +39,19 @@ def tiny_model():
 def gemma_gguf_path() -> Path:
     """Gemma-3-270M Q4_K_M: a real SentencePiece ("llama" model) tokenizer, from the test extra."""
     return reference_models.gemma_gguf_path()
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Yields a list that grows by one for every XLA backend compilation inside the block."""
+    compiles: list[float] = []
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import strata_jax
+from conftest import count_compiles
 from strata_jax.errors import ConfigError
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.offload.policies import POLICIES
@@ -143,17 +144,8 @@ def test_second_request_compiles_nothing(moe_path, slots):
     ids = m.tokenize(PROMPT)
     m.generate(ids, max_tokens=4, temperature=0)
     m.logits(ids)
-    compiles = []
-
-    def on_event(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with count_compiles() as compiles:
         m.reset_stats()
         m.generate(ids, max_tokens=8, temperature=0.5, seed=3)
         m.logits(ids)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == []

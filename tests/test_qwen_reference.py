@@ -3,12 +3,12 @@ gguf-dequantized weights (fp32, CPU): logits, greedy continuations, and that dec
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
 
 import strata_jax
+from conftest import count_compiles
 from reference_models import hf_model_from_gguf
 
 pytestmark = pytest.mark.slow
@@ -65,14 +65,7 @@ def test_greedy_matches_transformers(qwen, qwen_hf, chat):
 
 
 def test_decode_compiles_nothing_after_first_step(qwen):
-    compiles = []
-
-    def on_event(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with count_compiles() as compiles:
         counts = []
         chunks = qwen.generate_stream("Count from one to one hundred: one, two, three,", max_tokens=64,
                                       temperature=0.7, seed=1, stop=None)
@@ -83,8 +76,6 @@ def test_decode_compiles_nothing_after_first_step(qwen):
         assert n_tokens >= 60  # the prompt keeps the model counting, not stopping
         # counts[1] is taken after the first decode step ran; nothing compiles after it
         assert counts[-1] == counts[1], f"decode recompiled: {counts}"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
 
 
 def test_seed_reproduces_and_differs(qwen):
