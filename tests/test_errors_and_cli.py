@@ -177,3 +177,34 @@ def test_cli_inspect(moe_path):
     r = _cli("inspect", str(moe_path), "--vram-budget", "10KiB")
     assert "too small" in r.stdout
 
+
+
+def test_prompt_cache_reuses_prefix_and_changes_nothing(moe_path):
+    """A follow-up prompt that extends the previous prompt + reply re-runs only the new tokens, and gives
+    exactly what a cold run gives."""
+    warm = strata_jax.load(moe_path, ctx=64)
+    cold = strata_jax.load(moe_path, ctx=64)
+    first = warm.generate("the tea", max_tokens=6, temperature=0)
+    follow = first.prompt_token_ids + first.token_ids + warm.tokenize(" and the rain")
+    a = warm.generate(follow, max_tokens=6, temperature=0)
+    b = cold.generate(follow, max_tokens=6, temperature=0, cache_prompt=False)
+    assert a.token_ids == b.token_ids
+    # everything fed through the model last time is reused: the prompt and all but the last reply token
+    assert a.timings["cache_n"] == len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert a.timings["prompt_n"] == len(follow) - a.timings["cache_n"]
+    assert b.timings["cache_n"] == 0
+    # a different prompt shares nothing; an identical one re-runs just its last token
+    assert warm.generate("zzz", max_tokens=2, temperature=0).timings["cache_n"] == 0
+    again = warm.generate("zzz", max_tokens=2, temperature=0)
+    assert again.timings["cache_n"] == len(warm.tokenize("zzz")) - 1
+    np.testing.assert_array_equal(warm.logits(follow), cold.logits(follow))
+
+
+def test_abandoned_stream_keeps_a_valid_cache(moe_path):
+    m = strata_jax.load(moe_path, ctx=64)
+    stream = m.generate_stream("the tea", max_tokens=20, temperature=0)
+    next(stream)
+    stream.close()  # the client went away mid-generation
+    ref = strata_jax.load(moe_path, ctx=64).generate("the tea is", max_tokens=5, temperature=0)
+    out = m.generate("the tea is", max_tokens=5, temperature=0)
+    assert out.token_ids == ref.token_ids and out.timings["cache_n"] > 0

@@ -137,6 +137,7 @@ class Model:
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
+        self._kv_tokens: list[int] = []  # tokens whose keys/values the KV cache holds, from position 0
         self._routing: list[np.ndarray] | None = [] if record_routing else None
 
     # -- telemetry --------------------------------------------------------------------------------
@@ -172,6 +173,7 @@ class Model:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
         e = self.experts
         slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        self._kv_tokens = []  # until the step returns, the cache's contents are not known
         out, self._kv, slots, routed, stats = fn(
             self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
             dtype=self.dtype, policy=e.policy if e is not None else None,
@@ -215,8 +217,10 @@ class Model:
             raise ConfigError(f"{n} tokens exceed the context of {self.ctx}; shorten the input or load the "
                               f"model with a larger ctx (--ctx, up to the model's {self.config.context_length}).")
 
-    def _run_prefill(self, ids: Sequence[int], all_logits: bool) -> tuple[jax.Array, list[jax.Array]]:
-        outs, pos = [], 0
+    def _run_prefill(self, ids: Sequence[int], all_logits: bool, start: int = 0) -> tuple[jax.Array, list[jax.Array]]:
+        """Prefill ids[start:] at cache positions start.. (ids[:start] are already in the KV cache)."""
+        outs, pos = [], start
+        self._kv_tokens = []  # the cache is being rewritten; valid again once this returns
         while pos < len(ids):
             chunk = list(ids[pos : pos + self.prefill_chunk])
             T = bucket(len(chunk), self.prefill_chunk)
@@ -227,6 +231,7 @@ class Model:
             self._record(routed, len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
+        self._kv_tokens = list(ids)
         return outs[-1], outs
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -249,8 +254,12 @@ class Model:
         min_p: float = 0.05,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        cache_prompt: bool = True,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
+        """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
+        shares with what the cache holds (the previous request's prompt and output), as llama.cpp does;
+        timings["cache_n"] says how many prompt tokens were reused."""
         validate_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
@@ -263,8 +272,10 @@ class Model:
         sp = SamplingParams.make(1, temperature, top_p, top_k, min_p)
         key = jax.random.PRNGKey(seed if seed is not None else time.time_ns() % (2**31))
 
+        n_cached = _common_prefix(ids, self._kv_tokens) if cache_prompt else 0
+        n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
         t0 = time.perf_counter()
-        last_logits, _ = self._run_prefill(ids, all_logits=False)
+        last_logits, _ = self._run_prefill(ids, all_logits=False, start=n_cached)
         tok = _sample(last_logits, jax.random.fold_in(key, 0), sp)
         tok_host = int(tok[0])
         t_prefill = time.perf_counter() - t0
@@ -276,45 +287,53 @@ class Model:
         finish = "length"
         t1 = t_steady = time.perf_counter()
         pos = len(ids)
-        while True:
-            if tok_host in self.tokenizer.stop_ids:
-                finish = "stop"
-                break
-            generated.append(tok_host)
-            pending.append(tok_host)
-            text += decoder.push(tok_host)
-            hit = _find_stop(text, stops, emitted)
-            if hit is not None:
-                text, finish = text[:hit], "stop"
-                break
-            safe = len(text) - _stop_prefix_len(text[emitted:], stops)
-            if safe > emitted:
-                yield GenerationChunk(text[emitted:safe], pending)
-                emitted, pending = safe, []
-            if len(generated) >= max_tokens:
-                text += decoder.flush()
-                break
-            tok, routed = self._step(_decode, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                                     jax.random.fold_in(key, len(generated)), sp)
-            self._record(routed, 1)
-            pos += 1
-            tok_host = int(tok[0])
-            if len(generated) == 1:  # steady-state decode speed starts after the first step (which compiles)
-                t_steady = time.perf_counter()
+        fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
+        self._kv_tokens = []
+        try:
+            while True:
+                if tok_host in self.tokenizer.stop_ids:
+                    finish = "stop"
+                    break
+                generated.append(tok_host)
+                pending.append(tok_host)
+                text += decoder.push(tok_host)
+                hit = _find_stop(text, stops, emitted)
+                if hit is not None:
+                    text, finish = text[:hit], "stop"
+                    break
+                safe = len(text) - _stop_prefix_len(text[emitted:], stops)
+                if safe > emitted:
+                    yield GenerationChunk(text[emitted:safe], pending)
+                    emitted, pending = safe, []
+                if len(generated) >= max_tokens:
+                    text += decoder.flush()
+                    break
+                tok, routed = self._step(_decode, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
+                                         jax.random.fold_in(key, len(generated)), sp)
+                fed.append(tok_host)
+                self._record(routed, 1)
+                pos += 1
+                tok_host = int(tok[0])
+                if len(generated) == 1:  # steady-state decode speed starts after the first step (which compiles)
+                    t_steady = time.perf_counter()
+        finally:
+            self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
         t_decode = t_end - t1
         n_dec = len(generated)
-        timings = {
-            "prompt_n": len(ids),
+        n_prompt = len(ids) - n_cached
+        timings = {  # llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n the reused
+            "prompt_n": n_prompt,
             "prompt_ms": t_prefill * 1e3,
-            "prompt_per_second": len(ids) / max(t_prefill, 1e-9),
+            "prompt_per_second": n_prompt / max(t_prefill, 1e-9),
+            "cache_n": n_cached,
             "predicted_n": n_dec,
-            "predicted_ms": (t_prefill + t_decode) * 1e3 if n_dec else 0.0,
-            # the first token comes out of prefill, the second from the first (compiling) decode step;
-            # decode speed is the steady state after that
+            "predicted_ms": t_decode * 1e3,
+            "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
+            # the first token comes out of prefill, the second from the first (possibly compiling) decode
+            # step; decode speed is the steady state after that
             "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
         }
-        timings["predicted_per_second"] = timings["decode_per_second"]
         yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
@@ -325,6 +344,14 @@ class Model:
             ids.extend(chunk.token_ids)
         return Generation("".join(parts), ids, chunk.prompt_token_ids or [], chunk.finish_reason or "length",
                           chunk.timings or {})
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:
