@@ -143,6 +143,7 @@ def test_second_request_compiles_nothing(moe_path, slots):
     m = strata_jax.load(moe_path, ctx=128, expert_slots=slots)
     ids = m.tokenize(PROMPT)
     m.generate(ids, max_tokens=4, temperature=0)
+    m.generate(ids, max_tokens=4, temperature=0)  # a repeat reuses the cached prompt: one-token prefill
     m.logits(ids)
     with count_compiles() as compiles:
         m.reset_stats()
