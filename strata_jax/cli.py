@@ -1,4 +1,4 @@
-"""The `strata-jax` command: generate, inspect."""
+"""The `strata-jax` command: generate, inspect, serve."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from strata_jax.serving.server import serve
+
+    return serve(args, engine_options(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata-jax", description="MoE inference beyond GPU memory, from GGUF, in JAX.")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
@@ -113,6 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
     i.set_defaults(func=_cmd_inspect)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
+    _add_engine_options(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs an API key)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$STRATA_JAX_API_KEY)")
+    s.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file's stem)")
+    s.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
+                   help="requests decoded at once (only 1 so far: batched decode is not implemented yet)")
+    s.add_argument("--queue-size", type=_positive_int("--queue-size"), default=64,
+                   help="requests that may wait for the engine; more get 429 (default 64)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 10)")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip compiling the decode step before reporting ready")
+    s.set_defaults(func=_cmd_serve)
     sub.add_parser("bench", help="offload benchmark on a synthetic MoE (strata-jax bench --help)", add_help=False)
     return parser
 

@@ -14,12 +14,11 @@ Shape legend: N tokens (B*T flattened), D model dim, E experts, K experts per to
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-import dataclasses
-
-from strata_jax.model import quant
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import swiglu
 from strata_jax.model.weights import MoEParams
@@ -41,7 +40,7 @@ def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig) -> tuple[jax.
 
 def _gather_experts(pool, slot_NK, dtype):
     """Dequantized copies of the routed experts' weights; after this the pool may be overwritten."""
-    return tuple(_dequant_slots(t, slot_NK, dtype) for t in (pool.gate, pool.up, pool.down))
+    return tuple(t.dequant(dtype) for t in pool.take(slot_NK))
 
 
 def _apply_experts(x_ND, w_NK, weights, dtype):
@@ -56,17 +55,11 @@ def _apply_experts(x_ND, w_NK, weights, dtype):
 def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
     f32 = jnp.float32
     combine_NE = jnp.zeros((x_ND.shape[0], n_experts), f32).at[jnp.arange(x_ND.shape[0])[:, None], ids_NK].add(w_NK)
-    g_EFD = _dequant_slots(pool.gate, slot_E, dtype)
-    u_EFD = _dequant_slots(pool.up, slot_E, dtype)
-    d_EDF = _dequant_slots(pool.down, slot_E, dtype)
+    g_EFD, u_EFD, d_EDF = _gather_experts(pool, slot_E, dtype)
     h = jax.nn.silu(jnp.einsum("nd,efd->nef", x_ND, g_EFD, preferred_element_type=f32))
     h = (h * jnp.einsum("nd,efd->nef", x_ND, u_EFD, preferred_element_type=f32)).astype(dtype)
     y_NED = jnp.einsum("nef,edf->ned", h, d_EDF, preferred_element_type=f32)
     return jnp.einsum("ned,ne->nd", y_NED, combine_NE)
-
-
-def _dequant_slots(qt, slots, dtype):
-    return quant.dequantize(jnp.take(qt.data, slots, axis=0), qt.qtype, qt.n_cols, dtype)
 
 
 N_STATS = 6  # hits, misses, streamed experts, prefetched experts, predicted-and-routed, predicted

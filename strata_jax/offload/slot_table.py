@@ -20,16 +20,12 @@ import numpy as np
 
 from gguf import GGML_QUANT_SIZES
 
-from strata_jax.model.weights import QTensor, WeightLoader, _dataclass_pytree
+from strata_jax.model.weights import WeightLoader, _dataclass_pytree
 from strata_jax.offload.policies import CacheState, Policy
-from strata_jax.offload.store import EXPERT_TENSORS, expert_shapes
+from strata_jax.offload.store import EXPERT_TENSORS, ExpertRows, expert_parts, expert_shapes, fused_rows
 
 
-@_dataclass_pytree
-class ExpertPool:
-    gate: QTensor  # [S, F, R]
-    up: QTensor  # [S, F, R]
-    down: QTensor  # [S, D, R]
+ExpertPool = ExpertRows  # a pool of slots: one expert per row, indexed by slot
 
 
 @_dataclass_pytree(meta=("layer_pool", "layer_local", "resident"))
@@ -42,7 +38,7 @@ class SlotTable:
 
     @property
     def n_slots(self) -> int:
-        return sum(p.gate.data.shape[0] for p in self.pools)
+        return sum(p.n_rows for p in self.pools)
 
     def slot_map(self, moe_idx: int) -> jax.Array:
         """int32 [E]: the slot of each expert of MoE layer `moe_idx` (-1 if not resident)."""
@@ -91,12 +87,10 @@ def resident_slot_table(loader: WeightLoader) -> SlotTable:
     layout = expert_layout(loader)
     pools, caches = [], []
     for layers in layout.pool_layers:
-        tensors = []
-        for name, shape in zip(EXPERT_TENSORS, expert_shapes(cfg)):
-            infos = [loader.info(f"blk.{cfg.moe_layers[i]}.{name}.weight", shape) for i in layers]
-            host = np.concatenate([np.asarray(t.data) for t in infos], axis=0)
-            tensors.append(QTensor(loader._put(host), infos[0].ggml_type, shape[-1]))
-        pools.append(ExpertPool(*tensors))
+        per_layer = [[loader.info(f"blk.{cfg.moe_layers[i]}.{name}.weight", shape)
+                      for name, shape in zip(EXPERT_TENSORS, expert_shapes(cfg))] for i in layers]
+        host = np.concatenate([fused_rows(infos) for infos in per_layer], axis=0)
+        pools.append(ExpertPool(loader._put(host), expert_parts(per_layer[0])))
         n = len(layers) * E
         caches.append(CacheState(jnp.arange(n, dtype=jnp.int32).reshape(len(layers), E),
                                  jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32), {}))
@@ -116,12 +110,12 @@ def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Po
     layout = expert_layout(loader)
     pools, caches = [], []
     for types, layers, S in zip(layout.pool_types, layout.pool_layers, slots_per_pool):
-        tensors = []
+        parts = []
         for qtype, shape in zip(types, expert_shapes(cfg)):
             block, size = GGML_QUANT_SIZES[qtype]
-            data = jnp.zeros((S, shape[1], shape[2] // block * size), jnp.uint8, device=loader.device)
-            loader.bytes_loaded += data.nbytes
-            tensors.append(QTensor(data, qtype, shape[2]))
-        pools.append(ExpertPool(*tensors))
+            parts.append((qtype, shape[1], shape[2] // block * size, shape[2]))
+        data = jnp.zeros((S, sum(n * rb for _, n, rb, _ in parts)), jnp.uint8, device=loader.device)
+        loader.bytes_loaded += data.nbytes
+        pools.append(ExpertPool(data, tuple(parts)))
         caches.append(policy.init(S, len(layers), cfg.n_experts))
     return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, False)

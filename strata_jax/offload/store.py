@@ -1,11 +1,14 @@
 """ExpertStore: every routed expert of every MoE layer in host memory, in GGML block format.
 
-Each MoE layer gets three host arrays (gate, up, down: `[E, rows, R]` bytes) in JAX's `pinned_host`
-memory, so the jitted step can DMA one expert (`lax.dynamic_index_in_dim` with a traced index) or a
-whole layer straight into device memory with no host round trip. If pinned memory cannot be had we
-fall back to pageable host memory, which works the same but copies at a fraction of the speed.
+Each MoE layer is one host array in JAX's `pinned_host` memory, `[E, B]` bytes, where a row holds one
+expert's gate, up and down blocks back to back (`ExpertRows`). The jitted step DMAs one expert with a
+single copy (`lax.dynamic_index_in_dim` with a traced index), or a whole layer, straight into device
+memory with no host round trip. The device slot pools use the same row layout, so a miss is one copy.
+If pinned memory cannot be had we fall back to pageable host memory, which works the same but copies
+at a fraction of the speed.
 
-Shape legend: E experts per layer, F expert ffn dim, D model dim, R row bytes.
+Shape legend: E experts per layer, S slots, B bytes per expert, F expert ffn dim, D model dim,
+R row bytes of one matrix.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -26,25 +30,60 @@ log = logging.getLogger("strata_jax")
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-@_dataclass_pytree
-class LayerExperts:
-    gate: QTensor  # [E, F, R]
-    up: QTensor  # [E, F, R]
-    down: QTensor  # [E, D, R]
+Part = tuple  # (GGML type, rows, row bytes, columns) of one of an expert's three matrices
+
+
+@_dataclass_pytree(meta=("parts",))
+class ExpertRows:
+    """Whole experts as byte rows `uint8[X, B]`: gate, up and down blocks back to back."""
+
+    data: jax.Array
+    parts: tuple[Part, Part, Part]
 
     @property
     def bytes_per_expert(self) -> int:
-        return sum(int(np.prod(t.data.shape[1:])) for t in (self.gate, self.up, self.down))
+        return self.data.shape[-1]
+
+    @property
+    def n_rows(self) -> int:
+        return self.data.shape[0]
+
+    def split(self, rows: jax.Array) -> tuple[QTensor, QTensor, QTensor]:
+        """The gate, up and down matrices of gathered rows `[..., B]`, as quantized tensors."""
+        out, offset = [], 0
+        for qtype, n, row_bytes, n_cols in self.parts:
+            size = n * row_bytes
+            block = rows[..., offset : offset + size].reshape(*rows.shape[:-1], n, row_bytes)
+            out.append(QTensor(block, qtype, n_cols))
+            offset += size
+        return tuple(out)
+
+    def take(self, idx: jax.Array) -> tuple[QTensor, QTensor, QTensor]:
+        return self.split(jnp.take(self.data, idx, axis=0))
+
+
+LayerExperts = ExpertRows  # one MoE layer's experts in the host store, indexed by expert id
 
 
 @_dataclass_pytree(meta=("memory_kind",))
 class ExpertStore:
-    layers: tuple[LayerExperts, ...]  # one per MoE layer
+    layers: tuple[ExpertRows, ...]  # one per MoE layer
     memory_kind: str
 
     @property
     def nbytes(self) -> int:
-        return sum(t.data.nbytes for layer in self.layers for t in (layer.gate, layer.up, layer.down))
+        return sum(layer.data.nbytes for layer in self.layers)
+
+
+def expert_parts(infos) -> tuple[Part, Part, Part]:
+    """Row layout of one expert from the three TensorInfos (gate, up, down) of a layer."""
+    return tuple((t.ggml_type, t.data.shape[1], t.data.shape[2], t.shape[-1]) for t in infos)
+
+
+def fused_rows(infos) -> np.ndarray:
+    """uint8 [E, B]: each expert's gate, up and down bytes back to back, from the memory-mapped tensors."""
+    E = infos[0].data.shape[0]
+    return np.concatenate([np.asarray(t.data).reshape(E, -1) for t in infos], axis=1)
 
 
 def expert_shapes(cfg) -> tuple[tuple[int, ...], ...]:
@@ -94,11 +133,8 @@ def load_expert_store(loader: WeightLoader, memory_kind: str = "pinned_host") ->
             sharding = _host_sharding(device, kind)
             layers = []
             for layer in infos:
-                arrs = []
-                for t in layer:
-                    arrs.append(QTensor(jax.device_put(np.ascontiguousarray(t.data), sharding), t.ggml_type, t.shape[-1]))
-                    progress.add(t.nbytes)
-                layers.append(LayerExperts(*arrs))
+                layers.append(ExpertRows(jax.device_put(fused_rows(layer), sharding), expert_parts(layer)))
+                progress.add(sum(t.nbytes for t in layer))
             jax.block_until_ready(layers)
             dt = time.perf_counter() - t0
             log.info("experts loaded: %s in %s host memory at %s/s (%d layers x %d experts)", fmt_bytes(total), kind,

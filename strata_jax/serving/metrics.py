@@ -1,0 +1,86 @@
+"""Prometheus metrics for one app, in a private CollectorRegistry (several apps in one process, as in
+the tests, must not share counters). The same registry renders as text or as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# paths outside this map count as "other", so random URLs cannot grow the label set
+ENDPOINTS = {"/health": "health", "/v1/models": "models", "/models": "models",
+             "/v1/chat/completions": "chat_completions", "/chat/completions": "chat_completions",
+             "/v1/completions": "completions", "/completions": "completions",
+             "/metrics": "metrics", "/metrics.json": "metrics"}
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def endpoint_label(path: str) -> str:
+    return ENDPOINTS.get(path, "other")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "strata_"
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status code", ["endpoint", "status"],
+                                registry=r)
+        self.latency = Histogram(p + "request_duration_seconds", "Time from request to last byte", ["endpoint"],
+                                 buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request to the first generated token "
+                              "(queue wait and prefill included)", ["endpoint"], buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(p + "prompt_cached_tokens", "Prompt tokens reused from the KV cache",
+                                     registry=r)
+        self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine", registry=r)
+        self.processing = Gauge(p + "requests_processing", "Requests the engine is running (0 or 1)", registry=r)
+        self.decode_tps = Gauge(p + "decode_tokens_per_second", "Decode speed of the last request", registry=r)
+        self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens in the KV cache after the last request", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "kv_cache_tokens / context length", registry=r)
+        self.expert_hit_rate = Gauge(p + "expert_cache_hit_rate", "Expert-cache hit rate since load (MoE)",
+                                     registry=r)
+        self.expert_lookups = Gauge(p + "expert_cache_lookups", "Expert lookups in decode since load (MoE)",
+                                    registry=r)
+        self.expert_misses = Gauge(p + "expert_cache_misses", "Expert-cache misses since load (MoE)", registry=r)
+        self.expert_bytes = Gauge(p + "expert_cache_bytes_h2d", "Expert bytes copied host->device since load (MoE)",
+                                  registry=r)
+
+    def observe_generation(self, endpoint: str, prompt_n: int, completion_n: int, cached_n: int,
+                           ttft: float | None, timings: dict[str, Any]) -> None:
+        self.prompt_tokens.inc(prompt_n)
+        self.completion_tokens.inc(completion_n)
+        self.cached_tokens.inc(cached_n)
+        if ttft is not None:
+            self.ttft.labels(endpoint).observe(ttft)
+        if timings.get("predicted_per_second"):
+            self.decode_tps.set(timings["predicted_per_second"])
+
+    def refresh(self, engine: Any) -> None:
+        """Copy the engine's state into the gauges (at scrape time; the snapshot is taken on the engine thread)."""
+        self.queue_depth.set(engine.queue_depth)
+        self.processing.set(1 if engine.busy else 0)
+        snap = engine.snapshot
+        if snap:
+            self.kv_tokens.set(snap["kv_tokens"])
+            self.kv_usage.set(snap["kv_tokens"] / snap["ctx"] if snap["ctx"] else 0)
+            ex = snap.get("expert") or {}
+            if ex:
+                self.expert_hit_rate.set(ex.get("hit_rate") or 0)
+                self.expert_lookups.set(ex.get("lookups") or 0)
+                self.expert_misses.set(ex.get("misses") or 0)
+                self.expert_bytes.set(ex.get("bytes_h2d") or 0)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def as_json(self) -> dict[str, Any]:
+        """{family: {"type", "help", "samples": [{"name", "labels", "value"}]}}: the text format's content."""
+        out: dict[str, Any] = {}
+        for fam in self.registry.collect():
+            out[fam.name] = {"type": fam.type, "help": fam.documentation,
+                             "samples": [{"name": s.name, "labels": dict(s.labels), "value": s.value}
+                                         for s in fam.samples]}
+        return out

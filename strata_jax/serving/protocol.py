@@ -1,0 +1,446 @@
+"""OpenAI wire format: request validation into `GenRequest`, tool-call parsing, and response and
+stream-chunk builders. Pure functions over JSON values: no model, no HTTP, no JAX.
+
+Every invalid request raises `APIError` (status 4xx) with a message that names the field and says
+what to send instead; nothing here may raise anything else on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import secrets
+import time
+from typing import Any
+
+from strata_jax import __version__
+
+FINGERPRINT = f"strata-jax-{__version__}"
+MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "unavailable_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass
+class GenRequest:
+    """A validated generation request, endpoint-independent."""
+
+    endpoint: str  # "chat" | "completion"
+    prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
+    model: str | None = None
+    max_tokens: int | None = None  # None: until the context is full, as llama.cpp
+    temperature: float = 1.0  # OpenAI's defaults, not the CLI's
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict] | None = None  # rendered through the chat template; output parsed for tool calls
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reasoning_effort: str | None = None
+    cache_prompt: bool = True
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.endpoint == "chat" else "prompt"
+
+    def sampling(self) -> dict[str, Any]:
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p, seed=self.seed, stop=self.stop or None)
+
+
+# -- field readers -----------------------------------------------------------------------------------
+
+def _kind(v: Any) -> str:
+    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False,
+            integer: bool = False) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    want = f"{'an integer' if integer else 'a number'} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"'{name}' must be {want}, got {_kind(v)}: {json.dumps(v)[:60]}.", name)
+    if integer and not float(v).is_integer():
+        raise bad(f"'{name}' must be an integer, got {v!r}.", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(f"'{name}'={v!r} is out of range: it must be {want}.", name)
+    return int(v) if integer else float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be true or false, got {_kind(v)}.", name)
+    return v
+
+
+def _common(body: Any, endpoint: str) -> dict[str, Any]:
+    """Fields shared by both endpoints: sampling, limits, stop, streaming, unsupported features."""
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {_kind(body)}.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"'model' must be a string, got {_kind(model)}.", "model")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad(f"'n'={json.dumps(n)[:40]} is not supported: only one choice per request (n=1); send several "
+                  "requests instead.", "n")
+    out: dict[str, Any] = {"model": model}
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(limit_name) is not None:
+        out["max_tokens"] = _number(body, limit_name, 0, 1, 2**31 - 1, integer=True)
+    out["temperature"] = _number(body, "temperature", 1.0, 0, 100)
+    out["top_p"] = _number(body, "top_p", 1.0, 0, 1, lo_open=True)
+    out["top_k"] = _number(body, "top_k", 0, 0, 2**31 - 1, integer=True)
+    out["min_p"] = _number(body, "min_p", 0.0, 0, 1)
+    if body.get("seed") is not None:
+        # the PRNG key uses the low 32 bits; any int64 is accepted as OpenAI does
+        out["seed"] = _number(body, "seed", 0, -(2**63), 2**63 - 1, integer=True) % 2**32
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("'stop' must be a non-empty string or an array of up to 4 non-empty strings.", "stop")
+        if len(stops) > MAX_STOP:
+            raise bad(f"'stop' has {len(stops)} strings; at most {MAX_STOP} are allowed.", "stop")
+        out["stop"] = list(stops)
+    out["stream"] = _bool(body, "stream", False)
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad(f"'stream_options' must be an object like {{\"include_usage\": true}}, got {_kind(so)}.",
+                      "stream_options")
+        out["include_usage"] = _bool(so, "include_usage", False)
+    out["cache_prompt"] = _bool(body, "cache_prompt", True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2, 2) != 0:
+            raise bad(f"'{name}' is not supported yet; omit it or set it to 0.", name)
+    lb = body.get("logit_bias")
+    if lb is not None and not (isinstance(lb, dict) and not lb):
+        raise bad("'logit_bias' is not supported yet; omit it.", "logit_bias")
+    lp = body.get("logprobs")
+    if lp not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("'logprobs' is not supported yet; omit it (or set it to false).", "logprobs")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("'response_format' supports only {\"type\": \"text\"} so far (no JSON mode or schemas yet).",
+                  "response_format")
+    return out
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+def _content(m: dict, i: int) -> str | None:
+    c = m.get("content")
+    where = f"messages[{i}].content"
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise bad(f"{where}[{j}] is not supported ({json.dumps(kind)[:40]}): only text parts "
+                          "{\"type\": \"text\", \"text\": \"...\"} can be used with this model.", "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)  # as llama.cpp joins typed text parts
+    raise bad(f"{where} must be a string or an array of text parts, got {_kind(c)}.", "messages")
+
+
+def _tool_calls_in(m: dict, i: int) -> list[dict]:
+    calls = m["tool_calls"]
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be an array, got {_kind(calls)}.", "messages")
+    out = []
+    for j, tc in enumerate(calls):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                      "{\"name\": ..., \"arguments\": ...}}.", "messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # chat templates expect an object (they tojson it); keep text that is not JSON
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(tc.get("id"), str):
+            call["id"] = tc["id"]
+        out.append(call)
+    return out
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("'messages' is required: an array of {\"role\": ..., \"content\": ...} objects.", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad(f"'messages' must be a non-empty array of message objects, got {_kind(msgs)}"
+                  f"{' (empty)' if msgs == [] else ''}.", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with 'role' and 'content', got {_kind(m)}.", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role={json.dumps(role)[:40]} is not a known role; use one of "
+                      f"{', '.join(ROLES)}.", "messages")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        if m.get("tool_calls") is not None and role == "assistant":
+            msg["tool_calls"] = _tool_calls_in(m, i)
+        if msg["content"] is None:
+            if role != "assistant":
+                raise bad(f"messages[{i}].content is required for role {role!r}.", "messages")
+            msg["content"] = ""  # templates concatenate content; an assistant turn with only tool calls has none
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if key in m and m[key] is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key} must be a string, got {_kind(m[key])}.", "messages")
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required") and not (
+            isinstance(choice, dict) and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}}.", "tool_choice")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad(f"'tools' must be an array of function tools, got {_kind(tools)}.", "tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]
+                or not isinstance(fn.get("parameters", {}), dict)
+                or not isinstance(fn.get("description", ""), (str, type(None)))):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
+                      "\"description\": str, \"parameters\": {JSON schema}}}}.", "tools")
+    if choice == "none" or not tools:
+        return None  # the model is told about no tools and nothing is parsed as a call
+    return tools
+
+
+def parse_chat(body: Any) -> GenRequest:
+    req = GenRequest(endpoint="chat", prompt=[], **_common(body, "chat"))
+    req.prompt = _messages(body)
+    req.tools = _tools(body)
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad(f"'reasoning_effort' must be a string such as \"none\", \"low\" or \"high\", got {_kind(effort)}.",
+                  "reasoning_effort")
+    req.reasoning_effort = effort
+    tk = body.get("chat_template_kwargs")  # llama.cpp's extension, e.g. {"enable_thinking": false}
+    if tk is not None:
+        if not isinstance(tk, dict):
+            raise bad(f"'chat_template_kwargs' must be an object, got {_kind(tk)}.", "chat_template_kwargs")
+        req.template_kwargs = {k: v for k, v in tk.items() if k not in ("messages", "tools", "add_generation_prompt")}
+    return req
+
+
+def parse_completion(body: Any) -> GenRequest:
+    req = GenRequest(endpoint="completion", prompt="", **_common(body, "completion"))
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise bad("'prompt' is empty; give some text or token ids.", "prompt")
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        pass
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+        raise bad(f"'prompt' holds {len(p)} prompts; batched prompts are not supported yet, send one per request.",
+                  "prompt")
+    else:
+        raise bad(f"'prompt' must be a non-empty string or array of token ids, got {_kind(p)}"
+                  f"{' (empty)' if p == [] else ''}.", "prompt")
+    req.prompt = p
+    if _bool(body, "echo", False):
+        raise bad("'echo' is not supported yet; omit it.", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise bad("'suffix' (fill-in-the-middle) is not supported yet; omit it.", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise bad("'best_of' must be 1 (or omitted).", "best_of")
+    return req
+
+
+# -- tool calls in the output -----------------------------------------------------------------------
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|\Z)", re.S)
+
+
+def _tool_call(payload: str) -> dict | None:
+    try:
+        obj = json.loads(payload.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": "call_" + secrets.token_hex(12), "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Split Qwen/Hermes-style output into (content, tool_calls): each `<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>` becomes an OpenAI tool call (arguments as a JSON string); a block
+    cut off at the end still counts if its JSON is whole. Blocks that are not valid calls stay in the
+    content. Without calls the text comes back unchanged; with calls, content is the rest (or None)."""
+    calls: list[dict] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _TOOL_RE.finditer(text):
+        call = _tool_call(m.group(1))
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        calls.append(call)
+        pos = m.end()
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    rest = "".join(kept).strip()
+    return rest or None, calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Streams content while holding back anything from the first `<tool_call>` on (and any tail that
+    could start one), so tool calls are parsed whole at the end."""
+
+    def __init__(self) -> None:
+        self.text, self.emitted, self.in_call = "", 0, False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.in_call:
+            return ""
+        i = self.text.find(TOOL_OPEN, self.emitted)
+        if i >= 0:
+            self.in_call = True
+            end = i
+        else:
+            end = len(self.text) - _partial_suffix(self.text[self.emitted:], TOOL_OPEN)
+        out, self.emitted = self.text[self.emitted:end], max(end, self.emitted)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not yet streamed, tool calls)."""
+        content, calls = parse_tool_calls(self.text[self.emitted:])
+        return content or "", calls
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+def new_id(endpoint: str) -> str:
+    return ("chatcmpl-" if endpoint == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def usage(prompt_n: int, completion_n: int, cached_n: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n,
+            "prompt_tokens_details": {"cached_tokens": cached_n}}
+
+
+TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second",
+               "cache_n")
+
+
+def timings(t: dict[str, Any] | None) -> dict[str, Any]:
+    t = t or {}
+    return {k: t.get(k, 0) for k in TIMING_KEYS}
+
+
+@dataclasses.dataclass
+class Envelope:
+    """What every response and chunk of one request shares."""
+
+    endpoint: str
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id(self.endpoint)
+        self.created = self.created or int(time.time())
+
+    def _base(self, stream: bool) -> dict[str, Any]:
+        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.endpoint == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": FINGERPRINT}
+
+    def response(self, text: str, finish: str, use: dict, extra: dict, tool_calls: list | None = None) -> dict:
+        out = self._base(False)
+        if self.endpoint == "chat":
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                msg["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        out.update(choices=[choice], usage=use, **extra)
+        return out
+
+    def chunk(self, *, text: str | None = None, role: bool = False, tool_calls: list | None = None,
+              finish: str | None = None, extra: dict | None = None) -> dict:
+        out = self._base(True)
+        if self.endpoint == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(tool_calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        out["choices"] = [choice]
+        out.update(extra or {})
+        return out
+
+    def usage_chunk(self, use: dict) -> dict:
+        out = self._base(True)
+        out.update(choices=[], usage=use)
+        return out

@@ -1,0 +1,97 @@
+"""`strata-jax serve`: the app under uvicorn, with safe binding defaults and a clean shutdown."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from strata_jax.errors import StrataError
+
+log = logging.getLogger("strata_jax")
+
+API_KEY_ENV = "STRATA_JAX_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def check_options(args: Any) -> str | None:
+    """Refuse unsafe or unimplemented settings before loading anything; returns the API key."""
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.parallel > 1:
+        raise StrataError(f"--parallel {args.parallel}: batched decode of several requests at once is not "
+                          "implemented yet; requests are queued and run one at a time. Use --parallel 1 (the "
+                          "default) and --queue-size to bound the wait.")
+    if not is_loopback(args.host) and not api_key:
+        raise StrataError(f"refusing to listen on {args.host} without an API key: anyone who can reach that address "
+                          f"could use the model. Pass --api-key KEY (or set {API_KEY_ENV}), or keep the default "
+                          "--host 127.0.0.1 (this machine only).")
+    if not 0 < args.port < 65536:
+        raise StrataError(f"--port {args.port} is not a TCP port; give 1-65535.")
+    if args.model is not None:
+        from strata_jax.model.gguf_file import GGUFFile
+
+        GGUFFile(args.model)  # a missing or non-GGUF file fails now, not after the server is up
+    return api_key
+
+
+def model_id(args: Any) -> str:
+    if args.alias:
+        return args.alias
+    if args.model:
+        return Path(args.model).stem
+    from strata_jax.model.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def serve(args: Any, engine_options: dict[str, Any]) -> int:
+    import uvicorn
+
+    import strata_jax
+    from strata_jax.serving.app import create_app
+    from strata_jax.serving.engine import Engine
+
+    api_key = check_options(args)
+    failure: list[BaseException] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.begin_drain()  # new requests get 503 while uvicorn lets in-flight ones finish
+            super().handle_exit(sig, frame)
+
+    def on_load_error(e: BaseException) -> None:
+        failure.append(e)
+        server.should_exit = True
+
+    engine = Engine(lambda: strata_jax.load(args.model, **engine_options), queue_size=args.queue_size,
+                    warmup=args.warmup, on_load_error=on_load_error)
+    app = create_app(engine, model_id=model_id(args), api_key=api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                            access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_timeout,
+                            lifespan="on")
+    server = Server(config)
+    log.info("serving %s on http://%s:%d (OpenAI API under /v1%s); the model loads in the background",
+             model_id(args), args.host, args.port, ", API key required" if api_key else "")
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers in
+    # place that re-raise is harmless and a graceful stop exits 0
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if failure:
+        e = failure[0]
+        raise e if isinstance(e, StrataError) else StrataError(f"the model failed to load: {type(e).__name__}: {e}")
+    return 0
