@@ -52,10 +52,11 @@ def synthetic_model_path(shape: str):
 
 
 def _decode_run(model, prompt_ids, n_tokens):
-    model.generate(prompt_ids, max_tokens=4, temperature=0)  # compile prefill + decode
+    # compile prefill + decode; cache_prompt off so the timed run prefills the whole prompt again
+    model.generate(prompt_ids, max_tokens=4, temperature=0, cache_prompt=False)
     model.reset_stats()
     t0 = time.perf_counter()
-    gen = model.generate(prompt_ids, max_tokens=n_tokens, temperature=0)
+    gen = model.generate(prompt_ids, max_tokens=n_tokens, temperature=0, cache_prompt=False)
     wall = time.perf_counter() - t0
     st = model.stats()
     return gen, wall, st
