@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -154,6 +154,8 @@ class Routes:
             self.engine.submit(job)
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer
+            return Response(status_code=499)
         env = Envelope(endpoint, req.model or self.model_id)
         try:
             first = await self._next(job, request)

@@ -20,6 +20,8 @@ from strata_jax import __version__
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# set by the server itself, or parameter names of Model.prompt_tokens / apply_chat_template
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "unavailable_error"}
@@ -86,12 +88,12 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
     if v is None:
         return default
     want = f"{'an integer' if integer else 'a number'} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
         raise bad(f"'{name}' must be {want}, got {_kind(v)}: {json.dumps(v)[:60]}.", name)
-    if integer and not float(v).is_integer():
+    if v < lo or v > hi or (lo_open and v == lo):  # before any float(): JSON integers can be huge
+        raise bad(f"'{name}'={str(v)[:40]} is out of range: it must be {want}.", name)
+    if integer and isinstance(v, float) and not v.is_integer():
         raise bad(f"'{name}' must be an integer, got {v!r}.", name)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(f"'{name}'={v!r} is out of range: it must be {want}.", name)
     return int(v) if integer else float(v)
 
 
@@ -104,7 +106,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _common(body: Any, endpoint: str) -> dict[str, Any]:
+def _common(body: Any) -> dict[str, Any]:
     """Fields shared by both endpoints: sampling, limits, stop, streaming, unsupported features."""
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_kind(body)}.")
@@ -256,7 +258,7 @@ def _tools(body: dict) -> list[dict] | None:
 
 
 def parse_chat(body: Any) -> GenRequest:
-    req = GenRequest(endpoint="chat", prompt=[], **_common(body, "chat"))
+    req = GenRequest(endpoint="chat", prompt=[], **_common(body))
     req.prompt = _messages(body)
     req.tools = _tools(body)
     effort = body.get("reasoning_effort")
@@ -268,12 +270,12 @@ def parse_chat(body: Any) -> GenRequest:
     if tk is not None:
         if not isinstance(tk, dict):
             raise bad(f"'chat_template_kwargs' must be an object, got {_kind(tk)}.", "chat_template_kwargs")
-        req.template_kwargs = {k: v for k, v in tk.items() if k not in ("messages", "tools", "add_generation_prompt")}
+        req.template_kwargs = {k: v for k, v in tk.items() if k.isidentifier() and k not in RESERVED_TEMPLATE_KEYS}
     return req
 
 
 def parse_completion(body: Any) -> GenRequest:
-    req = GenRequest(endpoint="completion", prompt="", **_common(body, "completion"))
+    req = GenRequest(endpoint="completion", prompt="", **_common(body))
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
@@ -406,7 +408,10 @@ class Envelope:
         self.created = self.created or int(time.time())
 
     def _base(self, stream: bool) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.endpoint == "chat" else "text_completion"
+        if self.endpoint == "chat":
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 

@@ -1,0 +1,532 @@
+"""The OpenAI-compatible app in process (Starlette TestClient) around small synthetic GGUF models:
+endpoints, streaming, usage arithmetic, sampling semantics, auth, back-pressure, cancellation, error
+JSON for every kind of bad input (including a hypothesis fuzz), tool-call parsing and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+import strata_jax
+from strata_jax.cli import main
+from strata_jax.model.model import GenerationChunk
+from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.serving.app import create_app
+from strata_jax.serving.engine import Engine, Job
+from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls
+from strata_jax.serving.server import model_id
+
+MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
+                    vocab_size=512, qtype="Q8_0")
+DENSE = SyntheticSpec(arch="qwen2", n_layers=1, d_model=128, head_dim=32, ffn_dim=128, vocab_size=512, qtype="Q8_0")
+CTX = 256
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "moe.gguf", MOE)
+
+
+@pytest.fixture(scope="module")
+def model(moe_path):
+    return strata_jax.load(moe_path, ctx=CTX, expert_slots=8)  # half the experts: misses happen
+
+
+@contextlib.contextmanager
+def serving(model_or_loader, *, api_key=None, queue_size=64, wait=True):
+    loader = model_or_loader if callable(model_or_loader) else (lambda: model_or_loader)
+    engine = Engine(loader, queue_size=queue_size, warmup=False)
+    app = create_app(engine, model_id="moe", api_key=api_key)
+    with TestClient(app) as client:
+        if wait:
+            assert engine.wait_ready(60)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    with serving(model) as c:
+        yield c
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"messages": MSGS, **body})
+
+
+def parse_sse(text: str) -> list[dict]:
+    """Every event is `data: <json>` and the last is `data: [DONE]`."""
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", text[-200:]
+    out = []
+    for ev in events[:-2]:
+        assert ev.startswith("data: ") and "\n" not in ev, ev
+        out.append(json.loads(ev[len("data: "):]))
+    return out
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# -- status endpoints ----------------------------------------------------------------------------------
+
+def test_health_while_loading_then_ready(model):
+    gate = threading.Event()
+
+    def slow_loader():
+        gate.wait(30)
+        return model
+
+    with serving(slow_loader, wait=False) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading" and r.json()["loaded"] is False
+        err = assert_error(chat(c, max_tokens=2), 503)
+        assert err["code"] == "model_loading" and "Retry-After" in chat(c, max_tokens=2).headers
+        gate.set()
+        for _ in range(300):
+            if (r := c.get("/health")).status_code == 200:
+                break
+            time.sleep(0.02)
+        assert r.json() == {"status": "ok", "loaded": True, "model": "moe", "max_context": CTX, "api_key": False,
+                            "queue_depth": 0}
+
+
+def test_models(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    m = body["data"][0]
+    assert m["id"] == "moe" and m["object"] == "model" and m["context_length"] == CTX
+    assert m["meta"]["n_ctx_train"] == MOE.context_length
+    ns = argparse.Namespace(alias=None, model="/x/y/Qwen3-30B-A3B-Q4_K_M.gguf")
+    assert model_id(ns) == "Qwen3-30B-A3B-Q4_K_M"
+    assert model_id(argparse.Namespace(alias="qwen", model="/x/y.gguf")) == "qwen"
+
+
+# -- generation ---------------------------------------------------------------------------------------------
+
+def test_chat_usage_and_reproducible_sampling(client, model):
+    r = chat(client, max_tokens=12, seed=7, cache_prompt=False)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "moe" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    ref = model.generate(MSGS, max_tokens=12, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=7,
+                         cache_prompt=False)  # OpenAI's defaults
+    assert choice["message"]["content"] == ref.text
+    assert u["prompt_tokens"] == len(model.prompt_tokens(MSGS))
+    assert u["completion_tokens"] == len(ref.token_ids) == body["timings"]["predicted_n"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert set(body["timings"]) == {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                                    "predicted_per_second", "cache_n"}
+    ex = body["expert_cache"]
+    assert ex["lookups"] == ex["hits"] + ex["misses"] > 0 and ex["bytes_h2d"] > 0
+    # same seed, same text (prompt cache on or off); another seed, other text
+    again = chat(client, max_tokens=12, seed=7).json()
+    assert again["choices"][0]["message"]["content"] == ref.text
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["timings"]["cache_n"] > 0
+    other = chat(client, max_tokens=12, seed=8).json()["choices"][0]["message"]["content"]
+    assert other != ref.text
+
+
+def test_greedy_matches_model_generate(client, model):
+    body = chat(client, max_tokens=10, temperature=0).json()
+    assert body["choices"][0]["message"]["content"] == model.generate(MSGS, max_tokens=10, temperature=0).text
+    r = client.post("/v1/completions", json={"prompt": "def fib(n):", "max_tokens": 6, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == model.generate("def fib(n):", max_tokens=6, temperature=0).text
+    assert r.json()["object"] == "text_completion"
+
+
+def test_chat_stream_matches_non_stream(client):
+    full = chat(client, max_tokens=10, seed=3).json()
+    r = chat(client, max_tokens=10, seed=3, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = parse_sse(r.text)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == full["choices"][0]["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == full["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "usage" not in chunks[-1] and "timings" in chunks[-1]
+
+
+def test_stream_include_usage(client):
+    r = chat(client, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = parse_sse(r.text)
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions(client, model):
+    r = client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 4, "temperature": 0})
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(model.prompt_tokens("Once upon"))
+    assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
+    ids = model.tokenize("Once upon")
+    by_ids = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == body["choices"][0]["text"]
+    s = client.post("/v1/completions",
+                    json={"prompt": ["Once upon"], "max_tokens": 4, "temperature": 0, "stream": True})
+    chunks = parse_sse(s.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_and_length(client):
+    text = chat(client, max_tokens=12, temperature=0).json()["choices"][0]["message"]["content"]
+    stop = text[4:6]
+    want = text[: text.find(stop)]
+    for s in (stop, [stop, "\x00never"]):
+        body = chat(client, max_tokens=12, temperature=0, stop=s).json()
+        assert body["choices"][0]["message"]["content"] == want
+        assert body["choices"][0]["finish_reason"] == "stop"
+    body = chat(client, max_completion_tokens=3, temperature=0).json()
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+
+
+def test_content_parts_tools_and_reasoning_effort_accepted(client, model):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    body = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 2}).json()
+    assert body["usage"]["prompt_tokens"] == len(model.prompt_tokens([{"role": "user", "content": "hello\nthere"}]))
+    tools = TOOLS
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = client.post("/v1/chat/completions", json={"messages": history, "tools": tools, "tool_choice": "auto",
+                                                   "max_tokens": 2, "reasoning_effort": "none"})
+    assert r.status_code == 200, r.text
+
+
+def test_dense_model_has_no_expert_cache(tmp_path):
+    m = strata_jax.load(write_synthetic_gguf(tmp_path / "dense.gguf", DENSE), ctx=64)
+    with serving(m) as c:
+        body = chat(c, max_tokens=3).json()
+        assert "expert_cache" not in body and body["usage"]["completion_tokens"] == 3
+        assert c.get("/health").json()["max_context"] == 64
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+BAD = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": MSGS, "n": 2}, "n"),
+    ({"messages": MSGS, "temperature": "hot"}, "temperature"),
+    ({"messages": MSGS, "temperature": -1}, "temperature"),
+    ({"messages": MSGS, "top_p": 0}, "top_p"),
+    ({"messages": MSGS, "top_k": 1.5}, "top_k"),
+    ({"messages": MSGS, "min_p": 2}, "min_p"),
+    ({"messages": MSGS, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSGS, "seed": "x"}, "seed"),
+    ({"messages": MSGS, "seed": 10**400}, "seed"),
+    ({"messages": MSGS, "top_k": 10**30}, "top_k"),
+    ({"messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": MSGS, "stop": ""}, "stop"),
+    ({"messages": MSGS, "stream": "yes"}, "stream"),
+    ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSGS, "tool_choice": 3}, "tool_choice"),
+    ({"messages": MSGS, "logprobs": True}, "logprobs"),
+    ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSGS, "presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_chat_requests_are_400(client, body, param):
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("prompt", ["", [], [1, "x"], ["a", "b"], {"p": 1}, [10**9], None])
+def test_bad_completion_prompts_are_400(client, prompt):
+    assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, "prompt")
+
+
+def test_malformed_bodies_and_routes(client):
+    for raw in (b"{bad", b"", b"[1, 2]", b"\xff\xfe", b"[" * 100000):
+        assert_error(client.post("/v1/chat/completions", content=raw), 400)
+    assert_error(client.get("/v1/chat/completions"), 405)
+    assert_error(client.get("/v2/nothing"), 404)
+
+
+def test_prompt_longer_than_context(client):
+    err = assert_error(chat(client, messages=[{"role": "user", "content": "hello " * 400}]), 400, "messages")
+    assert err["code"] == "context_length_exceeded" and f"context is {CTX} tokens" in err["message"]
+    assert "--ctx" in err["message"]
+
+
+JSONV = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=True)
+                     | st.text(max_size=8), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
+                                                                                                max_size=3),
+                     max_leaves=6)
+_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
+_MSG = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXT})
+VALID = {  # plausible values, so that many fuzzed requests get through validation and run
+    "model": _TEXT, "messages": st.lists(_MSG, min_size=1, max_size=3),
+    "prompt": _TEXT | st.lists(st.integers(0, 511), min_size=1, max_size=8),
+    "max_tokens": st.integers(1, 6), "max_completion_tokens": st.integers(1, 6), "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 100), "min_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**63 - 1), "stop": _TEXT | st.lists(_TEXT, max_size=4), "n": st.just(1),
+    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "reasoning_effort": st.sampled_from(["none", "low", "high"]), "cache_prompt": st.booleans(),
+    "logprobs": st.just(False), "response_format": st.just({"type": "text"}),
+    "chat_template_kwargs": st.just({"enable_thinking": False}),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+       fields=st.fixed_dictionaries({}, optional=VALID),
+       corrupt=st.dictionaries(st.sampled_from(sorted(VALID)), JSONV, max_size=2), keep_valid=st.booleans())
+def test_fuzz_never_5xx(client, endpoint, fields, corrupt, keep_valid):
+    body = {"max_tokens": 3, **({"messages": MSGS, "prompt": "hi"} if keep_valid else {}), **fields, **corrupt}
+    for limit in ("max_tokens", "max_completion_tokens"):  # keep the fuzz fast; ranges have their own tests
+        if isinstance(body.get(limit), int) and body[limit] > 8:
+            body[limit] = 8
+    r = client.post(endpoint, content=json.dumps(body))  # json.dumps: NaN and Infinity go over the wire too
+    event(f"status {r.status_code}")
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert_error(r, r.status_code)
+    elif body.get("stream") is True:
+        parse_sse(r.text)
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+# -- auth, back-pressure, failures, cancellation -----------------------------------------------------------
+
+def test_api_key(model):
+    with serving(model, api_key="sekrit") as c:
+        assert c.get("/health").json()["api_key"] is True
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            for r in (c.get("/v1/models", headers=headers), c.get("/metrics", headers=headers),
+                      c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, headers=headers)):
+                assert assert_error(r, 401)["code"] == "invalid_api_key"
+        ok = {"Authorization": "Bearer sekrit"}
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, headers=ok).status_code == 200
+
+
+class Wrapped:
+    """The real model with a scripted generate_stream: blocks on a gate, fails once, or emits fixed text."""
+
+    def __init__(self, model, *, gate=None, fail=0, script=None):
+        self._m, self.gate, self.fail, self.script = model, gate, fail, script
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def generate_stream(self, ids, cache_prompt=True, **kw):
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("device on fire")
+        if self.script is None:
+            yield from self._m.generate_stream(ids, cache_prompt=cache_prompt, **kw)
+            return
+        for piece in self.script[:-1]:
+            yield GenerationChunk(piece, [1])
+        yield GenerationChunk(self.script[-1], [1], "stop", {"predicted_n": len(self.script)}, list(ids))
+
+
+def test_queue_full_is_429(model):
+    gate = threading.Event()
+    with serving(Wrapped(model, gate=gate), queue_size=1) as c:
+        engine = c.app.state.engine
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(chat(c, max_tokens=2))) for _ in range(2)]
+        threads[0].start()
+        for _ in range(500):  # the first request is running (blocked), the second waits in the queue
+            if engine.busy:
+                break
+            time.sleep(0.01)
+        threads[1].start()
+        for _ in range(500):
+            if engine.queue_depth == 1:
+                break
+            time.sleep(0.01)
+        assert c.get("/health").json()["queue_depth"] == 1
+        r = chat(c, max_tokens=2)
+        err = assert_error(r, 429)
+        assert err["code"] == "queue_full" and r.headers["Retry-After"] == "1"
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert [x.status_code for x in results] == [200, 200]
+
+
+def test_engine_failure_is_500_for_that_request_only(model):
+    with serving(Wrapped(model, fail=1)) as c:
+        err = assert_error(chat(c, max_tokens=2), 500)
+        assert "device on fire" in err["message"]
+        assert chat(c, max_tokens=2).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def test_cancel_stops_generation_between_tokens(model):
+    engine = Engine(lambda: model, warmup=False)
+    engine.start()
+    assert engine.wait_ready(60)
+
+    async def run():
+        ids = model.tokenize("hello")
+        long = Job(GenRequest("completion", ids, max_tokens=200, temperature=0), ids)
+        engine.submit(long)
+        ev = await asyncio.wait_for(long.events.get(), 30)
+        assert ev.kind == "chunk"
+        long.cancel()
+        short = Job(GenRequest("completion", ids, max_tokens=3, temperature=0), ids)
+        engine.submit(short)
+        kinds = []
+        while not kinds or kinds[-1] != "final":
+            kinds.append((await asyncio.wait_for(short.events.get(), 30)).kind)
+        seen = []
+        while not long.events.empty():
+            seen.append(long.events.get_nowait())
+        assert all(e.kind == "chunk" for e in seen) and len(seen) < 150  # never reached its final event
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert engine.state == "stopped"
+
+
+def test_draining_refuses_new_work(model):
+    with serving(model) as c:
+        c.app.state.engine.begin_drain()  # what SIGTERM does before uvicorn's graceful shutdown
+        assert assert_error(chat(c, max_tokens=2), 503)["code"] == "shutting_down"
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "shutting_down"
+
+
+def test_reasoning_effort_none_turns_thinking_off(model):
+    seen = {}
+
+    class Thinking(Wrapped):
+        tokenizer = SimpleNamespace(chat_template="{% if enable_thinking %}<think>{% endif %}", named_templates={})
+
+        def prompt_tokens(self, prompt, **kw):
+            seen.clear()
+            seen.update(kw)
+            return [1, 2, 3]
+
+    engine = Engine(lambda: None)
+    engine.model = Thinking(model)
+    assert engine.tokenize(parse_chat({"messages": MSGS, "reasoning_effort": "none"})) == [1, 2, 3]
+    assert seen == {"enable_thinking": False}
+    engine.tokenize(parse_chat({"messages": MSGS, "reasoning_effort": "high", "tools": TOOLS}))
+    assert seen == {"tools": TOOLS}
+
+
+# -- tool calls -----------------------------------------------------------------------------------------
+
+def test_parse_tool_calls():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"tz": "CET"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_tool_calls("plain <b>text</b>") == ("plain <b>text</b>", [])
+    bad = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(bad) == (bad, [])
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')  # cut off before the close tag
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+def test_tool_call_stream_holds_back_calls():
+    text = 'Sure. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    s = ToolCallStream()
+    streamed = "".join(s.feed(ch) for ch in text)
+    assert streamed == "Sure. "
+    rest, calls = s.finish()
+    assert rest == "" and calls[0]["function"]["name"] == "f"
+    s = ToolCallStream()
+    assert s.feed("a <tool") == "a " and s.feed("s>") == "<tools>" and s.finish() == ("", [])
+
+
+def test_tool_calls_end_to_end(model):
+    script = ["I will", " call it. <tool_", 'call>{"name": "get_weather", ',
+              '"arguments": {"city": "Oslo"}}</tool_call>']
+    tools = TOOLS
+    with serving(Wrapped(model, script=script)) as c:
+        body = chat(c, tools=tools).json()
+        msg = body["choices"][0]["message"]
+        assert body["choices"][0]["finish_reason"] == "tool_calls" and msg["content"] == "I will call it."
+        assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+        chunks = parse_sse(chat(c, tools=tools, stream=True).text)
+        deltas = [ch["choices"][0]["delta"] for ch in chunks]
+        assert "".join(d.get("content", "") for d in deltas) == "I will call it. "
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # without tools (or tool_choice "none") the same text is plain content
+        plain = chat(c, tools=tools, tool_choice="none").json()["choices"][0]
+        assert plain["finish_reason"] == "stop" and "<tool_call>" in plain["message"]["content"]
+
+
+# -- metrics and CLI -----------------------------------------------------------------------------------------
+
+def test_metrics(model):
+    with serving(model) as c:
+        for _ in range(3):
+            chat(c, max_tokens=2)
+        assert_error(chat(c, n=3), 400)
+        text = c.get("/metrics").text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        reqs = {(s.labels["endpoint"], s.labels["status"]): s.value for s in fams["strata_requests"].samples
+                if s.name == "strata_requests_total"}
+        assert reqs[("chat_completions", "200")] == 3 and reqs[("chat_completions", "400")] == 1
+        total = {s.name: s.value for s in fams["strata_completion_tokens"].samples}
+        assert total["strata_completion_tokens_total"] == 6
+        ttft = {s.name: s.value for s in fams["strata_time_to_first_token_seconds"].samples}
+        assert ttft["strata_time_to_first_token_seconds_count"] == 3
+        assert 0 < fams["strata_expert_cache_hit_rate"].samples[0].value <= 1
+        assert fams["strata_kv_cache_tokens"].samples[0].value > 0
+        as_json = c.get("/metrics?format=json").json()
+        plain = {n for n in fams if not n.endswith("_created")}  # the text parser splits these off
+        assert set(as_json) == plain == set(c.get("/metrics.json").json())
+        assert {"name": "strata_requests_total", "labels": {"endpoint": "chat_completions", "status": "200"},
+                "value": 3.0} in as_json["strata_requests"]["samples"]
+
+
+def test_serve_refuses_unsafe_or_unimplemented_options(moe_path, capsys, monkeypatch):
+    monkeypatch.delenv("STRATA_JAX_API_KEY", raising=False)
+    assert main(["serve", "--model", str(moe_path), "--host", "0.0.0.0"]) == 2
+    assert "--api-key" in capsys.readouterr().err
+    assert main(["serve", "--model", str(moe_path), "--parallel", "4"]) == 2
+    assert "batched decode" in capsys.readouterr().err
+    assert main(["serve", "--model", str(moe_path) + ".missing"]) == 2
+    assert "no such file" in capsys.readouterr().err
