@@ -56,6 +56,7 @@ def forward(
     policy: Policy | None = None,
     prefetch: bool = False,
     all_logits: bool = False,
+    attn_len: int | None = None,
 ) -> tuple[jax.Array, KVCache, SlotTable | None, jax.Array, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
 
@@ -66,6 +67,9 @@ def forward(
 
     With prefetch (offloading, decode), each MoE layer also admits and fetches the experts that the next
     MoE layer's router predicts from the current residual stream.
+
+    attn_len (static): attention reads only the first attn_len cache positions; every position this
+    step writes must lie below it.
 
     Returns (logits, kv cache, slot table, routed expert ids [M, B*T, k], counters int32 [M, N_STATS]
     per MoE layer: see moe.N_STATS). Logits are float32, [B, T, V] with all_logits,
@@ -83,9 +87,7 @@ def forward(
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attn"):
                 h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
-                h, k_i, v_i = attention(layer.attn, h, pos_BT, k_all[i], v_all[i], cfg)
-                k_all = k_all.at[i].set(k_i)
-                v_all = v_all.at[i].set(v_i)
+                h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, attn_len)
                 x = x + h
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
             if layer.moe is not None:

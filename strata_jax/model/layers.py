@@ -51,12 +51,17 @@ def attention(
     p: AttnParams,
     x_BTD: jax.Array,
     pos_BT: jax.Array,
-    k_cache_BSKDh: jax.Array,
-    v_cache_BSKDh: jax.Array,
+    k_LBSKDh: jax.Array,
+    v_LBSKDh: jax.Array,
+    layer: int,
     cfg: ModelConfig,
+    attn_len: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal GQA attention. The new keys/values are written into the cache at `pos_BT` first, then
-    every query attends to cache positions <= its own; stale entries past a sequence's end are masked."""
+    """Causal GQA attention for `layer`. The new keys/values are scattered straight into the whole
+    (donated) cache at `pos_BT` — one in-place update, never a copy of a layer's cache — then every
+    query attends to cache positions <= its own; stale entries past a sequence's end are masked.
+    attn_len (static): attend over the first attn_len cache positions only, a power-of-two bucket above
+    the furthest position, so a short sequence does not pay for the whole context."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = linear(x_BTD, p.wq, p.bq)
@@ -75,19 +80,20 @@ def attention(
     k = rope(k, pos_BT, cfg)
 
     b_idx = jnp.arange(B)[:, None]
-    k_cache_BSKDh = k_cache_BSKDh.at[b_idx, pos_BT].set(k.astype(k_cache_BSKDh.dtype), mode="drop")
-    v_cache_BSKDh = v_cache_BSKDh.at[b_idx, pos_BT].set(v.astype(v_cache_BSKDh.dtype), mode="drop")
+    k_LBSKDh = k_LBSKDh.at[layer, b_idx, pos_BT].set(k.astype(k_LBSKDh.dtype), mode="drop")
+    v_LBSKDh = v_LBSKDh.at[layer, b_idx, pos_BT].set(v.astype(v_LBSKDh.dtype), mode="drop")
 
-    S = k_cache_BSKDh.shape[1]
+    S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
+    k_att, v_att = k_LBSKDh[layer, :, :S], v_LBSKDh[layer, :, :S]
     q = q.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache_BSKDh, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_att, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(Dh)))
     mask_BTS = jnp.arange(S)[None, None, :] <= pos_BT[:, :, None]
     scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache_BSKDh.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache_BSKDh, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_att, preferred_element_type=jnp.float32)
     out = out.reshape(B, T, H * Dh).astype(x_BTD.dtype)
-    return linear(out, p.wo), k_cache_BSKDh, v_cache_BSKDh
+    return linear(out, p.wo), k_LBSKDh, v_LBSKDh
 
 
 def swiglu(x: jax.Array, p: MLPParams) -> jax.Array:

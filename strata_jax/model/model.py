@@ -32,6 +32,12 @@ from strata_jax.offload.policies import Policy
 log = logging.getLogger("strata_jax")
 
 MIN_BUCKET = 16
+MIN_ATTN_BUCKET = 256  # attention spans are powers of two from here up to the context length
+
+
+def attn_bucket(end: int, ctx: int) -> int:
+    """Cache positions attention reads when the furthest position written is end - 1."""
+    return min(max(MIN_ATTN_BUCKET, 1 << (max(end, 1) - 1).bit_length()), ctx)
 
 
 def bucket(n: int, max_chunk: int) -> int:
@@ -39,22 +45,25 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-_STATIC = ("cfg", "dtype", "policy", "prefetch")
+_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len")
 _DONATE = ("kv", "slots", "stats_MS")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("all_logits",), donate_argnames=_DONATE)
 def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
-             all_logits):
+             attn_len, all_logits):
     logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
-                                            dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits)
+                                            dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
+                                            attn_len=attn_len)
     return logits, kv, slots, routed, stats_MS + st
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode(params, slots, store, kv, stats_MS, tokens_B1, start_B, key, sp, *, cfg, dtype, policy, prefetch):
+def _decode(params, slots, store, kv, stats_MS, tokens_B1, start_B, key, sp, *, cfg, dtype, policy, prefetch,
+            attn_len):
     logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
-                                               cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch)
+                                               cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
+                                               attn_len=attn_len)
     return sample(logits_BV, key, sp), kv, slots, routed, stats_MS + st
 
 
@@ -166,8 +175,9 @@ class Model:
         if self._routing is not None and routed_MNk.shape[0]:
             self._routing.append(np.asarray(routed_MNk)[:, :n_valid].transpose(1, 0, 2))
 
-    def _step(self, fn, *args, **static):
-        """One jitted step over the donated state (KV cache, slot table, counters); puts it back after."""
+    def _step(self, fn, *args, end: int, **static):
+        """One jitted step over the donated state (KV cache, slot table, counters); puts it back after.
+        end: one past the furthest cache position the step writes (sizes the attention span)."""
         kv, self._kv = self._kv, None
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
@@ -177,7 +187,7 @@ class Model:
         out, self._kv, slots, routed, stats = fn(
             self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
             dtype=self.dtype, policy=e.policy if e is not None else None,
-            prefetch=e.prefetch if e is not None else False, **static)
+            prefetch=e.prefetch if e is not None else False, attn_len=attn_bucket(end, self.ctx), **static)
         if e is not None:
             e.put(slots, stats)
         return out, routed
@@ -227,7 +237,7 @@ class Model:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             logits, routed = self._step(_prefill, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                                        jnp.array([len(chunk)], jnp.int32), all_logits=all_logits)
+                                        jnp.array([len(chunk)], jnp.int32), end=pos + T, all_logits=all_logits)
             self._record(routed, len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
@@ -309,7 +319,7 @@ class Model:
                     text += decoder.flush()
                     break
                 tok, routed = self._step(_decode, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                                         jax.random.fold_in(key, len(generated)), sp)
+                                         jax.random.fold_in(key, len(generated)), sp, end=pos + 1)
                 fed.append(tok_host)
                 self._record(routed, 1)
                 pos += 1
