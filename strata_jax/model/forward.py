@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import attention, rms_norm, swiglu
 from strata_jax.model.moe import N_STATS, moe_block, route
-from strata_jax.model.weights import Params, _dataclass_pytree
+from strata_jax.model.weights import Params, pytree_dataclass
 from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
 from strata_jax.offload.store import ExpertStore
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class KVCache:
     k_LBSKDh: jax.Array
     v_LBSKDh: jax.Array

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.errors import ConfigError
-from strata_jax.model.weights import _dataclass_pytree
+from strata_jax.model.weights import pytree_dataclass
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class SamplingParams:
     temperature_B: jax.Array
     top_p_B: jax.Array

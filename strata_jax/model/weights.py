@@ -28,7 +28,7 @@ from strata_jax.model.gguf_file import GGUFFile, TensorInfo
 log = logging.getLogger("strata_jax")
 
 
-def _dataclass_pytree(cls=None, *, meta=()):
+def pytree_dataclass(cls=None, *, meta=()):
     """Register a dataclass as a pytree; fields named in `meta` are static (part of the treedef)."""
 
     def wrap(c):
@@ -42,7 +42,7 @@ def _dataclass_pytree(cls=None, *, meta=()):
     return wrap if cls is None else wrap(cls)
 
 
-@_dataclass_pytree(meta=("qtype", "n_cols"))
+@pytree_dataclass(meta=("qtype", "n_cols"))
 class QTensor:
     """GGML block bytes `uint8[..., rows, R]` of a logical `[..., rows, n_cols]` matrix, or, with
     qtype None, that matrix already dequantized (CPU default: see WeightLoader.dequantize_dense)."""
@@ -68,7 +68,7 @@ class QTensor:
         return (*self.data.shape[:-1], self.n_cols)
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class AttnParams:
     norm_D: jax.Array
     wq: QTensor  # [H*Dh, D]
@@ -82,7 +82,7 @@ class AttnParams:
     k_norm: jax.Array | None
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class MLPParams:
     """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
 
@@ -91,14 +91,14 @@ class MLPParams:
     w_down: QTensor  # [D, F]
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class MoEParams:
     router_ED: jax.Array  # float32
     shared: MLPParams | None
     shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class LayerParams:
     attn: AttnParams
     ffn_norm_D: jax.Array
@@ -106,7 +106,7 @@ class LayerParams:
     moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class Params:
     embed: QTensor  # [V, D]
     layers: tuple[LayerParams, ...]

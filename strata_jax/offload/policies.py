@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.model.weights import _dataclass_pytree
+from strata_jax.model.weights import pytree_dataclass
 
 
 FREE, DISABLED = -1, -2  # owner_S of an empty slot / of a slot that must stay unused
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class CacheState:
     slot_map_LE: jax.Array  # int32: slot holding (layer, expert), -1 if absent
     owner_S: jax.Array  # int32: global expert id in each slot, FREE (-1) or DISABLED (-2)
@@ -58,7 +58,7 @@ class CacheState:
         return self.slot_map_LE.shape[1]
 
 
-@_dataclass_pytree
+@pytree_dataclass
 class Plan:
     ids_U: jax.Array  # int32: the requested experts (-1 padding)
     slot_U: jax.Array  # int32: slot of each requested expert after this access (-1 for padding)

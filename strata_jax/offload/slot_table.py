@@ -20,7 +20,7 @@ import numpy as np
 
 from gguf import GGML_QUANT_SIZES
 
-from strata_jax.model.weights import WeightLoader, _dataclass_pytree
+from strata_jax.model.weights import WeightLoader, pytree_dataclass
 from strata_jax.offload.policies import CacheState, Policy
 from strata_jax.offload.store import EXPERT_TENSORS, ExpertRows, expert_parts, expert_shapes, fused_rows
 
@@ -28,7 +28,7 @@ from strata_jax.offload.store import EXPERT_TENSORS, ExpertRows, expert_parts, e
 ExpertPool = ExpertRows  # a pool of slots: one expert per row, indexed by slot
 
 
-@_dataclass_pytree(meta=("layer_pool", "layer_local", "resident"))
+@pytree_dataclass(meta=("layer_pool", "layer_local", "resident"))
 class SlotTable:
     pools: tuple[ExpertPool, ...]
     caches: tuple[CacheState, ...]  # one per pool
@@ -95,13 +95,6 @@ def resident_slot_table(loader: WeightLoader) -> SlotTable:
         caches.append(CacheState(jnp.arange(n, dtype=jnp.int32).reshape(len(layers), E),
                                  jnp.arange(n, dtype=jnp.int32), jnp.zeros((), jnp.int32), {}))
     return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, True)
-
-
-def split_slots(n_slots: int, layout: ExpertLayout, min_per_pool: int) -> list[int]:
-    """Slots per pool, proportional to its number of layers, each at least `min_per_pool`."""
-    n_layers = sum(len(p) for p in layout.pool_layers)
-    out = [max(min_per_pool, n_slots * len(p) // n_layers) for p in layout.pool_layers]
-    return out
 
 
 def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Policy) -> SlotTable:

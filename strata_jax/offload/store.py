@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax.model.weights import QTensor, WeightLoader, _dataclass_pytree
+from strata_jax.model.weights import QTensor, WeightLoader, pytree_dataclass
 from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
@@ -33,7 +33,7 @@ EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 Part = tuple  # (GGML type, rows, row bytes, columns) of one of an expert's three matrices
 
 
-@_dataclass_pytree(meta=("parts",))
+@pytree_dataclass(meta=("parts",))
 class ExpertRows:
     """Whole experts as byte rows `uint8[X, B]`: gate, up and down blocks back to back."""
 
@@ -62,10 +62,7 @@ class ExpertRows:
         return self.split(jnp.take(self.data, idx, axis=0))
 
 
-LayerExperts = ExpertRows  # one MoE layer's experts in the host store, indexed by expert id
-
-
-@_dataclass_pytree(meta=("memory_kind",))
+@pytree_dataclass(meta=("memory_kind",))
 class ExpertStore:
     layers: tuple[ExpertRows, ...]  # one per MoE layer
     memory_kind: str
