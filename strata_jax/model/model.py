@@ -59,8 +59,11 @@ def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, 
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode(params, slots, store, kv, stats_MS, tokens_B1, start_B, key, sp, *, cfg, dtype, policy, prefetch,
+def _decode(params, slots, store, kv, stats_MS, tokens_B, start_B, key, step, sp, *, cfg, dtype, policy, prefetch,
             attn_len):
+    # token reshape and key folding live in the step: outside they are extra dispatches per token
+    tokens_B1 = tokens_B[:, None]
+    key = jax.random.fold_in(key, step)
     logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
                                                cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
                                                attn_len=attn_len)
@@ -318,8 +321,8 @@ class Model:
                 if len(generated) >= max_tokens:
                     text += decoder.flush()
                     break
-                tok, routed = self._step(_decode, tok.reshape(1, 1), jnp.array([pos], jnp.int32),
-                                         jax.random.fold_in(key, len(generated)), sp, end=pos + 1)
+                tok, routed = self._step(_decode, tok, np.array([pos], np.int32), key,
+                                         np.int32(len(generated)), sp, end=pos + 1)
                 fed.append(tok_host)
                 self._record(routed, 1)
                 pos += 1
