@@ -7,6 +7,10 @@
 
 __version__ = "0.1.0"
 
+from strata_jax.runtime import configure_xla  # noqa: E402
+
+configure_xla()  # before anything imports jax's backend
+
 from strata_jax.errors import StrataError  # noqa: E402
 from strata_jax.model.model import Generation, GenerationChunk, Model, load  # noqa: E402
 

@@ -71,7 +71,9 @@ def run(args) -> dict:
     ref_tokens = None
     configs = [("resident", {})] if args.resident else []
     for frac in args.cache_fraction:
-        configs.append((f"offload {frac:.0%} lru", {"cache_fraction": frac}))
+        for depth in [0] if args.no_prefetch else args.prefetch_depth:
+            configs.append((f"offload {frac:.0%} {args.policy} prefetch {depth}", {"cache_fraction": frac,
+                                                                                   "prefetch": depth}))
     from strata_jax.model.config import ModelConfig
     from strata_jax.model.gguf_file import GGUFFile
 
@@ -81,7 +83,7 @@ def run(args) -> dict:
         kw = {"ctx": args.ctx}
         if "cache_fraction" in opts:
             kw.update(expert_slots=max(1, int(total * opts["cache_fraction"])), policy=args.policy,
-                      prefetch=not args.no_prefetch)
+                      prefetch=opts["prefetch"])
         model = strata_jax.load(path, **kw)
         prompt = rng.integers(0, min(model.config.vocab_size, 30000), args.prompt_len).tolist()
         rng = np.random.default_rng(0)  # same prompt for every configuration
@@ -94,7 +96,10 @@ def run(args) -> dict:
                "wall_s": wall, "n_tokens": n, "hit_rate": st.get("hit_rate"),
                "decode_MB_per_token": moved / max(n - 1, 1) / 1e6,
                "decode_h2d_GB_s": moved / max(n - 1, 1) * tps / 1e9,
+               "prefetch": st.get("prefetch"),
                "prefetch_precision": st.get("prefetch_precision"), "prefetch_recall": st.get("prefetch_recall"),
+               "fetch_us_per_expert": st.get("fetch_us_per_expert"), "link_GB_s": st.get("link_GB_per_s"),
+               "transfer_stall_fraction": st.get("transfer_stall_fraction"),
                "expert_slots": st.get("expert_slots"), "total_experts": st.get("total_experts")}
         if ref_tokens is None:
             ref_tokens = gen.token_ids
@@ -115,10 +120,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache-fraction", type=float, action="append", default=None)
     p.add_argument("--policy", default="lru")
     p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--prefetch-depth", type=int, action="append", default=None,
+                   help="prefetch depth; repeat to compare several (0 = off)")
     p.add_argument("--no-resident", dest="resident", action="store_false")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.cache_fraction = args.cache_fraction or [0.5]
+    args.prefetch_depth = args.prefetch_depth or [0]
     logging.basicConfig(level=logging.INFO, format="strata-jax: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
     res = run(args)

@@ -150,3 +150,52 @@ def test_second_request_compiles_nothing(moe_path, slots):
         m.generate(ids, max_tokens=8, temperature=0.5, seed=3)
         m.logits(ids)
     assert compiles == []
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_prefetch_depth_keeps_logits_and_tokens(moe_path, reference, depth):
+    ids, ref_logits, ref_tokens = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=6, prefetch=depth)
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
+    st = m.stats()
+    assert st["prefetch"] == depth
+    assert (st["prefetched"] > 0) == (depth > 0)
+    assert (st["prefetch_precision"] is None) == (depth == 0)
+
+
+def test_prefetch_depth_must_be_a_depth(moe_path):
+    with pytest.raises(ConfigError, match="prefetch=-1 is invalid"):
+        strata_jax.load(moe_path, ctx=128, expert_slots=8, prefetch=-1)
+
+
+def test_transfer_telemetry(moe_path, reference):
+    ids, _, _ = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=6)
+    m.generate(ids, max_tokens=16, temperature=0)
+    st = m.stats()
+    assert st["fetch_us_per_expert"] > 0 and st["link_GB_per_s"] > 0
+    assert st["steps"] == 16 + 1  # decode steps + one prefill chunk
+    assert 0 < st["transfer_stall_seconds"] < st["step_seconds"]
+    assert st["h2d_GB_per_s"] == pytest.approx(st["bytes_h2d"] / st["step_seconds"] / 1e9)
+    m.reset_stats()
+    assert m.stats()["step_seconds"] == 0 and m.stats()["transfer_stall_seconds"] == 0
+
+
+def test_static_policy_from_a_saved_trace_spans_both_pools(moe_path, reference, tmp_path):
+    ids, ref_logits, ref_tokens = reference
+    rec = strata_jax.load(moe_path, ctx=128, record_routing=True)
+    rec.generate(ids, max_tokens=24, temperature=0)
+    trace = rec.routing_trace()  # [tokens, 4 MoE layers, k]: one profile for the model's two pools
+    np.save(tmp_path / "trace.npy", trace)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8, policy=f"static:{tmp_path / 'trace.npy'}")
+    assert len(m.experts.slots.pools) == 2
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
+    # each pool's cache was seeded with its own layers' rows of the whole-model profile
+    prof = np.asarray(m.experts.slots.caches[1].meta["profile_LE"])
+    from strata_jax.offload.policies import usage_profile
+    full = usage_profile(trace, trace.shape[1], 8)
+    np.testing.assert_array_equal(prof, full[[i for i, p in enumerate(m.experts.slots.layer_pool) if p == 1]])
+    with pytest.raises(ConfigError, match="cannot read the static policy's profile"):
+        strata_jax.load(moe_path, ctx=128, expert_slots=8, policy=f"static:{tmp_path / 'missing.npy'}")

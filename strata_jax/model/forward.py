@@ -54,7 +54,7 @@ def forward(
     cfg: ModelConfig,
     dtype,
     policy: Policy | None = None,
-    prefetch: bool = False,
+    prefetch: int = 0,
     all_logits: bool = False,
     attn_len: int | None = None,
 ) -> tuple[jax.Array, KVCache, SlotTable | None, jax.Array, jax.Array]:
@@ -65,8 +65,8 @@ def forward(
     before anything attends to them. Routed experts come from `slots` (with misses fetched from `store`
     by `policy` when the cache is not fully resident).
 
-    With prefetch (offloading, decode), each MoE layer also admits and fetches the experts that the next
-    MoE layer's router predicts from the current residual stream.
+    With prefetch = d > 0 (offloading, decode), each MoE layer also admits and fetches the experts that
+    the routers of the next d MoE layers predict from the current residual stream.
 
     attn_len (static): attention reads only the first attn_len cache positions; every position this
     step writes must lie below it.
@@ -82,6 +82,7 @@ def forward(
     routed, stats = [], []
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     offloading = slots is not None and not slots.resident and B * T * cfg.n_experts_used <= cfg.n_experts
+    depth = int(prefetch) if offloading else 0  # MoE layers ahead whose experts each layer prefetches
     predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer{i}"):
@@ -93,14 +94,15 @@ def forward(
             if layer.moe is not None:
                 with jax.named_scope("moe"):
                     mi = moe_idx[i]
-                    pf = None
-                    if prefetch and offloading and mi + 1 < len(cfg.moe_layers):
-                        # the next MoE layer's router on this residual stream predicts its experts
-                        nxt = params.layers[cfg.moe_layers[mi + 1]]
+                    pf = []
+                    for ahead in range(mi + 1, min(mi + 1 + depth, len(cfg.moe_layers))):
+                        # a later MoE layer's router on this residual stream predicts its experts
+                        nxt = params.layers[cfg.moe_layers[ahead]]
                         h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        pf = (mi + 1, route(h_next, nxt.moe.router_ED, cfg)[1])
-                        predicted[mi + 1] = pf[1]
-                    h, ids, slots, st = moe_block(layer.moe, slots, store, mi, h, cfg, policy, pf,
+                        pf.append((ahead, route(h_next, nxt.moe.router_ED, cfg)[1]))
+                    if pf:
+                        predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
+                    h, ids, slots, st = moe_block(layer.moe, slots, store, mi, h, cfg, policy, tuple(pf),
                                                   predicted.get(mi))
                     routed.append(ids)
                     stats.append(st)

@@ -84,14 +84,14 @@ def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U:
 
 def moe_block(
     p: MoEParams, slots: SlotTable, store: ExpertStore | None, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig,
-    policy: Policy | None, prefetch: tuple[int, jax.Array] | None = None, predicted_NK: jax.Array | None = None,
+    policy: Policy | None, prefetch: tuple[tuple[int, jax.Array], ...] = (), predicted_NK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SlotTable, jax.Array]:
     """Returns the block output, the routed expert ids [N, k], the updated slot table, and this layer's
     counters int32 [N_STATS].
 
-    prefetch = (next MoE layer, its predicted expert ids): once this layer's experts are gathered, the
-    predicted ones are admitted and fetched for the next layer, so their copies can overlap this layer's
-    expert compute. predicted_NK: what the previous layer predicted for this one (for precision/recall).
+    prefetch = ((later MoE layer, its predicted expert ids), ...): once this layer's experts are
+    gathered, the predicted ones are admitted and fetched for those layers (nearest first).
+    predicted_NK: what the previous layer predicted for this one (for precision/recall).
     """
     B, T, D = x_BTD.shape
     dtype = x_BTD.dtype
@@ -111,12 +111,18 @@ def moe_block(
             out_ND = _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, E)
     elif few:
         slots, plan = _access_and_fetch(slots, store, moe_idx, _unique(ids_NK, E), policy)
-        weights = _gather_experts(slots.pools[slots.layer_pool[moe_idx]], slots.slot_map(moe_idx)[ids_NK], dtype)
+        pool = slots.pools[slots.layer_pool[moe_idx]]
+        rows = jnp.take(pool.data, slots.slot_map(moe_idx)[ids_NK], axis=0)
+        if prefetch:
+            # Prefetching overwrites slots in place, possibly ones this layer just read. The barrier makes
+            # the read happen first: without it XLA:GPU was seen reading a slot after its overwrite
+            # (greedy tokens drifted from the resident run on the B30 shape; exact without prefetch).
+            rows, slots = jax.lax.optimization_barrier((rows, slots))
+        weights = tuple(t.dequant(dtype) for t in pool.split(rows))
         hits, misses = plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32)
-        if prefetch is not None:
-            next_idx, pred_NK = prefetch
+        for next_idx, pred_NK in prefetch:
             slots, pf_plan = _access_and_fetch(slots, store, next_idx, _unique(pred_NK, E), policy)
-            prefetched = pf_plan.n_misses.astype(jnp.int32)
+            prefetched = prefetched + pf_plan.n_misses.astype(jnp.int32)
         out_ND = _apply_experts(x_ND, w_NK, weights, dtype)
     else:
         streamed_pool = stream_layer(store.layers[moe_idx])

@@ -35,3 +35,30 @@ def fetch_misses(pool: ExpertRows, layer: ExpertRows, plan: Plan) -> ExpertRows:
 def stream_layer(layer: ExpertRows) -> ExpertRows:
     """All E experts of one layer on the device (one copy), as a temporary pool indexed by expert id."""
     return ExpertRows(_to_device(layer.data), layer.parts)
+
+
+def calibrate_fetch(layer: ExpertRows, device, n: int = 8, reps: int = 3) -> tuple[float, float]:
+    """Seconds per expert of an in-jit miss fetch (through `fetch_misses` itself: same loop, same DMA,
+    into a scratch pool) and of streaming a whole layer: the costs telemetry uses for transfer time."""
+    import time
+
+    def seconds(run) -> float:
+        jax.block_until_ready(run())  # compile
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = run()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / reps
+
+    n = min(n, layer.n_rows)
+    pool = [ExpertRows(jnp.zeros((n, layer.bytes_per_expert), jnp.uint8, device=device), layer.parts)]
+    ids = jnp.arange(n, dtype=jnp.int32)
+    plan = jax.device_put(Plan(ids, ids, jnp.ones((n,), bool), jnp.full((n,), -1, jnp.int32)), device)
+    fetch = jax.jit(fetch_misses, donate_argnums=0)
+
+    def run_fetch():
+        pool[0] = fetch(pool[0], layer, plan)  # the scratch pool is donated back each time
+        return pool[0]
+
+    stream = jax.jit(lambda rows: stream_layer(rows).data)
+    return seconds(run_fetch) / n, seconds(lambda: stream(layer)) / layer.n_rows

@@ -18,6 +18,8 @@ import numpy as np
 
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.weights import WeightLoader
+from strata_jax.errors import ConfigError
+from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
@@ -32,11 +34,20 @@ LOW_FREE_VRAM = 512 << 20
 class OffloadManager:
     def __init__(self, loader: WeightLoader, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", prefetch: bool = True):
+                 policy: str | Policy = "lru", prefetch: bool | int = False):
         cfg = loader.cfg
         self.device = loader.device
         self.policy = get_policy(policy)
-        self.prefetch = bool(prefetch)
+        if isinstance(prefetch, bool) or prefetch is None:
+            prefetch = int(bool(prefetch))
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch={prefetch!r} is invalid: give True/False or a depth >= 0 "
+                              "(MoE layers ahead to prefetch).")
+        self.prefetch = prefetch  # depth: MoE layers ahead whose predicted experts each layer fetches
+        if prefetch > 1 and self.device.platform == "gpu":
+            log.warning("prefetch depth %d: on an H200 greedy tokens were seen to differ from the all-resident "
+                        "run at depth 2 (exact at depths 0 and 1, and on CPU at any depth), and depth 2 was "
+                        "slower; use --prefetch-depth 1 for exact results", prefetch)
         layout = expert_layout(loader)
         self.plan: CachePlan = plan_cache(
             pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
@@ -45,11 +56,17 @@ class OffloadManager:
             free_bytes=device_free_bytes(self.device))
         log.info(describe(self.plan))
         self.store: ExpertStore | None = None
+        # measured seconds per expert of an in-step miss fetch and of a whole-layer stream (0: resident)
+        self.fetch_s = self.stream_s = 0.0
         if self.plan.resident:
             slots = resident_slot_table(loader)
         else:
             self.store = load_expert_store(loader)
             slots = empty_slot_table(loader, list(self.plan.slots_per_pool), self.policy)
+            self.fetch_s, self.stream_s = calibrate_fetch(self.store.layers[0], self.device)
+            log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
+                     fmt_bytes(self.store.layers[0].bytes_per_expert),
+                     self.store.layers[0].bytes_per_expert / self.fetch_s / 1e9)
         # Step inputs are committed to the device up front: jit's cache key includes committedness and
         # step outputs are committed, so uncommitted initial state would recompile the second step.
         self.slots: SlotTable | None = jax.device_put(slots, self.device)
@@ -77,6 +94,12 @@ class OffloadManager:
 
     def reset_stats(self) -> None:
         self._stats_MS = jax.device_put(jnp.zeros((self._n_layers, N_STATS), jnp.int32), self.device)
+        self.step_s = 0.0  # wall time of the steps run since the reset (Model reports it via note_steps)
+        self.steps = 0
+
+    def note_steps(self, seconds: float, n: int) -> None:
+        self.step_s += seconds
+        self.steps += n
 
     def counters(self) -> np.ndarray:
         """int64 [MoE layers, N_STATS]: hits, misses, streamed, prefetched, predicted-and-routed, predicted."""
@@ -88,12 +111,24 @@ class OffloadManager:
         st = self.counters()
         hits, misses, streamed, prefetched, pred_hit, pred_total = (int(x) for x in st.sum(axis=0))
         actual = hits + misses - int(st[0, 0] + st[0, 1])  # lookups of layers that had a prediction
+        per_expert_M = self.bytes_per_expert_M
+        moved = int(((st[:, 1] + st[:, 2] + st[:, 3]) * per_expert_M).sum())
+        # in-step fetches are not overlapped with compute, so their time is time the step waits:
+        # fetched experts x the per-expert cost measured at load through the same code path
+        transfer_s = (misses + prefetched) * self.fetch_s + streamed * self.stream_s
         return {
             "lookups": hits + misses,
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-            "bytes_h2d": int(((st[:, 1] + st[:, 2] + st[:, 3]) * self.bytes_per_expert_M).sum()),
+            "bytes_h2d": moved,
+            "step_seconds": self.step_s,
+            "steps": self.steps,
+            "h2d_GB_per_s": moved / self.step_s / 1e9 if self.step_s else None,
+            "fetch_us_per_expert": self.fetch_s * 1e6,
+            "link_GB_per_s": float(per_expert_M[0]) / self.fetch_s / 1e9 if self.fetch_s else None,
+            "transfer_stall_seconds": transfer_s,
+            "transfer_stall_fraction": min(transfer_s / self.step_s, 1.0) if self.step_s else None,
             "prefill_streamed_experts": streamed,
             "prefetched": prefetched,
             "prefetch_precision": pred_hit / pred_total if pred_total else None,
@@ -103,6 +138,6 @@ class OffloadManager:
             "total_experts": self.plan.total_experts,
             "resident": self.plan.resident,
             "policy": None if self.plan.resident else self.policy.name,
-            "prefetch": self.prefetch and not self.plan.resident,
+            "prefetch": 0 if self.plan.resident else self.prefetch,
             "store_memory": self.store.memory_kind if self.store is not None else None,
         }

@@ -319,17 +319,21 @@ def static_policy(profile_LE, name: str | None = None) -> Policy:
     """Evict the expert with the lowest saved usage (`profile_LE`, counts or frequencies per layer and
     expert, e.g. from `usage_profile`; ties: least recently used). The profile's hot set stays resident
     and the remaining slots churn among the cold experts. The profile must cover the cache's layers
-    exactly ([n_layers, n_experts] of the cache that init builds)."""
+    exactly: [n_layers, n_experts] of the cache that init builds, or of the whole model when the slot
+    table splits layers into several pools (init then receives the pool's `layers` and takes their rows)."""
     prof = np.asarray(profile_LE, np.float32)
     if prof.ndim != 2 or not np.all(np.isfinite(prof)):
         raise ValueError(f"profile must be a finite [layers, experts] array, got shape {prof.shape}")
     name = name or f"static({_digest(prof)})"
 
-    def init(n_slots: int, n_layers: int, n_experts: int) -> CacheState:
-        if prof.shape != (n_layers, n_experts):
+    def init(n_slots: int, n_layers: int, n_experts: int, layers: tuple[int, ...] | None = None) -> CacheState:
+        p = prof
+        if layers is not None and p.shape[0] != n_layers and p.shape[0] > max(layers, default=-1):
+            p = p[list(layers)]  # a whole-model profile, this pool's layers
+        if p.shape != (n_layers, n_experts):
             raise ValueError(f"static profile has shape {prof.shape} but the cache holds {n_layers} layers "
                              f"of {n_experts} experts")
-        return CacheState.empty(n_slots, n_layers, n_experts, profile_LE=jnp.asarray(prof),
+        return CacheState.empty(n_slots, n_layers, n_experts, profile_LE=jnp.asarray(p),
                                 last_use_S=jnp.full((n_slots,), -1, jnp.int32))
 
     return Policy(name, init, static_access)
@@ -398,14 +402,34 @@ POLICIES: dict[str, Policy] = {"lru": LRU, "lfu": LFU, "lrfu": LRFU}
 _LRFU_NAME = re.compile(r"^\s*lrfu\s*\(\s*([0-9.eE+-]+)\s*\)\s*$")
 
 
+def _static_from_file(path: str) -> Policy:
+    """static_policy from a .npy file: a usage profile [layers, experts] or a routing trace
+    [tokens, layers, k] (Model.routing_trace(), saved with np.save), counted into a profile."""
+    from strata_jax.errors import ConfigError
+
+    try:
+        arr = np.load(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the static policy's profile {path!r} ({e}); save a [layers, experts] "
+                          "profile or a [tokens, layers, k] routing trace with numpy.save") from None
+    if arr.ndim == 3:
+        arr = usage_profile(arr, arr.shape[1], int(arr.max()) + 1 if arr.size else 1)
+    if arr.ndim != 2:
+        raise ConfigError(f"{path!r} holds an array of shape {arr.shape}: expected a [layers, experts] profile "
+                          "or a [tokens, layers, k] routing trace")
+    return static_policy(arr)
+
+
 def get_policy(policy: str | Policy) -> Policy:
-    """A Policy, a registered name ("lru", "lfu", "lrfu") or "lrfu(<lam>)". Belady and static policies
-    need data: build them with belady_policy(trace) / static_policy(profile)."""
+    """A Policy, a registered name ("lru", "lfu", "lrfu"), "lrfu(<lam>)", or "static:<file.npy>" (a saved
+    usage profile or routing trace). Belady needs the future: build it with belady_policy(trace)."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
         if policy in POLICIES:
             return POLICIES[policy]
+        if policy.startswith("static:"):
+            return _static_from_file(policy[len("static:"):])
         m = _LRFU_NAME.match(policy)
         if m:
             try:

@@ -13,6 +13,7 @@ Shape legend: S slots in a pool, F expert ffn dim, D model dim, R row bytes, L l
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -110,5 +111,13 @@ def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Po
         data = jnp.zeros((S, sum(n * rb for _, n, rb, _ in parts)), jnp.uint8, device=loader.device)
         loader.bytes_loaded += data.nbytes
         pools.append(ExpertPool(data, tuple(parts)))
-        caches.append(policy.init(S, len(layers), cfg.n_experts))
+        caches.append(init_cache(policy, S, layers, cfg.n_experts))
     return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, False)
+
+
+def init_cache(policy: Policy, n_slots: int, layers: tuple[int, ...], n_experts: int) -> CacheState:
+    """policy.init for a pool holding `layers` (MoE indices); policies whose init takes `layers` (a static
+    profile of the whole model) get them, so one policy object serves every pool."""
+    if "layers" in inspect.signature(policy.init).parameters:
+        return policy.init(n_slots, len(layers), n_experts, layers=tuple(layers))
+    return policy.init(n_slots, len(layers), n_experts)
