@@ -19,13 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 import strata_jax
-from strata_jax.cli import main
+from strata_jax.cli import build_parser, main
+from strata_jax.errors import StrataError
 from strata_jax.model.model import GenerationChunk
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job
 from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls
-from strata_jax.serving.server import model_id
+from strata_jax.serving.server import check_options, model_id
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                     vocab_size=512, qtype="Q8_0")
@@ -46,9 +47,9 @@ def model(moe_path):
 
 
 @contextlib.contextmanager
-def serving(model_or_loader, *, api_key=None, queue_size=64, wait=True):
+def serving(model_or_loader, *, api_key=None, queue_size=64, wait=True, parallel=1):
     loader = model_or_loader if callable(model_or_loader) else (lambda: model_or_loader)
-    engine = Engine(loader, queue_size=queue_size, warmup=False)
+    engine = Engine(loader, queue_size=queue_size, warmup=False, parallel=parallel)
     app = create_app(engine, model_id="moe", api_key=api_key)
     with TestClient(app) as client:
         if wait:
@@ -515,6 +516,7 @@ def test_metrics(model):
         assert ttft["strata_time_to_first_token_seconds_count"] == 3
         assert 0 < fams["strata_expert_cache_hit_rate"].samples[0].value <= 1
         assert fams["strata_kv_cache_tokens"].samples[0].value > 0
+        assert fams["strata_kv_slots"].samples[0].value == 1 and fams["strata_kv_slots_in_use"].samples[0].value == 0
         as_json = c.get("/metrics?format=json").json()
         plain = {n for n in fams if not n.endswith("_created")}  # the text parser splits these off
         assert set(as_json) == plain == set(c.get("/metrics.json").json())
@@ -522,11 +524,19 @@ def test_metrics(model):
                 "value": 3.0} in as_json["strata_requests"]["samples"]
 
 
-def test_serve_refuses_unsafe_or_unimplemented_options(moe_path, capsys, monkeypatch):
+def test_serve_refuses_unsafe_or_invalid_options(moe_path, capsys, monkeypatch):
     monkeypatch.delenv("STRATA_JAX_API_KEY", raising=False)
     assert main(["serve", "--model", str(moe_path), "--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
-    assert main(["serve", "--model", str(moe_path), "--parallel", "4"]) == 2
-    assert "batched decode" in capsys.readouterr().err
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", str(moe_path), "--parallel", bad])
+        assert e.value.code == 2 and "--parallel must be" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--parallel", "1"])
+    args.parallel = 0
+    with pytest.raises(StrataError, match="--parallel 0 is invalid"):
+        check_options(args)
+    with pytest.raises(StrataError, match="parallel=0 is invalid"):
+        Engine(lambda: None, parallel=0)
     assert main(["serve", "--model", str(moe_path) + ".missing"]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax import runtime
 from strata_jax.errors import ConfigError
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.forward import KVCache, forward
@@ -110,12 +112,16 @@ class Model:
     def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
                  prefill_chunk: int = 512, dequantize_dense: bool | None = None, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", prefetch: bool = True, record_routing: bool = False):
+                 policy: str | Policy = "lru", prefetch: bool | int = False, record_routing: bool = False,
+                 parallel: int = 1):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
         self.device = device or jax.devices()[0]
         self.dtype = _resolve_dtype(dtype, self.device.platform)
+        if runtime.applied and self.device.platform == "gpu":
+            log.info("XLA: %s (expert-miss loops run as CUDA graph nodes, no host sync per iteration; "
+                     "STRATA_JAX_XLA_DEFAULTS=0 turns this off)", " ".join(f"{k}={v}" for k, v in runtime.applied.items()))
         self.ctx = int(ctx or min(cfg.context_length, 4096))
         if self.ctx < 1:
             raise ConfigError(f"ctx={ctx!r} is invalid: give a positive context length.")
@@ -132,7 +138,8 @@ class Model:
         self.params = load_params(loader)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
-            kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize
+            # a server decoding `parallel` requests at once holds that many KV-cache rows (model/batch.py)
+            kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize * max(parallel, 1)
             act_bytes = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
             dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
             self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
@@ -190,7 +197,7 @@ class Model:
         out, self._kv, slots, routed, stats = fn(
             self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
             dtype=self.dtype, policy=e.policy if e is not None else None,
-            prefetch=e.prefetch if e is not None else False, attn_len=attn_bucket(end, self.ctx), **static)
+            prefetch=e.prefetch if e is not None else 0, attn_len=attn_bucket(end, self.ctx), **static)
         if e is not None:
             e.put(slots, stats)
         return out, routed
@@ -273,12 +280,7 @@ class Model:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
         shares with what the cache holds (the previous request's prompt and output), as llama.cpp does;
         timings["cache_n"] says how many prompt tokens were reused."""
-        validate_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
+        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         ids = self.prompt_tokens(prompt_or_messages, **template_kwargs)
         self._check_len(len(ids) + 1)
         max_tokens = min(max_tokens, self.ctx - len(ids))
@@ -333,6 +335,8 @@ class Model:
             self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
         t_decode = t_end - t1
+        if self.experts is not None:
+            self.experts.note_steps(t_end - t0, len(generated) + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
         n_dec = len(generated)
         n_prompt = len(ids) - n_cached
         timings = {  # llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n the reused
@@ -357,6 +361,17 @@ class Model:
             ids.extend(chunk.token_ids)
         return Generation("".join(parts), ids, chunk.prompt_token_ids or [], chunk.finish_reason or "length",
                           chunk.timings or {})
+
+
+def check_request(max_tokens: Any, stop: str | Sequence[str] | None, **sampling: Any) -> list[str]:
+    """Reject invalid generation limits and sampling values; returns the stop strings as a list."""
+    validate_sampling(**sampling)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
+    return stops
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -402,7 +417,11 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     Options: ctx, dtype ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense
     (default: on CPU only); for MoE models the expert cache: expert_slots (total slots) or vram_budget
     (bytes or "32GiB"; default: free device memory) and vram_reserve, policy ("lru", ... or a Policy),
-    record_routing."""
+    prefetch (False, True or a depth: MoE layers ahead whose predicted experts each layer fetches; off by
+    default: in-step fetches are not yet overlapped with compute, and on an H200 the extra, partly
+    mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md),
+    record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
+    rows, the server's --parallel)."""
     enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path

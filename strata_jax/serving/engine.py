@@ -1,9 +1,16 @@
 """The engine: one thread that loads and owns the Model, and a bounded FIFO of jobs feeding it.
 
 JAX state (the donated KV cache, expert slots, counters) is not thread-safe, so every call that
-touches it (load, warm-up, generate_stream, stats) runs on the engine thread. HTTP handlers only
+touches it (load, warm-up, generation, stats) runs on the engine thread. HTTP handlers only
 tokenize (the tokenizer is plain Python/Rust and safe to share), enqueue, and read events that the
 engine posts into their asyncio loop with call_soon_threadsafe.
+
+With parallel 1 the engine runs one job at a time through Model.generate_stream. With parallel N > 1
+it runs continuous batching over a BatchSession of N rows (model/batch.py): between decode steps it
+admits queued jobs into free rows (each admission prefills its row), then one step decodes a token for
+every running job; a finished or cancelled job frees its row at once. The expert-cache counters of a
+batched job are the engine's totals over the job's lifetime, so they include the concurrent jobs'
+lookups and transfers (the experts a step fetches are shared by all its rows).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strata_jax.errors import StrataError
+from strata_jax.errors import ConfigError, StrataError
 from strata_jax.serving.protocol import APIError, GenRequest, bad
 
 log = logging.getLogger("strata_jax")
@@ -46,6 +53,7 @@ class Job:
         self.loop = loop or asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
+        self.expert_base: dict[str, int] = {}  # the engine's expert counters when the job started (batched)
 
     def cancel(self) -> None:
         """Ask the engine to skip this job or stop it before its next token."""
@@ -63,12 +71,16 @@ class Job:
 
 
 class Engine:
-    """Loads the model on its own thread (so /health answers at once), warms it up, then serves jobs
-    one at a time in arrival order."""
+    """Loads the model on its own thread (so /health answers at once), warms it up, then serves jobs in
+    arrival order: one at a time, or up to `parallel` at once in a batch."""
 
     def __init__(self, loader: Callable[[], Any], *, queue_size: int = 64, warmup: bool = True,
-                 on_load_error: Callable[[BaseException], None] | None = None):
+                 parallel: int = 1, on_load_error: Callable[[BaseException], None] | None = None):
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ConfigError(f"parallel={parallel!r} is invalid: give the number of requests to decode at once, "
+                              "an integer >= 1.")
         self._loader, self._warmup, self._on_load_error = loader, warmup, on_load_error
+        self.parallel = parallel
         self.queue_size = queue_size
         self._q: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.state = "idle"  # idle -> loading -> ready | error; stopped after shutdown
@@ -78,6 +90,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
+        self._active: dict[int, Job] = {}  # batch row -> its job (parallel > 1)
         self._last_expert: dict[str, int] = {}
         self._cache_kw = False
         # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
@@ -98,9 +111,9 @@ class Engine:
         """Stop: fail queued jobs with 503, cancel the running one between tokens, join the thread."""
         self.draining = True
         self._stop.set()
-        cur = self._current
-        if cur is not None:
-            cur.cancel()
+        for job in [self._current, *self._active.copy().values()]:  # copy: the engine thread changes it
+            if job is not None:
+                job.cancel()
         self._fail_pending()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -121,7 +134,12 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self.processing > 0
+
+    @property
+    def processing(self) -> int:
+        """Jobs running now (each holds a KV-cache row when batched)."""
+        return len(self._active) or int(self._current is not None)
 
     def check_accepting(self) -> None:
         if self.draining or self._stop.is_set():
@@ -167,11 +185,16 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        session = None
         try:
             model = self._loader()
             self._cache_kw = "cache_prompt" in inspect.signature(model.generate_stream).parameters
+            if self.parallel > 1:
+                from strata_jax.model.batch import BatchSession
+
+                session = BatchSession(model, self.parallel)
             if self._warmup:
-                self._warm(model)
+                self._warm(model, session)
         except BaseException as e:  # noqa: BLE001 - reported through /health and the callback
             self.load_error = str(e) if isinstance(e, StrataError) else f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.load_error)
@@ -181,8 +204,10 @@ class Engine:
             return
         self.model = model
         self._last_expert = self._expert_counters(model)
-        self.snapshot = {"kv_tokens": 0, "ctx": model.ctx, "expert": _summary(model.stats())}
+        self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
         self.state = "ready"
+        if session is not None:
+            self._run_batch(session)
         while not self._stop.is_set():
             try:
                 job = self._q.get(timeout=0.25)  # a put wakes this at once; the timeout only bounds stop checks
@@ -197,12 +222,18 @@ class Engine:
                 self._current = None
         self._fail_pending()
 
-    def _warm(self, model: Any) -> None:
+    def _warm(self, model: Any, session: Any = None) -> None:
         """Compile the decode step and the smallest prefill before the first request pays for it."""
         t0 = time.perf_counter()
-        kw = {"cache_prompt": False} if self._cache_kw else {}
-        for _ in model.generate_stream(model.tokenize("Hello") or [0], max_tokens=2, temperature=0.0, **kw):
-            pass
+        ids = model.tokenize("Hello") or [0]
+        if session is not None:
+            session.admit(ids, max_tokens=2, temperature=0.0, cache_prompt=False)
+            while session.active_rows:
+                session.step()
+        else:
+            kw = {"cache_prompt": False} if self._cache_kw else {}
+            for _ in model.generate_stream(ids, max_tokens=2, temperature=0.0, **kw):
+                pass
         log.info("warm-up (compilation) took %.1f s", time.perf_counter() - t0)
 
     def _serve(self, job: Job) -> None:
@@ -231,8 +262,7 @@ class Engine:
             job.emit(Event("error", error=bad(str(e))))
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("generation failed")
-            job.emit(Event("error", error=APIError(500, f"generation failed: {type(e).__name__}: {e}",
-                                                   code="engine_error")))
+            job.emit(Event("error", error=_engine_error(e)))
         finally:
             try:
                 st = m.stats()
@@ -241,6 +271,92 @@ class Engine:
             if st:  # a cancelled or failed job still moved experts: keep the next request's delta its own
                 self._last_expert = {k: int(st.get(k) or 0) for k in EXPERT_COUNTERS}
             self.snapshot = {"kv_tokens": len(job.prompt_ids) + n_gen, "ctx": m.ctx, "expert": _summary(st)}
+
+    # -- continuous batching (parallel > 1) --------------------------------------------------------------
+    def _run_batch(self, session: Any) -> None:
+        while not self._stop.is_set():
+            while session.free_rows:  # admit between steps; with nothing running, wait for work
+                try:
+                    job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
+                except queue.Empty:
+                    break
+                if not job.cancelled:
+                    self._admit(session, job)
+            self._reap_cancelled(session)
+            if self._active:
+                self._step(session)
+        for row, job in list(self._active.items()):
+            session.release(row)
+            job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was stopped.",
+                                                   code="shutting_down")))
+        self._active.clear()
+
+    def _admit(self, session: Any, job: Job) -> None:
+        m, req = self.model, job.req
+        kwargs = req.sampling()
+        if kwargs["max_tokens"] is None:
+            kwargs["max_tokens"] = m.ctx  # admit caps it at what the context has left
+        job.expert_base = self._expert_counters(m)
+        try:
+            row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt, **kwargs)
+        except StrataError as e:
+            job.emit(Event("error", error=bad(str(e))))
+            return self._fail_lost_rows(session)
+        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
+            log.exception("prefill failed")
+            job.emit(Event("error", error=_engine_error(e)))
+            return self._fail_lost_rows(session)
+        self._active[row] = job
+        self._deliver(session, row, chunks)
+        self._snapshot(session)
+
+    def _step(self, session: Any) -> None:
+        try:
+            out = session.step()
+        except Exception as e:  # noqa: BLE001 - the running requests fail, the server goes on
+            log.exception("batched decode step failed")
+            return self._fail_lost_rows(session, e)
+        for row, chunks in out.items():
+            self._deliver(session, row, chunks)
+
+    def _deliver(self, session: Any, row: int, chunks: list[Any]) -> None:
+        job = self._active[row]
+        for chunk in chunks:
+            if chunk.finish_reason is None:
+                job.emit(Event("chunk", chunk))
+                continue
+            del self._active[row]
+            job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base)))
+            self._snapshot(session)
+
+    def _reap_cancelled(self, session: Any) -> None:
+        """Free the rows of jobs whose clients went away, before their next token."""
+        for row, job in list(self._active.items()):
+            if job.cancelled:
+                n = session.release(row)
+                del self._active[row]
+                log.info("request cancelled after %d generated tokens", n)
+                self._snapshot(session)
+
+    def _fail_lost_rows(self, session: Any, e: BaseException | None = None) -> None:
+        """After a failed step: fail the jobs whose rows the session dropped (all of them when a step
+        consumed the donated cache)."""
+        alive = set(session.active_rows)
+        for row, job in list(self._active.items()):
+            if row not in alive:
+                del self._active[row]
+                job.emit(Event("error", error=_engine_error(e) if e is not None else
+                               APIError(500, "generation failed: another request's step failed and took the KV "
+                                        "cache with it; retry.", code="engine_error")))
+        self._snapshot(session)
+
+    def _snapshot(self, session: Any) -> None:
+        m = self.model
+        try:
+            st = m.stats()
+        except Exception:  # noqa: BLE001 - telemetry must not take the engine down
+            st = {}
+        self.snapshot = {"kv_tokens": session.tokens_held(), "ctx": m.ctx * self.parallel, "expert": _summary(st)}
 
     def _fail_pending(self) -> None:
         while True:
@@ -258,13 +374,22 @@ class Engine:
         return {k: int(st.get(k) or 0) for k in EXPERT_COUNTERS} if st else {}
 
     def _expert_delta(self, m: Any) -> dict[str, Any]:
+        d = self._expert_since(m, self._last_expert)
+        if d:
+            self._last_expert = {k: d[k] + self._last_expert.get(k, 0) for k in EXPERT_COUNTERS}
+        return d
+
+    def _expert_since(self, m: Any, base: dict[str, int]) -> dict[str, Any]:
         now = self._expert_counters(m)
         if not now:
             return {}
-        d = {k: now[k] - self._last_expert.get(k, 0) for k in EXPERT_COUNTERS}
+        d: dict[str, Any] = {k: now[k] - base.get(k, 0) for k in EXPERT_COUNTERS}
         d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else None
-        self._last_expert = now
         return d
+
+
+def _engine_error(e: BaseException) -> APIError:
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error")
 
 
 def _summary(st: dict[str, Any]) -> dict[str, Any]:

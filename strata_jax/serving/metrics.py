@@ -36,10 +36,14 @@ class Metrics:
                                      registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens", registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine", registry=r)
-        self.processing = Gauge(p + "requests_processing", "Requests the engine is running (0 or 1)", registry=r)
+        self.processing = Gauge(p + "requests_processing", "Requests the engine is running (up to --parallel)",
+                                registry=r)
+        self.kv_slots = Gauge(p + "kv_slots", "KV-cache slots: requests decoded at once (--parallel)", registry=r)
+        self.kv_slots_in_use = Gauge(p + "kv_slots_in_use", "KV-cache slots holding a running request", registry=r)
         self.decode_tps = Gauge(p + "decode_tokens_per_second", "Decode speed of the last request", registry=r)
-        self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens in the KV cache after the last request", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "kv_cache_tokens / context length", registry=r)
+        self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens held in the KV cache (all slots; kept for prefix "
+                               "reuse), as of the last request event", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "kv_cache_tokens / (context length x slots)", registry=r)
         self.expert_hit_rate = Gauge(p + "expert_cache_hit_rate", "Expert-cache hit rate since load (MoE)",
                                      registry=r)
         self.expert_lookups = Gauge(p + "expert_cache_lookups", "Expert lookups in decode since load (MoE)",
@@ -61,7 +65,9 @@ class Metrics:
     def refresh(self, engine: Any) -> None:
         """Copy the engine's state into the gauges (at scrape time; the snapshot is taken on the engine thread)."""
         self.queue_depth.set(engine.queue_depth)
-        self.processing.set(1 if engine.busy else 0)
+        self.processing.set(engine.processing)
+        self.kv_slots.set(engine.parallel)
+        self.kv_slots_in_use.set(engine.processing)
         snap = engine.snapshot
         if snap:
             self.kv_tokens.set(snap["kv_tokens"])

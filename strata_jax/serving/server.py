@@ -26,12 +26,11 @@ def is_loopback(host: str) -> bool:
 
 
 def check_options(args: Any) -> str | None:
-    """Refuse unsafe or unimplemented settings before loading anything; returns the API key."""
+    """Refuse unsafe or invalid settings before loading anything; returns the API key."""
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.parallel > 1:
-        raise StrataError(f"--parallel {args.parallel}: batched decode of several requests at once is not "
-                          "implemented yet; requests are queued and run one at a time. Use --parallel 1 (the "
-                          "default) and --queue-size to bound the wait.")
+    if isinstance(args.parallel, bool) or not isinstance(args.parallel, int) or args.parallel < 1:
+        raise StrataError(f"--parallel {args.parallel!r} is invalid: give the number of requests to decode at once "
+                          "(an integer >= 1; each holds a KV-cache row of --ctx tokens).")
     if not is_loopback(args.host) and not api_key:
         raise StrataError(f"refusing to listen on {args.host} without an API key: anyone who can reach that address "
                           f"could use the model. Pass --api-key KEY (or set {API_KEY_ENV}), or keep the default "
@@ -74,8 +73,9 @@ def serve(args: Any, engine_options: dict[str, Any]) -> int:
         failure.append(e)
         server.should_exit = True
 
-    engine = Engine(lambda: strata_jax.load(args.model, **engine_options), queue_size=args.queue_size,
-                    warmup=args.warmup, on_load_error=on_load_error)
+    options = dict(engine_options, parallel=args.parallel)  # the expert cache leaves room for every KV row
+    engine = Engine(lambda: strata_jax.load(args.model, **options), queue_size=args.queue_size,
+                    warmup=args.warmup, parallel=args.parallel, on_load_error=on_load_error)
     app = create_app(engine, model_id=model_id(args), api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                             access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_timeout,
