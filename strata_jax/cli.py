@@ -50,6 +50,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--prefetch-depth", type=_non_negative_int("--prefetch-depth"), default=0,
                    help="prefetch: each MoE layer fetches the experts that the next N layers' routers predict "
                         "(default 0 = off: without copy/compute overlap it measured slower on an H200)")
+    c.add_argument("--expert-pools", choices=["per-layer", "shared"], default="per-layer",
+                   help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
 
@@ -58,7 +60,7 @@ def engine_options(args) -> dict:
     """load() keyword arguments from the shared engine flags (generate, serve)."""
     return dict(ctx=args.ctx, dtype=args.dtype, expert_slots=args.expert_slots, vram_budget=args.vram_budget,
                 vram_reserve=args.vram_reserve, policy=args.policy,
-                prefetch=args.prefetch_depth)
+                prefetch=args.prefetch_depth, expert_pools=args.expert_pools)
 
 
 def _cmd_generate(args) -> int:

@@ -25,7 +25,8 @@ OPEN = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)  # the server's (Ope
 def moe(tmp_path_factory):
     path = write_synthetic_gguf(tmp_path_factory.mktemp("batch") / "moe.gguf", MOE)
     # half the experts cached: misses and fetches happen; 16-token prefill chunks: the long prompt takes several
-    return strata_jax.load(path, ctx=256, expert_slots=8, prefill_chunk=16)
+    # one shared pool of 8 slots: three rows' 6 experts per layer fit it
+    return strata_jax.load(path, ctx=256, expert_slots=8, prefill_chunk=16, expert_pools="shared")
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,14 @@ def test_invalid_sessions_and_requests(moe):
     with pytest.raises(ConfigError, match="exceed the context"):
         s.admit([1] * 300)
     assert s.free_rows == 2 and s.step() == {}
+
+
+def test_pools_too_small_for_the_rows_is_a_clear_error(tmp_path):
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", MOE)
+    m = strata_jax.load(path, ctx=64, expert_slots=8)  # a pool per layer: 4 slots each
+    with pytest.raises(ConfigError, match="3 rows can route 6 distinct experts.*parallel=3"):
+        BatchSession(m, 3)
+    m = strata_jax.load(path, ctx=64, expert_slots=12, parallel=3)  # 6 slots per layer
+    BatchSession(m, 3)
+    with pytest.raises(ConfigError, match="at least 12"):
+        strata_jax.load(path, ctx=64, expert_slots=8, parallel=3)

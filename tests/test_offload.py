@@ -35,11 +35,13 @@ def reference(moe_path):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("slots", [4, 6, 12, 24])
-def test_offloaded_equals_resident(moe_path, reference, policy, slots):
+@pytest.mark.parametrize("pools,slots", [("shared", 4), ("shared", 6), ("shared", 12), ("shared", 24),
+                                         ("per-layer", 8), ("per-layer", 12), ("per-layer", 24)])
+def test_offloaded_equals_resident(moe_path, reference, policy, pools, slots):
     ids, ref_logits, ref_tokens = reference
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, policy=policy)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, policy=policy, expert_pools=pools)
     assert not m.cache_plan.resident and m.cache_plan.n_slots == slots
+    assert len(m.experts.slots.pools) == (2 if pools == "shared" else 4)
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     gen = m.generate(ids, max_tokens=24, temperature=0)
     assert gen.token_ids == ref_tokens
@@ -59,7 +61,7 @@ def test_all_slots_is_resident(moe_path, reference):
 def test_hit_rate_grows_with_slots(moe_path, reference):
     ids, _, _ = reference
     rates = []
-    for slots in (4, 8, 16, 24):
+    for slots in (8, 12, 16, 24):
         m = strata_jax.load(moe_path, ctx=128, expert_slots=slots)
         m.generate(ids, max_tokens=32, temperature=0)
         rates.append(m.stats()["hit_rate"])
@@ -67,8 +69,12 @@ def test_hit_rate_grows_with_slots(moe_path, reference):
 
 
 def test_too_few_slots_is_a_clear_error(moe_path):
-    with pytest.raises(ConfigError, match="at least 4"):  # two pools x top-2
-        strata_jax.load(moe_path, ctx=128, expert_slots=3)
+    with pytest.raises(ConfigError, match="at least 4"):  # two shared pools x top-2
+        strata_jax.load(moe_path, ctx=128, expert_slots=3, expert_pools="shared")
+    with pytest.raises(ConfigError, match="at least 8"):  # a pool per layer: 4 x top-2
+        strata_jax.load(moe_path, ctx=128, expert_slots=7)
+    with pytest.raises(ConfigError, match="expert_pools='per-expert' is invalid"):
+        strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_pools="per-expert")
     with pytest.raises(ConfigError, match="smallest budget that works is"):
         strata_jax.load(moe_path, ctx=128, vram_budget="1MiB")
 
@@ -118,19 +124,23 @@ def test_routing_trace_records_every_token(moe_path, reference):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
-def test_simulator_equals_engine_telemetry(tmp_path, policy):
+@pytest.mark.parametrize("pools", ["shared", "per-layer"])
+def test_simulator_equals_engine_telemetry(tmp_path, policy, pools):
     """The simulator replays the engine's own routing trace through the same policy functions: the same
-    hits and misses, layer by layer (one pool, prefetch off: the simulator models demand fetches)."""
+    hits and misses, layer by layer (prefetch off: the simulator models demand fetches); a shared pool
+    is simulate's one cache, per-layer pools its per_layer=True."""
     from strata_jax.offload import simulate
 
     path = write_synthetic_gguf(tmp_path / "uniform.gguf", SyntheticSpec(
         arch="qwen3moe", n_layers=4, d_model=128, head_dim=32, expert_ffn_dim=64, vocab_size=512, qtype="Q8_0",
         seed=5))
-    m = strata_jax.load(path, ctx=128, expert_slots=10, policy=policy, prefetch=False, record_routing=True)
+    slots = 10 if pools == "shared" else 12
+    m = strata_jax.load(path, ctx=128, expert_slots=slots, policy=policy, prefetch=False, record_routing=True,
+                        expert_pools=pools)
     ids = m.tokenize(PROMPT)
     m.generate(ids, max_tokens=40, temperature=0)
     decode_trace = m.routing_trace()[len(ids):]  # prefill streams whole layers and leaves the cache alone
-    sim = simulate(decode_trace, policy, 10)
+    sim = simulate(decode_trace, policy, slots, per_layer=pools == "per-layer")
     st = m.stats()
     assert (sim["hits"], sim["misses"]) == (st["hits"], st["misses"])
     np.testing.assert_allclose(sim["per_layer_hit_rate"], st["per_layer_hit_rate"])
@@ -155,7 +165,7 @@ def test_second_request_compiles_nothing(moe_path, slots):
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
 def test_prefetch_depth_keeps_logits_and_tokens(moe_path, reference, depth):
     ids, ref_logits, ref_tokens = reference
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=6, prefetch=depth)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8, prefetch=depth)
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
     st = m.stats()
@@ -171,7 +181,7 @@ def test_prefetch_depth_must_be_a_depth(moe_path):
 
 def test_transfer_telemetry(moe_path, reference):
     ids, _, _ = reference
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=6)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8)
     m.generate(ids, max_tokens=16, temperature=0)
     st = m.stats()
     assert st["fetch_us_per_expert"] > 0 and st["link_GB_per_s"] > 0
@@ -188,7 +198,8 @@ def test_static_policy_from_a_saved_trace_spans_both_pools(moe_path, reference, 
     rec.generate(ids, max_tokens=24, temperature=0)
     trace = rec.routing_trace()  # [tokens, 4 MoE layers, k]: one profile for the model's two pools
     np.save(tmp_path / "trace.npy", trace)
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=8, policy=f"static:{tmp_path / 'trace.npy'}")
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8, policy=f"static:{tmp_path / 'trace.npy'}",
+                        expert_pools="shared")
     assert len(m.experts.slots.pools) == 2
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
@@ -199,3 +210,13 @@ def test_static_policy_from_a_saved_trace_spans_both_pools(moe_path, reference, 
     np.testing.assert_array_equal(prof, full[[i for i, p in enumerate(m.experts.slots.layer_pool) if p == 1]])
     with pytest.raises(ConfigError, match="cannot read the static policy's profile"):
         strata_jax.load(moe_path, ctx=128, expert_slots=8, policy=f"static:{tmp_path / 'missing.npy'}")
+
+
+def test_static_policy_per_layer_pools_take_their_rows(moe_path, reference):
+    ids, ref_logits, _ = reference
+    prof = np.arange(32, dtype=np.float32).reshape(4, 8)
+    from strata_jax.offload.policies import static_policy
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=12, policy=static_policy(prof))
+    for i, cache in enumerate(m.experts.slots.caches):
+        np.testing.assert_array_equal(np.asarray(cache.meta["profile_LE"]), prof[i:i + 1])
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)

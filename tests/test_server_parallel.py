@@ -27,7 +27,7 @@ OPEN = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)  # the server's (Ope
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "moe.gguf", MOE)
-    return strata_jax.load(path, ctx=CTX, expert_slots=8)
+    return strata_jax.load(path, ctx=CTX, expert_slots=8, expert_pools="shared")  # up to 4 rows x top-2 fit
 
 
 @contextlib.contextmanager

@@ -163,6 +163,13 @@ class BatchSession:
         cfg = model.config
         kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
         log.info("batched decode: %d rows of %d tokens (KV cache %s)", n_rows, model.ctx, fmt_bytes(kv_bytes))
+        e = model.experts
+        need = min(n_rows * cfg.n_experts_used, cfg.n_experts)
+        if e is not None and not e.plan.resident and min(e.plan.slots_per_pool) < need:
+            raise ConfigError(
+                f"{n_rows} rows can route {need} distinct experts per layer in one decode step, but an expert "
+                f"pool holds only {min(e.plan.slots_per_pool)} slots ({e.expert_pools} pools); load the model "
+                f"with parallel={n_rows} (pools are then sized for it), more expert_slots, or expert_pools='shared'.")
         if cfg.is_moe and n_rows * cfg.n_experts_used > cfg.n_experts:
             log.warning("%d rows x %d experts per token exceed the %d experts: decode steps take the many-token "
                         "MoE path (every expert computed%s); use fewer rows", n_rows, cfg.n_experts_used,

@@ -112,7 +112,8 @@ class Model:
     def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
                  prefill_chunk: int = 512, dequantize_dense: bool | None = None, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", prefetch: bool | int = False, record_routing: bool = False,
+                 policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
+                 record_routing: bool = False,
                  parallel: int = 1):
         t0 = time.perf_counter()
         self.gguf = gguf
@@ -144,7 +145,8 @@ class Model:
             dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
             self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
                                           expert_slots=expert_slots, vram_budget=vram_budget,
-                                          vram_reserve=vram_reserve, policy=policy, prefetch=prefetch)
+                                          vram_reserve=vram_reserve, policy=policy, prefetch=prefetch,
+                                          expert_pools=expert_pools, batch_rows=parallel)
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
@@ -419,7 +421,9 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     (bytes or "32GiB"; default: free device memory) and vram_reserve, policy ("lru", ... or a Policy),
     prefetch (False, True or a depth: MoE layers ahead whose predicted experts each layer fetches; off by
     default: in-step fetches are not yet overlapped with compute, and on an H200 the extra, partly
-    mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md),
+    mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md), expert_pools
+    ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
+    with the same expert types compete for one pool),
     record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
     rows, the server's --parallel)."""
     enable_compilation_cache()

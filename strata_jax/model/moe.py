@@ -66,7 +66,15 @@ N_STATS = 6  # hits, misses, streamed experts, prefetched experts, predicted-and
 
 
 def _unique(ids_NK: jax.Array, n_experts: int) -> jax.Array:
-    return jnp.unique(ids_NK.reshape(-1), size=min(ids_NK.size, n_experts), fill_value=-1)
+    """The distinct ids in first-occurrence (router) order, -1 padded to min(N*K, E): the order a policy
+    sees them in, as simulate's unique_requests gives them (LRU breaks ties within a step by it).
+    Quadratic in N*K, which the few-token path bounds by the expert count."""
+    flat = ids_NK.reshape(-1)
+    n = flat.shape[0]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    first = ~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)
+    order = jnp.argsort(~first, stable=True)
+    return jnp.where(first[order], flat[order], -1)[: min(n, n_experts)]
 
 
 def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U: jax.Array, policy: Policy):

@@ -34,7 +34,8 @@ LOW_FREE_VRAM = 512 << 20
 class OffloadManager:
     def __init__(self, loader: WeightLoader, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", prefetch: bool | int = False):
+                 policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
+                 batch_rows: int = 1):
         cfg = loader.cfg
         self.device = loader.device
         self.policy = get_policy(policy)
@@ -48,13 +49,21 @@ class OffloadManager:
             log.warning("prefetch depth %d: on an H200 greedy tokens were seen to differ from the all-resident "
                         "run at depth 2 (exact at depths 0 and 1, and on CPU at any depth), and depth 2 was "
                         "slower; use --prefetch-depth 1 for exact results", prefetch)
-        layout = expert_layout(loader)
+        layout = expert_layout(loader, expert_pools)
         self.plan: CachePlan = plan_cache(
             pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
-            n_experts=cfg.n_experts, min_slots_per_pool=min(cfg.n_experts_used, cfg.n_experts),
+            # one access (a layer of a decode step) may route batch_rows * k distinct experts
+            n_experts=cfg.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * cfg.n_experts_used, cfg.n_experts),
             fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
             free_bytes=device_free_bytes(self.device))
         log.info(describe(self.plan))
+        self.expert_pools = expert_pools
+        if not self.plan.resident:
+            sizes = sorted(set(self.plan.slots_per_pool))
+            log.info("expert pools: %s (%d pool%s of %s slots)%s", expert_pools, len(self.plan.slots_per_pool),
+                     "s" if len(self.plan.slots_per_pool) > 1 else "", "/".join(f"{n:,}" for n in sizes),
+                     "; LRU hit rates measured higher with a cache per layer, see docs/benchmarks.md"
+                     if expert_pools == "per-layer" else "")
         self.store: ExpertStore | None = None
         # measured seconds per expert of an in-step miss fetch and of a whole-layer stream (0: resident)
         self.fetch_s = self.stream_s = 0.0
@@ -62,7 +71,7 @@ class OffloadManager:
             slots = resident_slot_table(loader)
         else:
             self.store = load_expert_store(loader)
-            slots = empty_slot_table(loader, list(self.plan.slots_per_pool), self.policy)
+            slots = empty_slot_table(loader, list(self.plan.slots_per_pool), self.policy, layout)
             self.fetch_s, self.stream_s = calibrate_fetch(self.store.layers[0], self.device)
             log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
                      fmt_bytes(self.store.layers[0].bytes_per_expert),
@@ -138,6 +147,7 @@ class OffloadManager:
             "total_experts": self.plan.total_experts,
             "resident": self.plan.resident,
             "policy": None if self.plan.resident else self.policy.name,
+            "expert_pools": None if self.plan.resident else self.expert_pools,
             "prefetch": 0 if self.plan.resident else self.prefetch,
             "store_memory": self.store.memory_kind if self.store is not None else None,
         }

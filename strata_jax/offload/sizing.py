@@ -81,6 +81,8 @@ def plan_cache(*, pool_layers: tuple[tuple[int, ...], ...], pool_expert_bytes: t
     if slots >= total:
         return _resident(pool_layers, n_experts, avg_bytes, f"{why}: every expert fits", fixed_bytes)
     per_pool = [slots * len(p) // n_layers for p in pool_layers]
+    for i in range(slots - sum(per_pool)):  # the rounding remainder, one slot each, so the budget is used
+        per_pool[i % len(per_pool)] += 1
     per_pool = [min(max(s, min_slots_per_pool), len(p) * n_experts) for s, p in zip(per_pool, pool_layers)]
     if min(per_pool) < min_slots_per_pool or expert_slots is not None and slots < min_slots_per_pool * len(pool_layers):
         raise ConfigError(

@@ -59,16 +59,28 @@ class ExpertLayout:
         return tuple(self.pool_layers[p].index(i) for i, p in enumerate(self.layer_pool))
 
 
-def expert_layout(loader: WeightLoader) -> ExpertLayout:
+POOLS = ("per-layer", "shared")
+
+
+def expert_layout(loader: WeightLoader, pools: str = "shared") -> ExpertLayout:
+    """pools="shared": one pool per set of expert types, its layers competing for slots; "per-layer": a
+    pool (and cache) per MoE layer, with an equal share of the slots."""
+    if pools not in POOLS:
+        from strata_jax.errors import ConfigError
+
+        raise ConfigError(f"expert_pools={pools!r} is invalid: choose {' or '.join(map(repr, POOLS))}.")
     cfg = loader.cfg
+    keys: list[tuple] = []
     types: list[tuple] = []
     layer_pool = []
-    for layer in cfg.moe_layers:
-        key = tuple(loader.gguf.tensor(f"blk.{layer}.{n}.weight").ggml_type for n in EXPERT_TENSORS)
-        if key not in types:
-            types.append(key)
-        layer_pool.append(types.index(key))
-    pool_layers = tuple(tuple(i for i, p in enumerate(layer_pool) if p == g) for g in range(len(types)))
+    for i, layer in enumerate(cfg.moe_layers):
+        t = tuple(loader.gguf.tensor(f"blk.{layer}.{n}.weight").ggml_type for n in EXPERT_TENSORS)
+        key = (t, i) if pools == "per-layer" else t
+        if key not in keys:
+            keys.append(key)
+            types.append(t)
+        layer_pool.append(keys.index(key))
+    pool_layers = tuple(tuple(i for i, p in enumerate(layer_pool) if p == g) for g in range(len(keys)))
     return ExpertLayout(tuple(layer_pool), tuple(types), pool_layers)
 
 
@@ -98,10 +110,11 @@ def resident_slot_table(loader: WeightLoader) -> SlotTable:
     return SlotTable(tuple(pools), tuple(caches), layout.layer_pool, layout.layer_local, True)
 
 
-def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Policy) -> SlotTable:
-    """An offloading cache: pools of the given sizes, empty; experts arrive on demand."""
+def empty_slot_table(loader: WeightLoader, slots_per_pool: list[int], policy: Policy,
+                     layout: ExpertLayout | None = None) -> SlotTable:
+    """An offloading cache: pools of the given sizes (and layout), empty; experts arrive on demand."""
     cfg = loader.cfg
-    layout = expert_layout(loader)
+    layout = layout or expert_layout(loader)
     pools, caches = [], []
     for types, layers, S in zip(layout.pool_types, layout.pool_layers, slots_per_pool):
         parts = []
