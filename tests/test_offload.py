@@ -220,3 +220,25 @@ def test_static_policy_per_layer_pools_take_their_rows(moe_path, reference):
     for i, cache in enumerate(m.experts.slots.caches):
         np.testing.assert_array_equal(np.asarray(cache.meta["profile_LE"]), prof[i:i + 1])
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
+
+
+def test_forced_routing_replays_the_trace_and_keeps_offloading_exact(moe_path, reference):
+    """A replayed routing trace drives the cache (benchmarks' realistic routing): the routed experts are
+    the trace's, and offloaded logits still equal the resident run under the same forced routing."""
+    ids, _, _ = reference
+    rng = np.random.default_rng(0)
+    trace = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(4)]) for _ in range(16)])
+    res = strata_jax.load(moe_path, ctx=128, record_routing=True)
+    res.force_routing(trace)
+    ref = res.logits(ids)
+    got = res.routing_trace()
+    np.testing.assert_array_equal(got, trace[np.arange(len(ids)) % 16])
+    off = strata_jax.load(moe_path, ctx=128, expert_slots=8)
+    off.force_routing(trace)
+    np.testing.assert_array_equal(off.logits(ids), ref)
+    assert off.generate(ids, max_tokens=8, temperature=0).token_ids == res.generate(ids, max_tokens=8,
+                                                                                     temperature=0).token_ids
+    res.force_routing(None)
+    assert not np.array_equal(res.logits(ids), ref)
+    with pytest.raises(ConfigError, match=r"must be \[tokens, 4, 2\]"):
+        res.force_routing(trace[:, :3])

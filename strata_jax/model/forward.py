@@ -57,6 +57,7 @@ def forward(
     prefetch: int = 0,
     all_logits: bool = False,
     attn_len: int | None = None,
+    forced_MNk: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, SlotTable | None, jax.Array, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
 
@@ -70,6 +71,9 @@ def forward(
 
     attn_len (static): attention reads only the first attn_len cache positions; every position this
     step writes must lie below it.
+
+    forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
+    (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
 
     Returns (logits, kv cache, slot table, routed expert ids [M, B*T, k], counters int32 [M, N_STATS]
     per MoE layer: see moe.N_STATS). Logits are float32, [B, T, V] with all_logits,
@@ -103,7 +107,8 @@ def forward(
                     if pf:
                         predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
                     h, ids, slots, st = moe_block(layer.moe, slots, store, mi, h, cfg, policy, tuple(pf),
-                                                  predicted.get(mi))
+                                                  predicted.get(mi),
+                                                  None if forced_MNk is None else forced_MNk[mi])
                     routed.append(ids)
                     stats.append(st)
             else:

@@ -53,22 +53,22 @@ _DONATE = ("kv", "slots", "stats_MS")
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("all_logits",), donate_argnames=_DONATE)
 def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
-             attn_len, all_logits):
+             attn_len, all_logits, forced=None):
     logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
                                             dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
-                                            attn_len=attn_len)
+                                            attn_len=attn_len, forced_MNk=forced)
     return logits, kv, slots, routed, stats_MS + st
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
 def _decode(params, slots, store, kv, stats_MS, tokens_B, start_B, key, step, sp, *, cfg, dtype, policy, prefetch,
-            attn_len):
+            attn_len, forced=None):
     # token reshape and key folding live in the step: outside they are extra dispatches per token
     tokens_B1 = tokens_B[:, None]
     key = jax.random.fold_in(key, step)
     logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
                                                cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
-                                               attn_len=attn_len)
+                                               attn_len=attn_len, forced_MNk=forced)
     return sample(logits_BV, key, sp), kv, slots, routed, stats_MS + st
 
 
@@ -160,6 +160,7 @@ class Model:
         self._kv: KVCache | None = None
         self._kv_tokens: list[int] = []  # tokens whose keys/values the KV cache holds, from position 0
         self._routing: list[np.ndarray] | None = [] if record_routing else None
+        self._forced_TMk: np.ndarray | None = None
 
     # -- telemetry --------------------------------------------------------------------------------
     @property
@@ -182,6 +183,29 @@ class Model:
         if not self._routing:
             return np.zeros((0, len(self.config.moe_layers), self.config.n_experts_used), np.int32)
         return np.concatenate(self._routing, axis=0)
+
+    def force_routing(self, trace_TMk: np.ndarray | None) -> None:
+        """Replay a routing trace (int [tokens, MoE layers, k], e.g. strata_jax.offload.routing's
+        realistic_trace) instead of the routers' choices: the token at cache position p uses row
+        p % len(trace). For benchmarks of cache behaviour under a chosen routing; None restores the routers."""
+        if trace_TMk is None:
+            self._forced_TMk = None
+            return
+        cfg = self.config
+        t = np.asarray(trace_TMk)
+        if t.ndim != 3 or t.shape[1:] != (len(cfg.moe_layers), cfg.n_experts_used) or not len(t):
+            raise ConfigError(f"a routing trace must be [tokens, {len(cfg.moe_layers)}, {cfg.n_experts_used}] "
+                              f"for this model, got shape {t.shape}")
+        if t.min() < 0 or t.max() >= cfg.n_experts:
+            raise ConfigError(f"routing trace ids must lie in [0, {cfg.n_experts})")
+        self._forced_TMk = t.astype(np.int32)
+
+    def _forced(self, pos: int, T: int) -> dict:
+        """The forced-routing argument of a step over cache positions pos..pos+T-1 ({} when not forcing)."""
+        if self._forced_TMk is None:
+            return {}
+        rows = self._forced_TMk[np.arange(pos, pos + T) % len(self._forced_TMk)]  # [T, M, k]
+        return {"forced": jnp.asarray(rows.transpose(1, 0, 2))}
 
     def _record(self, routed_MNk: jax.Array, n_valid: int) -> None:
         if self._routing is not None and routed_MNk.shape[0]:
@@ -249,7 +273,8 @@ class Model:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             logits, routed = self._step(_prefill, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                                        jnp.array([len(chunk)], jnp.int32), end=pos + T, all_logits=all_logits)
+                                        jnp.array([len(chunk)], jnp.int32), end=pos + T, all_logits=all_logits,
+                                        **self._forced(pos, T))
             self._record(routed, len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
@@ -326,7 +351,7 @@ class Model:
                     text += decoder.flush()
                     break
                 tok, routed = self._step(_decode, tok, np.array([pos], np.int32), key,
-                                         np.int32(len(generated)), sp, end=pos + 1)
+                                         np.int32(len(generated)), sp, end=pos + 1, **self._forced(pos, 1))
                 fed.append(tok_host)
                 self._record(routed, 1)
                 pos += 1

@@ -28,11 +28,18 @@ from strata_jax.offload.slot_table import SlotTable
 from strata_jax.offload.store import ExpertStore
 
 
-def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token and their weights, in float32 (routing decisions are precision-sensitive)."""
+def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
+          forced_NK: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token and their weights, in float32 (routing decisions are precision-sensitive).
+    forced_NK: use these experts instead of the top-k (benchmarks replaying a routing trace), weighted by
+    the router's probabilities for them."""
     logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
     probs_NE = jax.nn.softmax(logits_NE, axis=-1)
-    w_NK, ids_NK = jax.lax.top_k(probs_NE, cfg.n_experts_used)
+    if forced_NK is None:
+        w_NK, ids_NK = jax.lax.top_k(probs_NE, cfg.n_experts_used)
+    else:
+        ids_NK = forced_NK.astype(jnp.int32)
+        w_NK = jnp.take_along_axis(probs_NE, ids_NK, axis=-1)
     if cfg.norm_topk:
         w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
     return w_NK * cfg.expert_weights_scale, ids_NK.astype(jnp.int32)
@@ -93,6 +100,7 @@ def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U:
 def moe_block(
     p: MoEParams, slots: SlotTable, store: ExpertStore | None, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig,
     policy: Policy | None, prefetch: tuple[tuple[int, jax.Array], ...] = (), predicted_NK: jax.Array | None = None,
+    forced_NK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SlotTable, jax.Array]:
     """Returns the block output, the routed expert ids [N, k], the updated slot table, and this layer's
     counters int32 [N_STATS].
@@ -100,12 +108,13 @@ def moe_block(
     prefetch = ((later MoE layer, its predicted expert ids), ...): once this layer's experts are
     gathered, the predicted ones are admitted and fetched for those layers (nearest first).
     predicted_NK: what the previous layer predicted for this one (for precision/recall).
+    forced_NK: experts to use instead of the router's top-k (see route).
     """
     B, T, D = x_BTD.shape
     dtype = x_BTD.dtype
     N, K, E = B * T, cfg.n_experts_used, cfg.n_experts
     x_ND = x_BTD.reshape(N, D)
-    w_NK, ids_NK = route(x_ND, p.router_ED, cfg)
+    w_NK, ids_NK = route(x_ND, p.router_ED, cfg, forced_NK)
     zero = jnp.zeros((), jnp.int32)
     hits = misses = streamed = prefetched = zero
     few = N * K <= E
