@@ -92,7 +92,8 @@ def server(moe_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parallel_server(moe_path, tmp_path_factory):
-    srv = ServerProcess(moe_path, tmp_path_factory.mktemp("log") / "server4.log", "--parallel", "4", api_key=KEY)
+    srv = ServerProcess(moe_path, tmp_path_factory.mktemp("log") / "server4.log", "--parallel", "4",
+                        "--expert-pools", "shared", api_key=KEY)  # 4 rows x top-2 fill the 8 shared slots
     try:
         srv.wait_ready()
         yield srv
@@ -188,22 +189,29 @@ def test_load_8_clients_100_requests(client):
           f"p50 {statistics.median(lat) * 1e3:.0f} ms, p95 {lat[94] * 1e3:.0f} ms")
 
 
-def test_disconnect_cancels_generation(server):
-    headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": "hello", "max_tokens": 1000, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            first = next(r.iter_lines())
-            assert first.startswith("data: ")
-        # the stream is closed after one event; the next request must not wait for 1000 tokens
-        t0 = time.perf_counter()
-        done = http.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
-        assert done.status_code == 200 and time.perf_counter() - t0 < 10
+def _stream_one_event_then_close(http, server, headers, max_tokens):
+    body = {"prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with http.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+
+
+def _wait_for_cancel_log(server):
     deadline = time.monotonic() + 10
     while "request cancelled after" not in server.output() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "request cancelled after" in server.output()
+
+
+def test_disconnect_cancels_generation(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=30) as http:
+        _stream_one_event_then_close(http, server, headers, 1000)
+        # the stream is closed after one event; the next request must not wait for 1000 tokens
+        t0 = time.perf_counter()
+        done = http.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
+        assert done.status_code == 200 and time.perf_counter() - t0 < 10
+    _wait_for_cancel_log(server)
 
 
 @pytest.mark.parametrize("parallel", ["1", "2"])
@@ -273,14 +281,8 @@ def test_parallel_server_concurrent_clients_match_one_at_a_time(server, parallel
 
 def test_parallel_server_disconnect_frees_the_slot(parallel_server):
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": "hello", "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", parallel_server.url + "/v1/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            assert next(r.iter_lines()).startswith("data: ")
-        deadline = time.monotonic() + 10
-        while "request cancelled after" not in parallel_server.output() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "request cancelled after" in parallel_server.output()
+        _stream_one_event_then_close(http, parallel_server, headers, 900)
+        _wait_for_cancel_log(parallel_server)
         in_use = http.get(parallel_server.url + "/metrics.json", headers=headers).json()["strata_kv_slots_in_use"]
         assert in_use["samples"][0]["value"] == 0
