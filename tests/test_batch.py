@@ -9,7 +9,7 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.errors import ConfigError
-from strata_jax.model.batch import BatchSession
+from strata_jax.model.batch import BatchSession, _decode_rows, _put_row
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 
 # 8 experts top-2: up to 4 rows take the few-token MoE path
@@ -40,14 +40,16 @@ def reference(model, prompt, **kw):
 
 def run(session, schedule):
     """schedule: [(step at which to admit, prompt, kwargs)]. Steps the session until every request is done;
-    returns per request {"ids", "text", "finish", "timings", "row"}."""
-    out = [{"ids": [], "text": "", "finish": None, "timings": None, "row": None} for _ in schedule]
+    returns per request {"ids", "text", "finish", "timings", "row", "logprobs"}."""
+    out = [{"ids": [], "text": "", "finish": None, "timings": None, "row": None, "logprobs": None} for _ in schedule]
     owner: dict[int, int] = {}
 
     def take(i, chunks):
         for c in chunks:
             out[i]["ids"] += c.token_ids
             out[i]["text"] += c.text
+            if c.logprobs is not None:
+                out[i]["logprobs"] = (out[i]["logprobs"] or []) + c.logprobs
             if c.finish_reason is not None:
                 out[i]["finish"], out[i]["timings"] = c.finish_reason, c.timings
                 owner.pop(out[i]["row"], None)
@@ -96,6 +98,30 @@ def test_seeded_sampling_reproduces_alone_or_batched(moe, dense):
                                               for i, (p, kw) in enumerate(zip(prompts, params))])
         assert [g["ids"] for g in got] == [r.token_ids for r in refs]
     assert refs[0].token_ids != reference(dense, prompts[0], max_tokens=16, **dict(OPEN, seed=4)).token_ids
+
+
+def test_rows_with_penalties_and_logprobs_equal_single_requests(moe, dense):
+    """Each row's penalties act on its own tokens only (a reused row starts afresh) and its logprobs are
+    its own: every request equals its run alone, whatever its neighbours ask for."""
+    params = [dict(temperature=0, presence_penalty=2.0, logprobs=True, top_logprobs=3), dict(temperature=0),
+              dict(OPEN, seed=4, frequency_penalty=1.0, repeat_penalty=1.3, repeat_last_n=8),
+              dict(temperature=0, repeat_penalty=2.0, repeat_last_n=3, logprobs=True),
+              dict(OPEN, seed=5, presence_penalty=-1.0, logprobs=True, top_logprobs=20),
+              dict(temperature=0, frequency_penalty=0.5)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[2], PROMPTS[0]]
+    for model, rows in ((moe, 3), (dense, 2)):
+        refs = [reference(model, p, max_tokens=14, **kw) for p, kw in zip(prompts, params)]
+        got = run(BatchSession(model, rows), [(i, p, dict(kw, max_tokens=14, cache_prompt=False))
+                                              for i, (p, kw) in enumerate(zip(prompts, params))])
+        assert [g["ids"] for g in got] == [r.token_ids for r in refs]
+        assert refs[0].token_ids != refs[1].token_ids  # the penalty acted
+        for g, r in zip(got, refs):
+            assert (g["logprobs"] is None) == (r.logprobs is None)
+            for a, b in zip(g["logprobs"] or [], r.logprobs or []):
+                assert (a.token_id, a.offset, [t for t, _ in a.top]) == (b.token_id, b.offset, [t for t, _ in b.top])
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+                assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+        assert len(got[4]["logprobs"][0].top) == 20 and got[3]["logprobs"][0].top == []
 
 
 def test_rows_keep_each_conversation_prefix(moe):
@@ -159,15 +185,19 @@ def test_release_frees_the_row(moe):
 def test_decode_compiles_once(moe):
     s = BatchSession(moe, 3)
     run(s, [(0, "warm up", dict(max_tokens=3, temperature=0)), (1, "and again", dict(max_tokens=2, seed=1))])
+    jit_entries = _decode_rows._cache_size(), _put_row._cache_size()
     with count_compiles() as compiles:
         got = run(s, [(0, PROMPTS[0], dict(max_tokens=6, temperature=0.7, seed=5)),
                       (1, PROMPTS[2], dict(max_tokens=9, temperature=0)),
                       (3, PROMPTS[3], dict(max_tokens=4, top_k=5, seed=9)),
-                      (8, PROMPTS[0] + " again", dict(max_tokens=5, temperature=0))])  # a cached prefix
-        row, _ = s.admit("bye", max_tokens=50)
+                      (8, PROMPTS[0] + " again", dict(max_tokens=5, temperature=0)),  # a cached prefix
+                      (9, PROMPTS[1], dict(max_tokens=4, presence_penalty=1.0, logprobs=True, top_logprobs=5))])
+        row, _ = s.admit("bye", max_tokens=50, repeat_penalty=1.2, logprobs=True)
         s.step()
         s.release(row)
     assert compiles == []
+    # the persistent compilation cache can hide a recompile from the counter; the jit caches cannot
+    assert (_decode_rows._cache_size(), _put_row._cache_size()) == jit_entries
     assert got[3]["timings"]["cache_n"] > 0
 
 

@@ -25,7 +25,7 @@ from strata_jax.model.model import GenerationChunk
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job
-from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls
+from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls, token_text
 from strata_jax.serving.server import check_options, model_id
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
@@ -219,6 +219,99 @@ def test_content_parts_tools_and_reasoning_effort_accepted(client, model):
     assert r.status_code == 200, r.text
 
 
+# -- logprobs and penalties -------------------------------------------------------------------------------
+
+def _lp_items(model, entries):
+    """The chat logprobs items Model's TokenLogprob entries should become."""
+    def one(tid, v):
+        b = model.token_bytes(tid)
+        return {"token": token_text(b), "logprob": pytest.approx(v, abs=1e-5), "bytes": list(b)}
+    return [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, v) for t, v in e.top]) for e in entries]
+
+
+def test_chat_logprobs(client, model):
+    body = chat(client, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, cache_prompt=False).json()
+    ref = model.generate(MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    lp = body["choices"][0]["logprobs"]
+    assert set(lp) == {"content", "refusal"} and lp["refusal"] is None
+    assert lp["content"] == _lp_items(model, ref.logprobs) and len(lp["content"]) == 8
+    if not set(ref.token_ids) & model.tokenizer.special_ids:  # the bytes spell the text
+        text = bytes(b for item in lp["content"] for b in item["bytes"]).decode(errors="replace")
+        assert text == body["choices"][0]["message"]["content"]
+    plain = chat(client, max_tokens=3, temperature=0, logprobs=True).json()["choices"][0]["logprobs"]["content"]
+    assert [i["top_logprobs"] for i in plain] == [[]] * 3
+    assert [i["logprob"] for i in plain] == pytest.approx([i["logprob"] for i in lp["content"][:3]], abs=1e-5)
+    assert chat(client, max_tokens=2).json()["choices"][0]["logprobs"] is None
+    # streamed: each content chunk carries its tokens' logprobs; together they are the whole list
+    chunks = parse_sse(chat(client, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True,
+                            cache_prompt=False).text)
+    assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk has no tokens
+    items = [i for c in chunks if c["choices"][0]["logprobs"] for i in c["choices"][0]["logprobs"]["content"]]
+    assert items == lp["content"]
+    assert all(c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["delta"].get("content"))
+
+
+def test_completion_logprobs_legacy_format(client, model):
+    prompt = "Once upon"
+    for n in (0, 2, 5):
+        body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                     "logprobs": n}).json()
+        ref = model.generate(prompt, max_tokens=6, temperature=0, logprobs=True, top_logprobs=n)
+        lp = body["choices"][0]["logprobs"]
+        text = lambda t: token_text(model.token_bytes(t))  # noqa: E731
+        assert lp["tokens"] == [text(e.token_id) for e in ref.logprobs]
+        assert lp["token_logprobs"] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+        assert lp["text_offset"] == [len(prompt) + e.offset for e in ref.logprobs]  # from the prompt's start
+        for top, e, tok in zip(lp["top_logprobs"], ref.logprobs, lp["tokens"]):
+            # the n most likely and the sampled token (greedy: among them, so exactly n, or 1 for n=0)
+            assert top == pytest.approx({text(t): v for t, v in e.top} | {tok: e.logprob}, abs=1e-5)
+            assert len(top) == max(n, 1)
+    by_ids = client.post("/v1/completions", json={"prompt": model.tokenize(prompt, add_special=False),
+                                                   "max_tokens": 2, "temperature": 0, "logprobs": 1}).json()
+    assert by_ids["choices"][0]["logprobs"]["text_offset"][0] == len(prompt)
+    chunks = parse_sse(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                            "logprobs": 5, "stream": True}).text)
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
+    off = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "logprobs": False}).json()
+    assert off["choices"][0]["logprobs"] is None
+
+
+def test_penalties_through_the_server(client, model):
+    for pen in (dict(presence_penalty=2.0), dict(frequency_penalty=1.5, presence_penalty=-0.5),
+                dict(repeat_penalty=1.8, repeat_last_n=16)):
+        body = chat(client, max_tokens=12, temperature=0, **pen).json()
+        ref = model.generate(MSGS, max_tokens=12, temperature=0, **pen)
+        assert body["choices"][0]["message"]["content"] == ref.text
+        r = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 8, "temperature": 0, **pen})
+        assert r.json()["choices"][0]["text"] == model.generate("hello there", max_tokens=8, temperature=0, **pen).text
+
+
+def test_batched_server_logprobs_and_penalties(client, model):
+    reqs = [dict(max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, presence_penalty=1.0),
+            dict(max_tokens=8, seed=3, frequency_penalty=0.5), dict(max_tokens=6, temperature=0, logprobs=True)]
+    alone = [chat(client, **r).json()["choices"][0] for r in reqs]
+    with serving(model, parallel=2) as c:
+        results = [None] * len(reqs)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, chat(c, **reqs[i]).json()))
+                   for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for got, want in zip(results, alone):
+        got = got["choices"][0]
+        assert got["message"] == want["message"]
+        if want["logprobs"] is None:
+            assert got["logprobs"] is None
+        else:
+            assert got["logprobs"]["content"] == [
+                dict(i, logprob=pytest.approx(i["logprob"], abs=1e-5),
+                     top_logprobs=[dict(t, logprob=pytest.approx(t["logprob"], abs=1e-5)) for t in i["top_logprobs"]])
+                for i in want["logprobs"]["content"]]
+
+
 def test_dense_model_has_no_expert_cache(tmp_path):
     m = strata_jax.load(write_synthetic_gguf(tmp_path / "dense.gguf", DENSE), ctx=64)
     with serving(m) as c:
@@ -251,15 +344,34 @@ BAD = [
     ({"messages": MSGS, "stream": "yes"}, "stream"),
     ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MSGS, "tool_choice": 3}, "tool_choice"),
-    ({"messages": MSGS, "logprobs": True}, "logprobs"),
     ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": MSGS, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": MSGS, "logprobs": "yes"}, "logprobs"),
+    ({"messages": MSGS, "logprobs": 2}, "logprobs"),
+    ({"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MSGS, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"messages": MSGS, "logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+    ({"messages": MSGS, "top_logprobs": 3}, "top_logprobs"),  # OpenAI: top_logprobs needs logprobs true
+    ({"messages": MSGS, "logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": MSGS, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": MSGS, "presence_penalty": -2.01}, "presence_penalty"),
+    ({"messages": MSGS, "frequency_penalty": -3}, "frequency_penalty"),
+    ({"messages": MSGS, "frequency_penalty": "high"}, "frequency_penalty"),
+    ({"messages": MSGS, "repeat_penalty": -1.1}, "repeat_penalty"),
+    ({"messages": MSGS, "repeat_penalty": 0}, "repeat_penalty"),
+    ({"messages": MSGS, "repeat_last_n": -1}, "repeat_last_n"),
+    ({"messages": MSGS, "repeat_last_n": 257}, "repeat_last_n"),
 ]
 
 
 @pytest.mark.parametrize("body,param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_chat_requests_are_400(client, body, param):
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("logprobs", [True, 6, -1, 1.5, "2", [1]])
+def test_bad_completion_logprobs_are_400(client, logprobs):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": logprobs})
+    assert "integer" in assert_error(r, 400, "logprobs")["message"]
 
 
 @pytest.mark.parametrize("prompt", ["", [], [1, "x"], ["a", "b"], {"p": 1}, [10**9], None])
@@ -296,7 +408,9 @@ VALID = {  # plausible values, so that many fuzzed requests get through validati
     "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     "tool_choice": st.sampled_from(["auto", "none", "required"]),
     "reasoning_effort": st.sampled_from(["none", "low", "high"]), "cache_prompt": st.booleans(),
-    "logprobs": st.just(False), "response_format": st.just({"type": "text"}),
+    "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 20),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repeat_penalty": st.floats(0.5, 2),
+    "repeat_last_n": st.integers(0, 256), "response_format": st.just({"type": "text"}),
     "chat_template_kwargs": st.just({"enable_thinking": False}),
 }
 

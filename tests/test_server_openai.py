@@ -130,6 +130,31 @@ def test_streaming(client):
     assert comp[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_and_penalties(client):
+    """The SDK parses chat logprobs (whole and streamed) and the legacy completions logprobs."""
+    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.2,
+                                       extra_body={"repeat_penalty": 1.1, "cache_prompt": False})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for item in content:
+        assert isinstance(item.token, str) and item.logprob <= 0 and isinstance(item.bytes, list)
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+    stream = client.chat.completions.create(model="m", messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.2,
+                                            stream=True, extra_body={"repeat_penalty": 1.1, "cache_prompt": False})
+    streamed = [i for ch in stream if ch.choices and ch.choices[0].logprobs for i in ch.choices[0].logprobs.content]
+    assert [(i.token, i.bytes, [t.token for t in i.top_logprobs]) for i in streamed] == \
+        [(i.token, i.bytes, [t.token for t in i.top_logprobs]) for i in content]
+    c = client.completions.create(model="m", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert lp.text_offset[0] == len("Once upon a time") and all(len(t) == 2 for t in lp.top_logprobs)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=MSGS, max_tokens=2, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+
+
 def test_async_client(server):
     async def run():
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)

@@ -16,10 +16,13 @@ at least half of it (llama.cpp's --slot-prompt-similarity); else to the least re
 So at most N conversations keep their cache: the bound is the number of rows, as with llama.cpp's slots.
 
 Each row samples with its own key folded with its own step count, exactly as Model does for one
-request, so a seeded request gives the same tokens alone or batched.
+request, so a seeded request gives the same tokens alone or batched. Each row's penalty state (token
+counts and repeat window, sampling.py) is a row of one device array the decode step carries and updates;
+admitting a request writes its row. Logprobs are computed for the whole batch in a step where any row
+asked for them, and read back only then.
 
 Shape legend: N rows (the forward pass's B), T tokens per prefill chunk, V vocab, L layers, S cache
-length, K kv heads, Dh head dim, M MoE layers, k experts per token.
+length, K kv heads, Dh head dim, M MoE layers, k experts per token, W repeat window.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ import numpy as np
 
 from strata_jax.errors import ConfigError
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.model import (_DONATE, _STATIC, GenerationChunk, Model, _common_prefix, _find_stop, _sample,
-                                    _stop_prefix_len, attn_bucket, bucket, check_request)
+from strata_jax.model.model import (_DONATE, _STATIC, GenerationChunk, Model, TokenLogprob, _common_prefix,
+                                    _find_stop, _first_token, _stop_prefix_len, attn_bucket, bucket, check_request,
+                                    logprob_count, token_logprob)
 from strata_jax.model.moe import N_STATS
-from strata_jax.model.sampling import SamplingParams, sample_rows
+from strata_jax.model.sampling import PenaltyState, SamplingParams, next_token, sample_rows
 from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
@@ -63,14 +67,22 @@ def _prefill_row(params, slots, store, kv, stats_MS, row, tokens_1T, start_1, n_
     return logits_1V, kv, slots, routed, stats_MS + st
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode_rows(params, slots, store, kv, stats_MS, tokens_N, start_N, keys_N2, steps_N, sp, *, cfg, dtype, policy,
-                 prefetch, attn_len):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("pen",))
+def _decode_rows(params, slots, store, kv, stats_MS, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *,
+                 cfg, dtype, policy, prefetch, attn_len):
     logits_NV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_N[:, None], start_N,
                                                jnp.ones_like(start_N), cfg=cfg, dtype=dtype, policy=policy,
                                                prefetch=prefetch, attn_len=attn_len)
     keys_N2 = jax.vmap(jax.random.fold_in)(keys_N2, steps_N)
-    return sample_rows(logits_NV, keys_N2, sp), kv, slots, routed, stats_MS + st
+    active_N = start_N < kv.k_LBSKDh.shape[2]  # idle rows run at an out-of-range position; keep their state
+    out = next_token(logits_NV, lambda l: sample_rows(l, keys_N2, sp), sp, pen, want_logprobs, active_N)
+    return out, kv, slots, routed, stats_MS + st
+
+
+@functools.partial(jax.jit, donate_argnames=("pen_N",))
+def _put_row(pen_N, row, pen_1):
+    """Write a request's penalty state (batch 1, after its first token) into its row."""
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, row, axis=0), pen_N, pen_1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,6 +97,8 @@ class _Seq:
     t0: float
     fed: list[int]  # tokens written to the row's cache, from position 0 (the next one goes at len(fed))
     tok: int  # sampled and not yet taken in by push()
+    n_top: int | None = None  # alternatives per token's logprobs; None: the request wants no logprobs
+    tok_lp: TokenLogprob | None = None  # tok's logprobs (offset not yet known)
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -92,6 +106,7 @@ class _Seq:
     emitted: int = 0  # how much of it has been streamed
     generated: list[int] = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)  # ids whose text is still held back
+    pending_lp: list[TokenLogprob] = dataclasses.field(default_factory=list)  # their logprobs
 
     def push(self, stop_ids) -> tuple[list[GenerationChunk], str | None]:
         """Take in the sampled token: the chunks to stream, and the finish reason once the request is done.
@@ -101,6 +116,8 @@ class _Seq:
             return [], "stop"
         self.generated.append(tok)
         self.pending.append(tok)
+        if self.tok_lp is not None:
+            self.pending_lp.append(dataclasses.replace(self.tok_lp, offset=len(self.text)))
         self.text += self.decoder.push(tok)
         hit = _find_stop(self.text, self.stops, self.emitted)
         if hit is not None:
@@ -109,8 +126,8 @@ class _Seq:
         out = []
         safe = len(self.text) - _stop_prefix_len(self.text[self.emitted:], self.stops)
         if safe > self.emitted:
-            out.append(GenerationChunk(self.text[self.emitted:safe], self.pending))
-            self.emitted, self.pending = safe, []
+            out.append(GenerationChunk(self.text[self.emitted:safe], self.pending, logprobs=self._lp()))
+            self.emitted, self.pending, self.pending_lp = safe, [], []
         if len(self.generated) >= self.max_tokens:
             self.text += self.decoder.flush()
             return out, "length"
@@ -130,7 +147,10 @@ class _Seq:
             "decode_per_second": max(n_dec - 2, 0) / max(t_end - self.t_steady, 1e-9) if n_dec > 2 else 0.0,
         }
         return GenerationChunk(self.text[self.emitted:], self.pending, finish_reason=finish, timings=timings,
-                               prompt_token_ids=self.ids)
+                               prompt_token_ids=self.ids, logprobs=self._lp())
+
+    def _lp(self) -> list[TokenLogprob] | None:
+        return self.pending_lp if self.n_top is not None else None
 
 
 class BatchSession:
@@ -156,10 +176,11 @@ class BatchSession:
         self._used = [0] * n_rows  # last use, for least-recently-used choice
         self._clock = 0
         self._keys_N2 = np.zeros((n_rows, 2), np.uint32)
-        self._sp_host = {f.name: np.zeros(n_rows, np.int32 if f.name == "top_k_B" else np.float32)
-                         for f in dataclasses.fields(SamplingParams)}
+        proto = SamplingParams.make(1)
+        self._sp_host = {f.name: np.zeros(n_rows, getattr(proto, f.name).dtype) for f in dataclasses.fields(proto)}
         self._sp: SamplingParams | None = None  # device copy of the rows' sampling parameters; None: stale
         self._keys: jax.Array | None = None
+        self._pen: PenaltyState | None = None  # the rows' penalty state, on the device (allocated at the first admit)
         cfg = model.config
         kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
         log.info("batched decode: %d rows of %d tokens (KV cache %s)", n_rows, model.ctx, fmt_bytes(kv_bytes))
@@ -201,13 +222,18 @@ class BatchSession:
     # -- requests -----------------------------------------------------------------------------------
     def admit(self, prompt: str | Sequence[dict] | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
               top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, seed: int | None = None,
-              stop: str | Sequence[str] | None = None, cache_prompt: bool = True,
-              **template_kwargs) -> tuple[int, list[GenerationChunk]]:
+              stop: str | Sequence[str] | None = None, cache_prompt: bool = True, presence_penalty: float = 0.0,
+              frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+              logprobs: bool = False, top_logprobs: int = 0, **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
         Model.generate_stream. Returns the row and the chunks of that first token (ending with the final
         chunk if the request is already done, and then the row is free again)."""
         m = self.model
-        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              **penalties)
+        n_top = logprob_count(logprobs, top_logprobs)
         ids = m.prompt_tokens(prompt, **template_kwargs)
         m._check_len(len(ids) + 1)
         if not self.free_rows:
@@ -216,15 +242,22 @@ class BatchSession:
         n_cached = _common_prefix(ids, self._cached[row]) if cache_prompt else 0
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
         key = jax.random.PRNGKey(seed if seed is not None else time.time_ns() % (2**31))
-        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p)
+        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties)
         self._touch(row)
         t0 = time.perf_counter()
         self._cached[row] = []  # being rewritten: nothing in it is reusable until the prefill returns
         last_logits = self._prefill(row, ids, n_cached)
-        tok = int(_sample(last_logits, jax.random.fold_in(key, 0), sp)[0])
+        tok_1, pen_1, lp = _first_token(last_logits, jax.random.fold_in(key, 0), sp, PenaltyState.window(ids),
+                                        np.bool_(n_top is not None))
+        if self._pen is None:  # committed to the device as the steps' outputs are, or _put_row compiles twice
+            self._pen = jax.device_put(jax.tree.map(lambda a: np.zeros((self.n_rows, *a.shape[1:]), a.dtype), pen_1),
+                                       m.device)
+        self._pen = _put_row(self._pen, np.int32(row), pen_1)
+        tok = int(tok_1[0])
         self._note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         seq = _Seq(list(ids), min(max_tokens, m.ctx - len(ids)), stops, n_cached, m.tokenizer.stream_decoder(), t0,
-                   list(ids), tok)
+                   list(ids), tok, n_top, token_logprob(jax.device_get(lp), 0, tok, n_top, 0) if n_top is not None
+                   else None)
         seq.t_prefill = time.perf_counter() - t0
         seq.t1 = seq.t_steady = time.perf_counter()
         self._seqs[row] = seq
@@ -250,14 +283,20 @@ class BatchSession:
         if self._sp is None:
             self._sp = SamplingParams(**{k: jnp.asarray(v.copy()) for k, v in self._sp_host.items()})
             self._keys = jnp.asarray(self._keys_N2.copy())
+        want = any(self._seqs[r].n_top is not None for r in rows)
+        pen, self._pen = self._pen, None
         try:
-            toks_N, routed = self._call(_decode_rows, tokens_N, start_N, self._keys, steps_N, self._sp,
-                                        end=int(start_N[rows].max()) + 1)
+            (toks_N, pen, lp), routed = self._call(_decode_rows, tokens_N, start_N, self._keys, steps_N, self._sp, pen,
+                                                   np.bool_(want), end=int(start_N[rows].max()) + 1)
             toks_N = np.asarray(toks_N)
+            lp = jax.device_get(lp) if want else None
         except BaseException:
+            if not any(a.is_deleted() for a in jax.tree.leaves(pen)):
+                self._pen = pen  # the step failed before it ran: the other rows' state is intact
             for r in rows:  # the step did not happen: every active request ends here
                 self._end(r)
             raise
+        self._pen = pen
         self._note_steps(time.perf_counter() - t0, 1)
         if m._routing is not None:
             m._routing.append(np.asarray(routed)[:, rows].transpose(1, 0, 2))
@@ -267,6 +306,7 @@ class BatchSession:
             s = self._seqs[r]
             s.fed.append(s.tok)
             s.tok = int(toks_N[r])
+            s.tok_lp = token_logprob(lp, r, s.tok, s.n_top, 0) if s.n_top is not None else None
             if len(s.generated) == 1:  # steady-state decode speed starts after the first step, as in Model
                 s.t_steady = now
             out[r] = self._advance(r)

@@ -25,7 +25,8 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.moe import N_STATS
-from strata_jax.model.sampling import SamplingParams, sample, validate_sampling
+from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingParams, next_token, sample,
+                                      validate_sampling)
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
 from strata_jax.offload.manager import OffloadManager
@@ -60,19 +61,42 @@ def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, 
     return logits, kv, slots, routed, stats_MS + st
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode(params, slots, store, kv, stats_MS, tokens_B, start_B, key, step, sp, *, cfg, dtype, policy, prefetch,
-            attn_len, forced=None):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("pen",))
+def _decode(params, slots, store, kv, stats_MS, tokens_B, start_B, key, step, sp, pen, want_logprobs, *, cfg, dtype,
+            policy, prefetch, attn_len, forced=None):
     # token reshape and key folding live in the step: outside they are extra dispatches per token
     tokens_B1 = tokens_B[:, None]
     key = jax.random.fold_in(key, step)
     logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
                                                cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
                                                attn_len=attn_len, forced_MNk=forced)
-    return sample(logits_BV, key, sp), kv, slots, routed, stats_MS + st
+    out = next_token(logits_BV, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
+    return out, kv, slots, routed, stats_MS + st
 
 
-_sample = jax.jit(sample)
+@jax.jit
+def _first_token(logits_1V, key, sp, recent_1W, want_logprobs):
+    """The first token, from the prefill's logits; its penalty state starts with no generated tokens and
+    the prompt's tail in the repeat window."""
+    pen = PenaltyState(jnp.zeros(logits_1V.shape, jnp.int32), recent_1W)
+    return next_token(logits_1V, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits: see sampling.py) and the most
+    likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (id, logprob) of the top_logprobs most likely tokens, most likely first
+    offset: int  # where the token's text starts in the generated text (characters)
+
+
+def token_logprob(lp: Any, row: int, token_id: int, n_top: int, offset: int) -> TokenLogprob:
+    """One row of a step's host-side Logprobs as a TokenLogprob with n_top alternatives."""
+    ids, vals = lp.top_ids_BN[row, :n_top].tolist(), lp.top_BN[row, :n_top].tolist()
+    return TokenLogprob(int(token_id), float(lp.token_B[row]), list(zip(ids, vals)), offset)
 
 
 @dataclasses.dataclass
@@ -85,6 +109,7 @@ class GenerationChunk:
     finish_reason: str | None = None
     timings: dict[str, float] | None = None
     prompt_token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 @dataclasses.dataclass
@@ -94,6 +119,7 @@ class Generation:
     prompt_token_ids: list[int]
     finish_reason: str
     timings: dict[str, float]
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _resolve_dtype(dtype: Any, platform: str):
@@ -302,23 +328,39 @@ class Model:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         cache_prompt: bool = True,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
         shares with what the cache holds (the previous request's prompt and output), as llama.cpp does;
-        timings["cache_n"] says how many prompt tokens were reused."""
-        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        timings["cache_n"] says how many prompt tokens were reused.
+
+        presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) act on the tokens generated so far;
+        repeat_penalty (llama.cpp's, 1 = off) on the last repeat_last_n tokens of prompt and output.
+        logprobs: each chunk's `logprobs` holds a TokenLogprob per token (the model's log-probability and
+        the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs)."""
+        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              **penalties)
+        n_top = logprob_count(logprobs, top_logprobs)
+        want = np.bool_(n_top is not None)
         ids = self.prompt_tokens(prompt_or_messages, **template_kwargs)
         self._check_len(len(ids) + 1)
         max_tokens = min(max_tokens, self.ctx - len(ids))
-        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p)
+        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties)
         key = jax.random.PRNGKey(seed if seed is not None else time.time_ns() % (2**31))
 
         n_cached = _common_prefix(ids, self._kv_tokens) if cache_prompt else 0
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
         t0 = time.perf_counter()
         last_logits, _ = self._run_prefill(ids, all_logits=False, start=n_cached)
-        tok = _sample(last_logits, jax.random.fold_in(key, 0), sp)
+        tok, pen, lp = _first_token(last_logits, jax.random.fold_in(key, 0), sp, PenaltyState.window(ids), want)
         tok_host = int(tok[0])
         t_prefill = time.perf_counter() - t0
 
@@ -326,6 +368,7 @@ class Model:
         text, emitted = "", 0  # all generated text; how much of it has been yielded
         generated: list[int] = []
         pending: list[int] = []  # ids whose text is still held back (partial UTF-8, possible stop string)
+        pending_lp: list[TokenLogprob] | None = [] if n_top is not None else None  # their logprobs
         finish = "length"
         t1 = t_steady = time.perf_counter()
         pos = len(ids)
@@ -338,6 +381,8 @@ class Model:
                     break
                 generated.append(tok_host)
                 pending.append(tok_host)
+                if pending_lp is not None:
+                    pending_lp.append(token_logprob(jax.device_get(lp), 0, tok_host, n_top, len(text)))
                 text += decoder.push(tok_host)
                 hit = _find_stop(text, stops, emitted)
                 if hit is not None:
@@ -345,13 +390,15 @@ class Model:
                     break
                 safe = len(text) - _stop_prefix_len(text[emitted:], stops)
                 if safe > emitted:
-                    yield GenerationChunk(text[emitted:safe], pending)
+                    yield GenerationChunk(text[emitted:safe], pending, logprobs=pending_lp)
                     emitted, pending = safe, []
+                    pending_lp = [] if pending_lp is not None else None
                 if len(generated) >= max_tokens:
                     text += decoder.flush()
                     break
-                tok, routed = self._step(_decode, tok, np.array([pos], np.int32), key,
-                                         np.int32(len(generated)), sp, end=pos + 1, **self._forced(pos, 1))
+                (tok, pen, lp), routed = self._step(_decode, tok, np.array([pos], np.int32), key,
+                                                    np.int32(len(generated)), sp, pen, want, end=pos + 1,
+                                                    **self._forced(pos, 1))
                 fed.append(tok_host)
                 self._record(routed, 1)
                 pos += 1
@@ -378,16 +425,26 @@ class Model:
             # step; decode speed is the steady state after that
             "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
         }
-        yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids)
+        yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids,
+                              logprobs=pending_lp)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
-        parts, ids = [], []
+        parts, ids, lps = [], [], None
         for chunk in self.generate_stream(prompt_or_messages, **kwargs):
             parts.append(chunk.text)
             ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                lps = lps if lps is not None else []
+                lps.extend(chunk.logprobs)
         return Generation("".join(parts), ids, chunk.prompt_token_ids or [], chunk.finish_reason or "length",
-                          chunk.timings or {})
+                          chunk.timings or {}, lps)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token contributes to decoded text (a byte token's single byte, which may be part of
+        a UTF-8 sequence): the `bytes` of OpenAI's logprobs."""
+        pieces = self.tokenizer._piece_bytes()
+        return pieces[token_id] if 0 <= token_id < len(pieces) else b""
 
 
 def check_request(max_tokens: Any, stop: str | Sequence[str] | None, **sampling: Any) -> list[str]:
@@ -399,6 +456,16 @@ def check_request(max_tokens: Any, stop: str | Sequence[str] | None, **sampling:
     if any(not isinstance(s, str) or not s for s in stops):
         raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
     return stops
+
+
+def logprob_count(logprobs: Any, top_logprobs: Any) -> int | None:
+    """How many alternatives each token's logprobs carry, or None when the request wants no logprobs."""
+    if not isinstance(logprobs, (bool, np.bool_)):
+        raise ConfigError(f"logprobs={logprobs!r} is invalid: give True or False.")
+    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer))
+            or not 0 <= top_logprobs <= TOP_LOGPROBS):
+        raise ConfigError(f"top_logprobs={top_logprobs!r} is invalid: give an integer in [0, {TOP_LOGPROBS}].")
+    return int(top_logprobs) if logprobs or top_logprobs else None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

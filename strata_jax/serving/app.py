@@ -197,9 +197,19 @@ class Routes:
         self.metrics.observe_generation(label, prompt_n, n, cached, ttft, t)
         return usage(prompt_n, n, cached), extra
 
+    def _logprobs_of(self, job: Job, env: Envelope):
+        """entries -> the logprobs object of a response or chunk; None when the request asked for none."""
+        if not job.req.logprobs:
+            return lambda entries: None
+        m, base, p = self.engine.model, 0, job.req.prompt
+        if env.endpoint == "completion":  # text offsets count from the start of the prompt, as OpenAI's do
+            base = len(p) if isinstance(p, str) else len(m.detokenize(p))
+        return lambda entries: env.logprobs(entries, m.token_bytes, base)
+
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
                        t0: float) -> Response:
         parts: list[str] = []
+        lps: list = []
         n, ttft = 0, None
         while True:
             if ev is None:
@@ -208,6 +218,7 @@ class Routes:
                 return error_response(ev.error)
             ttft = ev.t - t0 if ttft is None else ttft
             parts.append(ev.chunk.text)
+            lps += ev.chunk.logprobs or []
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
                 break
@@ -217,11 +228,19 @@ class Routes:
             text, calls = parse_tool_calls(text)
             finish = "tool_calls" if calls else finish
         use, extra = self._account(job, env, ev, n, ttft)
-        return JSON(env.response(text, finish, use, extra, calls))
+        return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
 
     async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
         tools = ToolCallStream() if req.tools else None
         n, ttft = 0, None
+        lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        logprobs = self._logprobs_of(job, env)
+
+        def take_lps() -> dict | None:
+            nonlocal lps
+            out, lps = logprobs(lps), []
+            return out
+
         try:
             if env.endpoint == "chat":
                 yield sse(env.chunk(role=True, text=""))
@@ -231,9 +250,10 @@ class Routes:
                     return
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)
+                lps += ev.chunk.logprobs or []
                 text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
                 if text:
-                    yield sse(env.chunk(text=text))
+                    yield sse(env.chunk(text=text, logprobs=take_lps()))
                 if ev.kind == "final":
                     break
                 ev = await job.events.get()
@@ -241,12 +261,12 @@ class Routes:
             if tools:
                 rest, calls = tools.finish()
                 if rest:
-                    yield sse(env.chunk(text=rest))
+                    yield sse(env.chunk(text=rest, logprobs=take_lps()))
                 if calls:
-                    yield sse(env.chunk(tool_calls=calls))
+                    yield sse(env.chunk(tool_calls=calls, logprobs=take_lps() if lps else None))
                     finish = "tool_calls"
             use, extra = self._account(job, env, ev, n, ttft)
-            yield sse(env.chunk(finish=finish, extra=extra))
+            yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
             yield "data: [DONE]\n\n"

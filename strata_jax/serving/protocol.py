@@ -19,6 +19,9 @@ from strata_jax import __version__
 
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; model/sampling.py's TOP_LOGPROBS)
+MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
+REPEAT_WINDOW = 256  # the longest repeat_last_n (model/sampling.py's REPEAT_WINDOW)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # set by the server itself, or parameter names of Model.prompt_tokens / apply_chat_template
 RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self"})
@@ -65,6 +68,12 @@ class GenRequest:
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     reasoning_effort: str | None = None
     cache_prompt: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0  # llama.cpp's, as are repeat_last_n, top_k and min_p
+    repeat_last_n: int = 64
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
 
     @property
     def prompt_param(self) -> str:
@@ -72,7 +81,9 @@ class GenRequest:
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, seed=self.seed, stop=self.stop or None)
+                    min_p=self.min_p, seed=self.seed, stop=self.stop or None, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
+                    repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs)
 
 
 # -- field readers -----------------------------------------------------------------------------------
@@ -145,14 +156,13 @@ def _common(body: Any) -> dict[str, Any]:
         out["include_usage"] = _bool(so, "include_usage", False)
     out["cache_prompt"] = _bool(body, "cache_prompt", True)
     for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2, 2) != 0:
-            raise bad(f"'{name}' is not supported yet; omit it or set it to 0.", name)
+        out[name] = _number(body, name, 0.0, -2, 2)
+    out["repeat_penalty"] = _number(body, "repeat_penalty", 1.0, 0, 100, lo_open=True)
+    # llama.cpp's -1 (the whole context) has no equivalent: the window is bounded on the device
+    out["repeat_last_n"] = _number(body, "repeat_last_n", 64, 0, REPEAT_WINDOW, integer=True)
     lb = body.get("logit_bias")
     if lb is not None and not (isinstance(lb, dict) and not lb):
         raise bad("'logit_bias' is not supported yet; omit it.", "logit_bias")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("'logprobs' is not supported yet; omit it (or set it to false).", "logprobs")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad("'response_format' supports only {\"type\": \"text\"} so far (no JSON mode or schemas yet).",
@@ -261,6 +271,11 @@ def parse_chat(body: Any) -> GenRequest:
     req = GenRequest(endpoint="chat", prompt=[], **_common(body))
     req.prompt = _messages(body)
     req.tools = _tools(body)
+    req.logprobs = _bool(body, "logprobs", False)
+    req.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    if req.top_logprobs and not req.logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true (it says how many alternatives each token's logprobs "
+                  "list).", "top_logprobs")
     effort = body.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
         raise bad(f"'reasoning_effort' must be a string such as \"none\", \"low\" or \"high\", got {_kind(effort)}.",
@@ -297,6 +312,10 @@ def parse_completion(body: Any) -> GenRequest:
         raise bad("'suffix' (fill-in-the-middle) is not supported yet; omit it.", "suffix")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' must be 1 (or omitted).", "best_of")
+    lp = body.get("logprobs")
+    if lp is not None and lp is not False:  # the legacy form: an integer, how many alternatives (0 counts)
+        req.logprobs = True
+        req.top_logprobs = _number(body, "logprobs", 0, 0, MAX_LEGACY_LOGPROBS, integer=True)
     return req
 
 
@@ -374,6 +393,42 @@ class ToolCallStream:
         return content or "", calls
 
 
+# -- logprobs --------------------------------------------------------------------------------------
+
+def token_text(b: bytes) -> str:
+    """A token's text; a token whose bytes are not whole UTF-8 (part of a multi-byte character) is spelled
+    as OpenAI spells it, "bytes:\\xe2\\x80", and its `bytes` still hold the raw values."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def chat_logprobs(entries: list, token_bytes) -> list[dict]:
+    """OpenAI's chat `logprobs.content` items for TokenLogprob entries (token_id, logprob, top);
+    token_bytes(id) -> the token's raw bytes."""
+
+    def one(tid: int, logprob: float) -> dict:
+        b = token_bytes(tid)
+        return {"token": token_text(b), "logprob": logprob, "bytes": list(b)}
+
+    return [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, v) for t, v in e.top]) for e in entries]
+
+
+def completion_logprobs(entries: list, token_bytes, base_offset: int) -> dict:
+    """The legacy completions `logprobs` object. top_logprobs holds the requested alternatives plus the
+    sampled token (so up to logprobs + 1 entries, as OpenAI documents); text_offset counts characters from
+    the start of the prompt (base_offset: its length), as OpenAI's does without echo."""
+    text = lambda tid: token_text(token_bytes(tid))  # noqa: E731
+    tops = []
+    for e in entries:
+        top = {text(t): v for t, v in e.top}
+        top.setdefault(text(e.token_id), e.logprob)
+        tops.append(top)
+    return {"tokens": [text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": [base_offset + e.offset for e in entries]}
+
+
 # -- responses --------------------------------------------------------------------------------------
 
 def new_id(endpoint: str) -> str:
@@ -415,20 +470,28 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 
-    def response(self, text: str, finish: str, use: dict, extra: dict, tool_calls: list | None = None) -> dict:
+    def logprobs(self, entries: list, token_bytes, base_offset: int = 0) -> dict:
+        """The choice's logprobs object for TokenLogprob entries, in this endpoint's format."""
+        if self.endpoint == "chat":
+            return {"content": chat_logprobs(entries, token_bytes), "refusal": None}
+        return completion_logprobs(entries, token_bytes, base_offset)
+
+    def response(self, text: str, finish: str, use: dict, extra: dict, tool_calls: list | None = None,
+                 logprobs: dict | None = None) -> dict:
+        """logprobs: the choice's logprobs object (chat: {"content": [...], "refusal": None}), or None."""
         out = self._base(False)
         if self.endpoint == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 msg["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out.update(choices=[choice], usage=use, **extra)
         return out
 
     def chunk(self, *, text: str | None = None, role: bool = False, tool_calls: list | None = None,
-              finish: str | None = None, extra: dict | None = None) -> dict:
+              finish: str | None = None, extra: dict | None = None, logprobs: dict | None = None) -> dict:
         out = self._base(True)
         if self.endpoint == "chat":
             delta: dict[str, Any] = {}
@@ -438,9 +501,9 @@ class Envelope:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out["choices"] = [choice]
         out.update(extra or {})
         return out
