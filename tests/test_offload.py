@@ -242,3 +242,28 @@ def test_forced_routing_replays_the_trace_and_keeps_offloading_exact(moe_path, r
     assert not np.array_equal(res.logits(ids), ref)
     with pytest.raises(ConfigError, match=r"must be \[tokens, 4, 2\]"):
         res.force_routing(trace[:, :3])
+
+
+def test_grouped_prefill_equals_dense(moe_path, monkeypatch):
+    """The GPU prefill formulation (tokens grouped by expert, ragged_dot) computes what the dense masked
+    product computes, on the real slot pool of a loaded model."""
+    import jax.numpy as jnp
+
+    from strata_jax.model import moe
+
+    m = strata_jax.load(moe_path, ctx=128)
+    cfg, slots = m.config, m.experts.slots
+    for layer in (0, 1):  # the two pools (odd layers' down projections are Q4_0)
+        rng = np.random.default_rng(layer)
+        x_ND = jnp.asarray(rng.normal(size=(40, cfg.d_model)), jnp.float32)
+        w_NK, ids_NK = moe.route(x_ND, m.params.layers[cfg.moe_layers[layer]].moe.router_ED, cfg)
+        args = (x_ND, w_NK, ids_NK, slots.slot_map(layer), slots.pools[slots.layer_pool[layer]], jnp.float32,
+                cfg.n_experts)
+        np.testing.assert_allclose(moe._experts_grouped(*args), moe._experts_dense(*args), rtol=2e-5, atol=2e-5)
+    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "grouped")
+    assert moe._many_token_impl() is moe._experts_grouped
+    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "dense")
+    assert moe._many_token_impl() is moe._experts_dense
+    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "sparse")
+    with pytest.raises(ValueError, match="'grouped' or 'dense'"):
+        moe._many_token_impl()
