@@ -59,10 +59,10 @@ def count_compiles():
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop every module's compiled programs once it is done. One pytest process compiles thousands of
-    XLA:CPU executables, each holding its own memory mappings; kept all session they approach the
-    kernel's per-process map limit (vm.max_map_count, 65,530) and a later compile aborts the process
-    (seen in CI at test_qwen_reference after ~400 tests; every module passes alone)."""
+    """Drop every module's compiled programs once it is done. The whole suite in one process aborted
+    inside an XLA:CPU compile at test_qwen_reference after ~400 tests, while every module passed alone
+    and memory stayed under 13 GB; the suspect (not confirmed) is the per-process memory mappings of
+    thousands of kept executables against vm.max_map_count (65,530). With this the suite passes."""
     yield
     import gc
 

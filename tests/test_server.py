@@ -616,8 +616,8 @@ def test_tool_calls_end_to_end(model):
 
 def test_metrics(model):
     with serving(model) as c:
-        for _ in range(3):
-            chat(c, max_tokens=2)
+        # sampled (no seed): a request may end early on an end-of-text token, so count what was served
+        served = sum(chat(c, max_tokens=2).json()["usage"]["completion_tokens"] for _ in range(3))
         assert_error(chat(c, n=3), 400)
         text = c.get("/metrics").text
         fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -625,7 +625,7 @@ def test_metrics(model):
                 if s.name == "strata_requests_total"}
         assert reqs[("chat_completions", "200")] == 3 and reqs[("chat_completions", "400")] == 1
         total = {s.name: s.value for s in fams["strata_completion_tokens"].samples}
-        assert total["strata_completion_tokens_total"] == 6
+        assert total["strata_completion_tokens_total"] == served > 0
         ttft = {s.name: s.value for s in fams["strata_time_to_first_token_seconds"].samples}
         assert ttft["strata_time_to_first_token_seconds_count"] == 3
         assert 0 < fams["strata_expert_cache_hit_rate"].samples[0].value <= 1
