@@ -30,7 +30,8 @@ from strata_jax.serving.protocol import APIError, GenRequest, bad
 
 log = logging.getLogger("strata_jax")
 
-EXPERT_COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "prefill_streamed_experts")
+EXPERT_COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "prefill_streamed_experts", "prefetched",
+                   "transfer_stall_seconds")
 
 
 @dataclasses.dataclass
@@ -369,9 +370,9 @@ class Engine:
 
     # -- telemetry (engine thread only: stats() reads donated device state) ---------------------------
     @staticmethod
-    def _expert_counters(m: Any) -> dict[str, int]:
+    def _expert_counters(m: Any) -> dict[str, float]:
         st = m.stats()
-        return {k: int(st.get(k) or 0) for k in EXPERT_COUNTERS} if st else {}
+        return {k: st.get(k) or 0 for k in EXPERT_COUNTERS} if st else {}
 
     def _expert_delta(self, m: Any) -> dict[str, Any]:
         d = self._expert_since(m, self._last_expert)
