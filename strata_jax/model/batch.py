@@ -42,7 +42,7 @@ from strata_jax.errors import ConfigError
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.model import (_DONATE, _STATIC, GenerationChunk, Model, TokenLogprob, _common_prefix,
                                     _find_stop, _first_token, _stop_prefix_len, attn_bucket, bucket, check_request,
-                                    logprob_count, token_logprob)
+                                    logprob_count, request_timings, token_logprob)
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import PenaltyState, SamplingParams, next_token, sample_rows
 from strata_jax.units import fmt_bytes
@@ -134,18 +134,9 @@ class _Seq:
         return out, None
 
     def final(self, finish: str) -> GenerationChunk:
-        t_end = time.perf_counter()
-        t_decode, n_dec, n_prompt = t_end - self.t1, len(self.generated), len(self.ids) - self.n_cached
-        timings = {  # as Model.generate_stream's; decode time includes the prefills of requests admitted meanwhile
-            "prompt_n": n_prompt,
-            "prompt_ms": self.t_prefill * 1e3,
-            "prompt_per_second": n_prompt / max(self.t_prefill, 1e-9),
-            "cache_n": self.n_cached,
-            "predicted_n": n_dec,
-            "predicted_ms": t_decode * 1e3,
-            "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
-            "decode_per_second": max(n_dec - 2, 0) / max(t_end - self.t_steady, 1e-9) if n_dec > 2 else 0.0,
-        }
+        # decode time includes the prefills of requests admitted meanwhile
+        timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
+                                  self.t1, self.t_steady, time.perf_counter())
         return GenerationChunk(self.text[self.emitted:], self.pending, finish_reason=finish, timings=timings,
                                prompt_token_ids=self.ids, logprobs=self._lp())
 

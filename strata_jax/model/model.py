@@ -408,23 +408,9 @@ class Model:
         finally:
             self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
-        t_decode = t_end - t1
         if self.experts is not None:
             self.experts.note_steps(t_end - t0, len(generated) + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
-        n_dec = len(generated)
-        n_prompt = len(ids) - n_cached
-        timings = {  # llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n the reused
-            "prompt_n": n_prompt,
-            "prompt_ms": t_prefill * 1e3,
-            "prompt_per_second": n_prompt / max(t_prefill, 1e-9),
-            "cache_n": n_cached,
-            "predicted_n": n_dec,
-            "predicted_ms": t_decode * 1e3,
-            "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
-            # the first token comes out of prefill, the second from the first (possibly compiling) decode
-            # step; decode speed is the steady state after that
-            "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
-        }
+        timings = request_timings(len(ids) - n_cached, n_cached, t_prefill, len(generated), t1, t_steady, t_end)
         yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids,
                               logprobs=pending_lp)
 
@@ -466,6 +452,25 @@ def logprob_count(logprobs: Any, top_logprobs: Any) -> int | None:
             or not 0 <= top_logprobs <= TOP_LOGPROBS):
         raise ConfigError(f"top_logprobs={top_logprobs!r} is invalid: give an integer in [0, {TOP_LOGPROBS}].")
     return int(top_logprobs) if logprobs or top_logprobs else None
+
+
+def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, t1: float, t_steady: float,
+                    t_end: float) -> dict[str, float]:
+    """A request's timings in llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n
+    the reused ones; decode runs from t1 (after prefill) to t_end."""
+    t_decode = t_end - t1
+    return {
+        "prompt_n": n_prompt,
+        "prompt_ms": t_prefill * 1e3,
+        "prompt_per_second": n_prompt / max(t_prefill, 1e-9),
+        "cache_n": n_cached,
+        "predicted_n": n_dec,
+        "predicted_ms": t_decode * 1e3,
+        "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
+        # the first token comes out of prefill, the second from the first (possibly compiling) decode
+        # step; decode speed is the steady state after that
+        "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
+    }
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
