@@ -155,6 +155,13 @@ def test_cli_generate_with_expert_cache_options(moe_path):
     assert r.returncode == 2 and "unknown cache policy 'nope'" in r.stderr
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-slots", "1")
     assert r.returncode == 2 and "too few" in r.stderr
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--prefetch-depth", "-1")
+    assert r.returncode == 2 and "--prefetch-depth must be >= 0, got -1" in r.stderr
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-pools", "per-expert")
+    assert r.returncode == 2 and "invalid choice: 'per-expert'" in r.stderr
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-slots", "4",
+             "--policy", "static:/nonexistent/profile.npy")
+    assert r.returncode == 2 and "cannot read the static policy's profile" in r.stderr
 
 
 def test_cli_errors_are_one_line(tmp_path):
