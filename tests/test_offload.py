@@ -267,3 +267,19 @@ def test_grouped_prefill_equals_dense(moe_path, monkeypatch):
     monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "sparse")
     with pytest.raises(ValueError, match="'grouped' or 'dense'"):
         moe._many_token_impl()
+
+
+def test_short_prompt_routing_more_experts_than_a_pool_holds(tmp_path):
+    """A 16-token prefill bucket at top-2 can route 32 experts of 64 at once, more than a per-layer pool
+    of 8 slots: it must stream the layer like a long prompt (it used to fail in the policy: '32 experts
+    requested at once but the cache has only 8 slots'), and compute what the resident model does."""
+    spec = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=64, head_dim=16, n_experts=64, n_experts_used=2,
+                         expert_ffn_dim=32, vocab_size=320, qtype="Q8_0", seed=11)
+    path = write_synthetic_gguf(tmp_path / "wide.gguf", spec)
+    ids = list(range(3, 13))
+    ref = strata_jax.load(path, ctx=64)
+    m = strata_jax.load(path, ctx=64, expert_slots=16)
+    assert m.cache_plan.slots_per_pool == (8, 8)
+    np.testing.assert_allclose(m.logits(ids), ref.logits(ids), rtol=0, atol=1e-5)
+    assert m.generate(ids, max_tokens=8, temperature=0).token_ids == ref.generate(ids, max_tokens=8,
+                                                                                 temperature=0).token_ids

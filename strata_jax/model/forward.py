@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import attention, rms_norm, swiglu
 from strata_jax.model.moe import N_STATS, moe_block, route
@@ -85,7 +86,8 @@ def forward(
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
     routed, stats = [], []
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-    offloading = slots is not None and not slots.resident and B * T * cfg.n_experts_used <= cfg.n_experts
+    offloading = slots is not None and not slots.resident and all(
+        slots.few_path(m, B * T * cfg.n_experts_used, cfg.n_experts) for m in range(len(cfg.moe_layers)))
     depth = int(prefetch) if offloading else 0  # MoE layers ahead whose experts each layer prefetches
     predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
     for i, layer in enumerate(params.layers):
@@ -119,7 +121,11 @@ def forward(
         if not all_logits:
             x = x[jnp.arange(B), n_valid_B - 1][:, None, :]
         x = rms_norm(x, params.out_norm_D, cfg.rms_eps)
-        logits = jnp.einsum("btd,vd->btv", x, params.lm_head.dequant(dtype), preferred_element_type=jnp.float32)
+        n_rows = x.shape[0] * x.shape[1]
+        if qmatvec.linear_ok(params.lm_head, n_rows):  # decode: read the head's blocks once
+            logits = qmatvec.linear(x.reshape(n_rows, -1), params.lm_head).reshape(*x.shape[:2], -1)
+        else:
+            logits = jnp.einsum("btd,vd->btv", x, params.lm_head.dequant(dtype), preferred_element_type=jnp.float32)
         if not all_logits:
             logits = logits[:, 0]
     routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)

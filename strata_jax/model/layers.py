@@ -7,9 +7,12 @@ Norms, RoPE angles, attention scores and softmax run in float32 whatever the com
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.weights import AttnParams, MLPParams, QTensor
 
@@ -21,8 +24,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, w: QTensor, bias: jax.Array | None = None) -> jax.Array:
-    """x @ W.T with W dequantized inside the jitted program (W is [out, in] GGML blocks)."""
-    y = jnp.einsum("...d,fd->...f", x, w.dequant(x.dtype), preferred_element_type=jnp.float32)
+    """x @ W.T with W dequantized inside the jitted program (W is [out, in] GGML blocks): for a few token
+    rows (decode) by the fused kernel that reads the blocks once (qmatvec), else dequantize + matmul."""
+    n_rows = math.prod(x.shape[:-1])
+    if qmatvec.linear_ok(w, n_rows):
+        y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+    else:
+        y = jnp.einsum("...d,fd->...f", x, w.dequant(x.dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias
     return y.astype(x.dtype)

@@ -2,7 +2,8 @@
 experts read from their slots, and qwen2moe's sigmoid-gated shared expert.
 
 Two static code paths, chosen by the token count (a trace-time constant):
-- few tokens (decode): gather just the N*K routed experts' blocks and dequantize those; when the cache
+- few tokens (decode): multiply by just the N*K routed experts, read from their slots by the fused
+  dequantize + mat-vec kernel (qmatvec; elsewhere their blocks are gathered and dequantized); when the cache
   does not hold every expert, the policy first decides hits, misses and victims, and the misses are
   DMA'd from the pinned-host store into their slots (all inside the jitted step: no host sync);
 - many tokens (prefill): dequantize each of the layer's experts once per chunk, so each expert's bytes
@@ -22,6 +23,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import swiglu
 from strata_jax.model.weights import MoEParams
@@ -60,6 +62,14 @@ def _apply_experts(x_ND, w_NK, weights, dtype):
     h = (h * jnp.einsum("nd,nkfd->nkf", x_ND, u_NKFD, preferred_element_type=f32)).astype(dtype)
     y_NKD = jnp.einsum("nkf,nkdf->nkd", h, d_NKDF, preferred_element_type=f32)
     return jnp.einsum("nkd,nk->nd", y_NKD, w_NK)
+
+
+def _routed(x_ND, w_NK, slot_NK, pool, dtype):
+    """The few-token product of each token's routed experts, read from their slots."""
+    parts = qmatvec.expert_parts(pool, slot_NK.size)
+    if parts is not None:
+        return qmatvec.experts_swiglu(x_ND, w_NK, slot_NK, pool.data, parts, dtype)
+    return _apply_experts(x_ND, w_NK, _gather_experts(pool, slot_NK, dtype), dtype)
 
 
 def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
@@ -115,6 +125,14 @@ def _unique(ids_NK: jax.Array, n_experts: int) -> jax.Array:
     return jnp.where(first[order], flat[order], -1)[: min(n, n_experts)]
 
 
+def _n_distinct(ids_NK: jax.Array) -> jax.Array:
+    """How many distinct ids (what _unique counts, without its sort)."""
+    flat = ids_NK.reshape(-1)
+    n = flat.shape[0]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    return jnp.sum(~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)).astype(jnp.int32)
+
+
 def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U: jax.Array, policy: Policy):
     """Run the policy for MoE layer `moe_idx` and DMA its misses into their slots."""
     pool_i, local = slots.layer_pool[moe_idx], slots.layer_local[moe_idx]
@@ -148,30 +166,38 @@ def moe_block(
     w_NK, ids_NK = route(x_ND, p.router_ED, cfg, forced_NK)
     zero = jnp.zeros((), jnp.int32)
     hits = misses = streamed = prefetched = zero
-    few = N * K <= E
+    few = slots.few_path(moe_idx, N * K, E)
     if slots.resident:
         slot_E = slots.slot_map(moe_idx)
         pool = slots.pools[slots.layer_pool[moe_idx]]
         if few:  # every lookup hits; counted like the offloading path (unique experts per step)
-            out_ND = _apply_experts(x_ND, w_NK, _gather_experts(pool, slot_E[ids_NK], dtype), dtype)
-            hits = jnp.sum(_unique(ids_NK, E) >= 0).astype(jnp.int32)
+            out_ND = _routed(x_ND, w_NK, slot_E[ids_NK], pool, dtype)
+            hits = _n_distinct(ids_NK)
         else:
             out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, slot_E, pool, dtype, E)
     elif few:
         slots, plan = _access_and_fetch(slots, store, moe_idx, _unique(ids_NK, E), policy)
         pool = slots.pools[slots.layer_pool[moe_idx]]
-        rows = jnp.take(pool.data, slots.slot_map(moe_idx)[ids_NK], axis=0)
-        if prefetch:
-            # Prefetching overwrites slots in place, possibly ones this layer just read. The barrier makes
-            # the read happen first: without it XLA:GPU was seen reading a slot after its overwrite
-            # (greedy tokens drifted from the resident run on the B30 shape; exact without prefetch).
-            rows, slots = jax.lax.optimization_barrier((rows, slots))
-        weights = tuple(t.dequant(dtype) for t in pool.split(rows))
+        slot_NK = slots.slot_map(moe_idx)[ids_NK]
+        parts = qmatvec.expert_parts(pool, N * K)
+        # Prefetching overwrites slots in place, possibly ones this layer just read. The barriers make the
+        # read happen first: without one XLA:GPU was seen reading a slot after its overwrite (greedy
+        # tokens drifted from the resident run on the B30 shape; exact without prefetch).
+        if parts is not None:
+            out_ND = qmatvec.experts_swiglu(x_ND, w_NK, slot_NK, pool.data, parts, dtype)
+            if prefetch:
+                out_ND, slots = jax.lax.optimization_barrier((out_ND, slots))
+        else:
+            rows = jnp.take(pool.data, slot_NK, axis=0)
+            if prefetch:
+                rows, slots = jax.lax.optimization_barrier((rows, slots))
+            weights = tuple(t.dequant(dtype) for t in pool.split(rows))
         hits, misses = plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32)
         for next_idx, pred_NK in prefetch:
             slots, pf_plan = _access_and_fetch(slots, store, next_idx, _unique(pred_NK, E), policy)
             prefetched = prefetched + pf_plan.n_misses.astype(jnp.int32)
-        out_ND = _apply_experts(x_ND, w_NK, weights, dtype)
+        if parts is None:
+            out_ND = _apply_experts(x_ND, w_NK, weights, dtype)
     else:
         streamed_pool = stream_layer(store.layers[moe_idx])
         out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed_pool, dtype, E)

@@ -41,6 +41,15 @@ class SlotTable:
     def n_slots(self) -> int:
         return sum(p.n_rows for p in self.pools)
 
+    def few_path(self, moe_idx: int, n_lookups: int, n_experts: int) -> bool:
+        """Whether a step routing n_lookups (token, expert) pairs in MoE layer `moe_idx` looks each expert up
+        in the cache (else it streams or computes the whole layer): at most every expert, and, when
+        offloading, at most the pool's slots (a prefill chunk of 16 tokens top-8 can ask for 128 experts
+        at once of a pool holding 64)."""
+        if self.resident:
+            return n_lookups <= n_experts
+        return n_lookups <= min(n_experts, self.pools[self.layer_pool[moe_idx]].n_rows)
+
     def slot_map(self, moe_idx: int) -> jax.Array:
         """int32 [E]: the slot of each expert of MoE layer `moe_idx` (-1 if not resident)."""
         return self.caches[self.layer_pool[moe_idx]].slot_map_LE[self.layer_local[moe_idx]]
@@ -94,10 +103,12 @@ def expert_bytes(cfg, types: tuple) -> int:
 
 
 def resident_slot_table(loader: WeightLoader) -> SlotTable:
-    """Every expert resident: pool g holds its layers' experts back to back, slot = i * E + e."""
+    """Every expert resident, a pool per MoE layer (slot = expert id). One pool per layer rather than one
+    for the whole model keeps each buffer small: the fused kernel (model/qmatvec.py) cannot index a
+    buffer of 2-4 GiB."""
     cfg = loader.cfg
     E = cfg.n_experts
-    layout = expert_layout(loader)
+    layout = expert_layout(loader, "per-layer")
     pools, caches = [], []
     for layers in layout.pool_layers:
         per_layer = [[loader.info(f"blk.{cfg.moe_layers[i]}.{name}.weight", shape)

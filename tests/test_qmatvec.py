@@ -1,0 +1,150 @@
+"""The fused dequantize + mat-vec kernel (strata_jax/model/qmatvec.py) against gguf-py's dequantizer, and
+the model decoding through it. On CPU the Pallas kernel runs in its interpreter: the same indexing and
+arithmetic the Triton build runs on the GPU, where benchmarks/decode_profile.py checks it again."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+import strata_jax
+from strata_jax.model import qmatvec as qm
+from strata_jax.model.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
+
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BLOCK_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+CASES = [(t, d) for t in K_QUANTS for d in (512, 768)] + [(t, d) for t in BLOCK_32 for d in (96, 512, 896)]
+
+
+def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
+    """float64 x @ W.T with W dequantized by gguf-py, per pair."""
+    out = []
+    for m, slot in enumerate(slot_M):
+        w = gguf_dequantize(stack_SFR[slot], qtype).astype(np.float64).reshape(stack_SFR.shape[1], n_cols)
+        out.append(x_MTD[m].astype(np.float64) @ w.T)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("qtype,n_cols", CASES, ids=[f"{t.name}-{d}" for t, d in CASES])
+def test_kernel_matches_gguf_dequantize(qtype, n_cols):
+    rng = np.random.default_rng(int(qtype) * 1000 + n_cols)
+    F = 40  # not a multiple of the 16-row blocks: the last program's rows are masked
+    stack_SFR = random_tensor_bytes(rng, qtype, (3, F, n_cols), 0.02)
+    R = stack_SFR.shape[-1]
+    x = rng.standard_normal((4, 3, n_cols)).astype(np.float32)
+    slots = np.array([2, 0, 1, 2], np.int32)
+    part = qm.Part(qtype, F, R, 0, n_cols)
+    y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(stack_SFR.reshape(3, F * R)), jnp.asarray(slots),
+                          parts=(part,), block_rows=16, interpret=True)
+    ref = _reference(x, stack_SFR, slots, qtype, n_cols)
+    assert y.shape == (4, 3, F)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_swiglu_over_fused_rows_of_two_types():
+    """gate in Q4_K and up in Q6_K back to back in one row, as an expert's fused slot row holds them."""
+    rng = np.random.default_rng(7)
+    F, D, S = 48, 512, 5
+    g = random_tensor_bytes(rng, Q.Q4_K, (S, F, D), 0.02)
+    u = random_tensor_bytes(rng, Q.Q6_K, (S, F, D), 0.02)
+    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
+    parts = (qm.Part(Q.Q4_K, F, g.shape[-1], 0, D), qm.Part(Q.Q6_K, F, u.shape[-1], F * g.shape[-1], D))
+    x = rng.standard_normal((3, 1, D)).astype(np.float32)
+    slots = np.array([4, 1, 4], np.int32)
+    y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(slots), parts=parts, swiglu=True,
+                          interpret=True)
+    gx = _reference(x, g, slots, Q.Q4_K, D)
+    ux = _reference(x, u, slots, Q.Q6_K, D)
+    ref = gx / (1 + np.exp(-gx)) * ux
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_stacks_between_2_and_4_gib_are_refused():
+    """Pallas' Triton lowering indexes such buffers with 32-bit offsets that turn negative past 2 GiB."""
+    def fake(n):
+        return jax.ShapeDtypeStruct((n,), jnp.uint8)
+
+    assert qm.stack_ok(fake(2**31 - 1)) and qm.stack_ok(fake(2**32 + 1))
+    assert not qm.stack_ok(fake(2**31)) and not qm.stack_ok(fake(3 * 2**30))
+    with pytest.raises(ValueError, match="between 2 and 4 GiB"):
+        qm.stacked_matvec(jnp.zeros((1, 1, 256)), fake(2**31 + 2**20), jnp.zeros((1,), jnp.int32),
+                          parts=(qm.dense_part(Q.Q4_K, 4, 256),))
+
+
+def test_modes(monkeypatch):
+    k4 = (qm.dense_part(Q.Q4_K, 4096, 2048),)
+    small = (qm.dense_part(Q.Q4_K, 512, 2048),)
+    q8 = (qm.dense_part(Q.Q8_0, 4096, 2048),)
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "0")
+    assert not qm.use_kernel(k4, 1)
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
+    assert qm.use_kernel(k4, 1) and qm.use_kernel(q8, 1) and qm.use_kernel(small, 1)
+    assert not qm.use_kernel((qm.Part(Q.F16, 8, 512, 0, 256),), 1)  # no decoder for float types
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "yes")
+    with pytest.raises(ValueError, match="STRATA_JAX_QMATVEC='yes'"):
+        qm.use_kernel(k4, 1)
+    monkeypatch.delenv("STRATA_JAX_QMATVEC")
+    assert not qm.use_kernel(k4, 1)  # auto: GPU only
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert qm.use_kernel(k4, 1)  # 256 programs of 16 rows
+    assert not qm.use_kernel(small, 1) and qm.use_kernel(small, 8)  # 32 programs; 8 experts x 32
+    assert not qm.use_kernel(q8, 1)  # auto takes only the K-quants measured faster
+
+
+SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                     n_experts=8, n_experts_used=2, expert_ffn_dim=256, vocab_size=512, qtype="Q4_K",
+                     odd_down_qtype="Q6_K", seed=5)
+
+
+@pytest.fixture(scope="module")
+def kmoe_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("qmatvec") / "moe.gguf", SPEC)
+
+
+def _decode_run(path, flag, **kw):
+    """Greedy tokens and the first decode step's logits with STRATA_JAX_QMATVEC=flag (read at trace time,
+    so compiled programs are dropped first)."""
+    old = os.environ.get("STRATA_JAX_QMATVEC")
+    os.environ["STRATA_JAX_QMATVEC"] = flag
+    jax.clear_caches()
+    try:
+        m = strata_jax.load(path, ctx=64, dequantize_dense=False, **kw)
+        ids = list(range(5, 20))
+        gen = m.generate(ids, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5)
+        return gen.token_ids, [lp.logprob for lp in gen.logprobs], m.stats()
+    finally:
+        if old is None:
+            os.environ.pop("STRATA_JAX_QMATVEC", None)
+        else:
+            os.environ["STRATA_JAX_QMATVEC"] = old
+        jax.clear_caches()
+
+
+def test_model_decodes_the_same_through_the_kernel(kmoe_path):
+    """Every decode matmul (attention projections, routed experts from their slots, the LM head) through
+    the kernel gives the tokens and log-probabilities of dequantize + matmul, resident and offloaded."""
+    ref_tokens, ref_lp, _ = _decode_run(kmoe_path, "0")
+    for kw in ({}, {"expert_slots": 6}):
+        tokens, lp, st = _decode_run(kmoe_path, "1", **kw)
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
+        if kw:
+            assert st["misses"] > 0
+
+
+def test_kernel_is_in_the_decode_step(kmoe_path, monkeypatch):
+    """The kernel really serves the decode step (not a silent fallback): count its traced calls."""
+    calls = []
+    real = qm.stacked_matvec
+    monkeypatch.setattr(qm, "stacked_matvec", lambda *a, **k: calls.append(k["parts"]) or real(*a, **k))
+    _decode_run(kmoe_path, "1")
+    kinds = {(p[0].qtype, p[0].n_rows, len(p)) for p in calls}
+    assert (Q.Q4_K, 256, 2) in kinds  # routed experts: gate + up in one call
+    assert (Q.Q6_K, 256, 1) in kinds  # an odd layer's down projection
+    assert (Q.Q4_K, 512, 1) in kinds  # the LM head (vocab 512)
