@@ -237,7 +237,7 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
                "ms_per_token": 1e3 / g.timings["decode_per_second"], "stats": {
                    k: v for k, v in model.stats().items() if isinstance(v, (int, float, str))}}
         # profile 8 decode steps through the engine's own step function
-        def run8():
+        def run8(model=model):
             model.generate(prompt, max_tokens=9, temperature=0, cache_prompt=True)
             return jnp.zeros(())
 
@@ -258,7 +258,8 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
         row["profile_kernels_per_step"] = {k: v / 8 for k, v in n_k.items()}
         row["profile_top_ops"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:40])
         row["profile_stat_keys"] = sorted(keys)
-        row["profile_sample"] = [(n[:100], round(u, 2), {k: str(v)[:120] for k, v in s.items()}) for n, u, s, *_ in evs[:30]]
+        row["profile_sample"] = [(n[:100], round(u, 2), {k: str(v)[:120] for k, v in s.items()})
+                                 for n, u, s, *_ in evs[:30]]
         res[conf] = row
         save()
         print(conf, json.dumps({k: row[k] for k in ("decode_tok_s", "ms_per_token", "profile_us_per_step",

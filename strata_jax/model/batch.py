@@ -32,7 +32,6 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +39,9 @@ import numpy as np
 
 from strata_jax.errors import ConfigError
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.model import (_DONATE, _STATIC, GenerationChunk, Model, TokenLogprob, _common_prefix,
-                                    _find_stop, _first_token, _stop_prefix_len, attn_bucket, bucket, check_request,
-                                    logprob_count, request_timings, token_logprob)
+from strata_jax.model.model import (_DONATE, _STATIC, Model, _common_prefix, _first_token, attn_bucket, bucket,
+                                    check_request, logprob_count)
+from strata_jax.model.streaming import GenerationChunk, TextStream, TokenLogprob, request_timings, token_logprob
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import PenaltyState, SamplingParams, next_token, sample_rows
 from strata_jax.units import fmt_bytes
@@ -87,13 +86,11 @@ def _put_row(pen_N, row, pen_1):
 
 @dataclasses.dataclass(eq=False)
 class _Seq:
-    """One request in a row: the state Model.generate_stream keeps in locals, kept between steps."""
+    """One request in a row: its text stream and the state Model.generate_stream keeps in locals."""
 
     ids: list[int]
-    max_tokens: int
-    stops: list[str]
+    stream: TextStream
     n_cached: int
-    decoder: Any
     t0: float
     fed: list[int]  # tokens written to the row's cache, from position 0 (the next one goes at len(fed))
     tok: int  # sampled and not yet taken in by push()
@@ -102,46 +99,20 @@ class _Seq:
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
-    text: str = ""  # all generated text
-    emitted: int = 0  # how much of it has been streamed
-    generated: list[int] = dataclasses.field(default_factory=list)
-    pending: list[int] = dataclasses.field(default_factory=list)  # ids whose text is still held back
-    pending_lp: list[TokenLogprob] = dataclasses.field(default_factory=list)  # their logprobs
+
+    @property
+    def generated(self) -> list[int]:
+        return self.stream.generated
 
     def push(self, stop_ids) -> tuple[list[GenerationChunk], str | None]:
-        """Take in the sampled token: the chunks to stream, and the finish reason once the request is done.
-        Stop ids, stop strings, held-back text and max_tokens behave exactly as in generate_stream."""
-        tok = self.tok
-        if tok in stop_ids:
-            return [], "stop"
-        self.generated.append(tok)
-        self.pending.append(tok)
-        if self.tok_lp is not None:
-            self.pending_lp.append(dataclasses.replace(self.tok_lp, offset=len(self.text)))
-        self.text += self.decoder.push(tok)
-        hit = _find_stop(self.text, self.stops, self.emitted)
-        if hit is not None:
-            self.text = self.text[:hit]
-            return [], "stop"
-        out = []
-        safe = len(self.text) - _stop_prefix_len(self.text[self.emitted:], self.stops)
-        if safe > self.emitted:
-            out.append(GenerationChunk(self.text[self.emitted:safe], self.pending, logprobs=self._lp()))
-            self.emitted, self.pending, self.pending_lp = safe, [], []
-        if len(self.generated) >= self.max_tokens:
-            self.text += self.decoder.flush()
-            return out, "length"
-        return out, None
+        """Take in the sampled token (see TextStream.push)."""
+        return self.stream.push(self.tok, stop_ids, self.tok_lp)
 
     def final(self, finish: str) -> GenerationChunk:
         # decode time includes the prefills of requests admitted meanwhile
         timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
                                   self.t1, self.t_steady, time.perf_counter())
-        return GenerationChunk(self.text[self.emitted:], self.pending, finish_reason=finish, timings=timings,
-                               prompt_token_ids=self.ids, logprobs=self._lp())
-
-    def _lp(self) -> list[TokenLogprob] | None:
-        return self.pending_lp if self.n_top is not None else None
+        return self.stream.last(finish, timings, self.ids)
 
 
 class BatchSession:
@@ -246,9 +217,9 @@ class BatchSession:
         self._pen = _put_row(self._pen, np.int32(row), pen_1)
         tok = int(tok_1[0])
         self._note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
-        seq = _Seq(list(ids), min(max_tokens, m.ctx - len(ids)), stops, n_cached, m.tokenizer.stream_decoder(), t0,
-                   list(ids), tok, n_top, token_logprob(jax.device_get(lp), 0, tok, n_top, 0) if n_top is not None
-                   else None)
+        stream = TextStream(stops, min(max_tokens, m.ctx - len(ids)), m.tokenizer.stream_decoder(), n_top is not None)
+        seq = _Seq(list(ids), stream, n_cached, t0, list(ids), tok, n_top,
+                   token_logprob(jax.device_get(lp), 0, tok, n_top, 0) if n_top is not None else None)
         seq.t_prefill = time.perf_counter() - t0
         seq.t1 = seq.t_steady = time.perf_counter()
         self._seqs[row] = seq

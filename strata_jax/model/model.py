@@ -6,7 +6,6 @@ device and returns only the token id); nothing crosses to the host between layer
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -27,6 +26,8 @@ from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingParams, next_token, sample,
                                       validate_sampling)
+from strata_jax.model.streaming import (Generation, GenerationChunk, TextStream, TokenLogprob,  # noqa: F401
+                                        request_timings, token_logprob)
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
 from strata_jax.offload.manager import OffloadManager
@@ -80,46 +81,6 @@ def _first_token(logits_1V, key, sp, recent_1W, want_logprobs):
     the prompt's tail in the repeat window."""
     pen = PenaltyState(jnp.zeros(logits_1V.shape, jnp.int32), recent_1W)
     return next_token(logits_1V, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (raw logits: see sampling.py) and the most
-    likely alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (id, logprob) of the top_logprobs most likely tokens, most likely first
-    offset: int  # where the token's text starts in the generated text (characters)
-
-
-def token_logprob(lp: Any, row: int, token_id: int, n_top: int, offset: int) -> TokenLogprob:
-    """One row of a step's host-side Logprobs as a TokenLogprob with n_top alternatives."""
-    ids, vals = lp.top_ids_BN[row, :n_top].tolist(), lp.top_BN[row, :n_top].tolist()
-    return TokenLogprob(int(token_id), float(lp.token_B[row]), list(zip(ids, vals)), offset)
-
-
-@dataclasses.dataclass
-class GenerationChunk:
-    """One streamed piece: new text and the token ids behind it. The last chunk carries finish_reason
-    ("stop" or "length") and timings."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    timings: dict[str, float] | None = None
-    prompt_token_ids: list[int] | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
-
-
-@dataclasses.dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str
-    timings: dict[str, float]
-    logprobs: list[TokenLogprob] | None = None
 
 
 def _resolve_dtype(dtype: Any, platform: str):
@@ -364,55 +325,36 @@ class Model:
         tok_host = int(tok[0])
         t_prefill = time.perf_counter() - t0
 
-        decoder = self.tokenizer.stream_decoder()
-        text, emitted = "", 0  # all generated text; how much of it has been yielded
-        generated: list[int] = []
-        pending: list[int] = []  # ids whose text is still held back (partial UTF-8, possible stop string)
-        pending_lp: list[TokenLogprob] | None = [] if n_top is not None else None  # their logprobs
-        finish = "length"
+        stream = TextStream(stops, max_tokens, self.tokenizer.stream_decoder(), n_top is not None)
+        finish = None
         t1 = t_steady = time.perf_counter()
         pos = len(ids)
         fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
         self._kv_tokens = []
         try:
             while True:
-                if tok_host in self.tokenizer.stop_ids:
-                    finish = "stop"
-                    break
-                generated.append(tok_host)
-                pending.append(tok_host)
-                if pending_lp is not None:
-                    pending_lp.append(token_logprob(jax.device_get(lp), 0, tok_host, n_top, len(text)))
-                text += decoder.push(tok_host)
-                hit = _find_stop(text, stops, emitted)
-                if hit is not None:
-                    text, finish = text[:hit], "stop"
-                    break
-                safe = len(text) - _stop_prefix_len(text[emitted:], stops)
-                if safe > emitted:
-                    yield GenerationChunk(text[emitted:safe], pending, logprobs=pending_lp)
-                    emitted, pending = safe, []
-                    pending_lp = [] if pending_lp is not None else None
-                if len(generated) >= max_tokens:
-                    text += decoder.flush()
+                tok_lp = token_logprob(jax.device_get(lp), 0, tok_host, n_top, 0) if n_top is not None else None
+                chunks, finish = stream.push(tok_host, self.tokenizer.stop_ids, tok_lp)
+                yield from chunks
+                if finish is not None:
                     break
                 (tok, pen, lp), routed = self._step(_decode, tok, np.array([pos], np.int32), key,
-                                                    np.int32(len(generated)), sp, pen, want, end=pos + 1,
+                                                    np.int32(len(stream.generated)), sp, pen, want, end=pos + 1,
                                                     **self._forced(pos, 1))
                 fed.append(tok_host)
                 self._record(routed, 1)
                 pos += 1
                 tok_host = int(tok[0])
-                if len(generated) == 1:  # steady-state decode speed starts after the first step (which compiles)
+                if len(stream.generated) == 1:  # steady-state speed starts after the first (compiling) step
                     t_steady = time.perf_counter()
         finally:
             self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
+        n_gen = len(stream.generated)
         if self.experts is not None:
-            self.experts.note_steps(t_end - t0, len(generated) + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
-        timings = request_timings(len(ids) - n_cached, n_cached, t_prefill, len(generated), t1, t_steady, t_end)
-        yield GenerationChunk(text[emitted:], pending, finish_reason=finish, timings=timings, prompt_token_ids=ids,
-                              logprobs=pending_lp)
+            self.experts.note_steps(t_end - t0, n_gen + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
+        yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end),
+                          ids)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
@@ -454,49 +396,12 @@ def logprob_count(logprobs: Any, top_logprobs: Any) -> int | None:
     return int(top_logprobs) if logprobs or top_logprobs else None
 
 
-def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, t1: float, t_steady: float,
-                    t_end: float) -> dict[str, float]:
-    """A request's timings in llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n
-    the reused ones; decode runs from t1 (after prefill) to t_end."""
-    t_decode = t_end - t1
-    return {
-        "prompt_n": n_prompt,
-        "prompt_ms": t_prefill * 1e3,
-        "prompt_per_second": n_prompt / max(t_prefill, 1e-9),
-        "cache_n": n_cached,
-        "predicted_n": n_dec,
-        "predicted_ms": t_decode * 1e3,
-        "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
-        # the first token comes out of prefill, the second from the first (possibly compiling) decode
-        # step; decode speed is the steady state after that
-        "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
-    }
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in text (searching from `start`, the yielded boundary:
-    a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(tail: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `tail` that could still grow into a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(tail)), best, -1):
-            if tail.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 def enable_compilation_cache() -> None:

@@ -1,0 +1,138 @@
+"""What a generation streams: text chunks with the token ids (and logprobs) behind them, held back while
+they may still become a stop string or are part of a UTF-8 character, and llama.cpp's timings.
+
+`TextStream` is the text side of one request, fed one sampled token at a time: Model.generate_stream
+drives one, BatchSession one per row, so stop ids, stop strings, held-back text, logprob offsets and
+max_tokens behave the same alone and batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits: see sampling.py) and the most
+    likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (id, logprob) of the top_logprobs most likely tokens, most likely first
+    offset: int  # where the token's text starts in the generated text (characters)
+
+
+def token_logprob(lp: Any, row: int, token_id: int, n_top: int, offset: int) -> TokenLogprob:
+    """One row of a step's host-side Logprobs as a TokenLogprob with n_top alternatives."""
+    ids, vals = lp.top_ids_BN[row, :n_top].tolist(), lp.top_BN[row, :n_top].tolist()
+    return TokenLogprob(int(token_id), float(lp.token_B[row]), list(zip(ids, vals)), offset)
+
+
+@dataclasses.dataclass
+class GenerationChunk:
+    """One streamed piece: new text and the token ids behind it. The last chunk carries finish_reason
+    ("stop" or "length") and timings."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    timings: dict[str, float] | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+
+
+@dataclasses.dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    timings: dict[str, float]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass
+class TextStream:
+    """Sampled token ids in, chunks out. `decoder` is the tokenizer's stream decoder; `logprobs`: the
+    chunks carry a TokenLogprob per token."""
+
+    stops: list[str]
+    max_tokens: int
+    decoder: Any
+    logprobs: bool = False
+    text: str = ""  # all generated text
+    emitted: int = 0  # how much of it has been streamed
+    generated: list[int] = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)  # ids whose text is still held back
+    pending_lp: list[TokenLogprob] = dataclasses.field(default_factory=list)  # their logprobs
+
+    def push(self, tok: int, stop_ids, tok_lp: TokenLogprob | None = None) -> tuple[list[GenerationChunk], str | None]:
+        """Take in a sampled token: the chunks to stream now, and the finish reason once the request is
+        done ("stop": a stop id or string; "length": max_tokens reached). tok_lp: its logprobs (the offset
+        is filled in here)."""
+        if tok in stop_ids:
+            return [], "stop"
+        self.generated.append(tok)
+        self.pending.append(tok)
+        if tok_lp is not None:
+            self.pending_lp.append(dataclasses.replace(tok_lp, offset=len(self.text)))
+        self.text += self.decoder.push(tok)
+        hit = _find_stop(self.text, self.stops, self.emitted)
+        if hit is not None:
+            self.text = self.text[:hit]
+            return [], "stop"
+        out = []
+        safe = len(self.text) - _stop_prefix_len(self.text[self.emitted:], self.stops)
+        if safe > self.emitted:
+            out.append(GenerationChunk(self.text[self.emitted:safe], self.pending, logprobs=self._lp()))
+            self.emitted, self.pending, self.pending_lp = safe, [], []
+        if len(self.generated) >= self.max_tokens:
+            self.text += self.decoder.flush()
+            return out, "length"
+        return out, None
+
+    def last(self, finish: str, timings: dict[str, float], prompt_token_ids: list[int]) -> GenerationChunk:
+        """The final chunk: whatever text was held back, the finish reason and the timings."""
+        return GenerationChunk(self.text[self.emitted:], self.pending, finish_reason=finish, timings=timings,
+                               prompt_token_ids=prompt_token_ids, logprobs=self._lp())
+
+    def _lp(self) -> list[TokenLogprob] | None:
+        return self.pending_lp if self.logprobs else None
+
+
+def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, t1: float, t_steady: float,
+                    t_end: float) -> dict[str, float]:
+    """A request's timings in llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n
+    the reused ones; decode runs from t1 (after prefill) to t_end."""
+    t_decode = t_end - t1
+    return {
+        "prompt_n": n_prompt,
+        "prompt_ms": t_prefill * 1e3,
+        "prompt_per_second": n_prompt / max(t_prefill, 1e-9),
+        "cache_n": n_cached,
+        "predicted_n": n_dec,
+        "predicted_ms": t_decode * 1e3,
+        "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
+        # the first token comes out of prefill, the second from the first (possibly compiling) decode
+        # step; decode speed is the steady state after that
+        "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
+    }
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in text (searching from `start`, the yielded boundary:
+    a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(tail: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `tail` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(tail)), best, -1):
+            if tail.endswith(s[:n]):
+                best = n
+                break
+    return best
