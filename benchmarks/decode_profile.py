@@ -6,7 +6,7 @@ Three parts, each written to $OUT/decode_profile.json as it finishes (a cut run 
            projections, the LM head) over a sweep of block_rows x num_warps, against today's path
            (gather + dequantize + einsum), from the profiler's kernel events
   steps    whole decode steps of a B30-shaped model with fewer layers (resident, LRU 50%): wall time
-           per token, and the profiler's kernel time grouped by named scope and op
+           per token, and the profiler's kernel time per step, in all and by kernel name
 
     python benchmarks/decode_profile.py [--layers 8] [--parts check,kernels,steps]
 """
@@ -195,16 +195,6 @@ def part_kernels(sweep):
 
 # ---- steps -------------------------------------------------------------------------------------------
 
-SCOPE = re.compile(r"(layer\d+)/(attn|moe|mlp)|/(head)")
-
-
-def _category(stats: dict, name: str) -> str:
-    op = str(stats.get("tf_op") or stats.get("hlo_op") or name)
-    m = SCOPE.search(op)
-    where = (m.group(2) or m.group(3)) if m else "other"
-    return where
-
-
 def part_steps(layers: int, tokens: int, confs_arg: str):
     import dataclasses
 
@@ -220,8 +210,8 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
         print(f"wrote {path} ({os.path.getsize(path) / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
     res = RESULT.setdefault("steps", {})
     prompt = list(range(100, 132))
-    kinds = {"resident": {}, "lru50": {"expert_slots": layers * 128 // 2, "policy": "lru"}}
-    confs = [(f"{c} qmatvec={flag}", kinds[c], flag) for c, flag in (x.split(":") for x in confs_arg.split(","))]
+    cache = {"resident": {}, "lru50": {"expert_slots": layers * 128 // 2, "policy": "lru"}}
+    confs = [(f"{c} qmatvec={flag}", cache[c], flag) for c, flag in (x.split(":") for x in confs_arg.split(","))]
     for conf, kw, flag in confs:
         os.environ["STRATA_JAX_QMATVEC"] = flag
         jax.clear_caches()
@@ -244,19 +234,15 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
         evs = gpu_events(run8, 1)
         if any("hlo_module" in e[2] for e in evs):  # decode steps only, not the prompt's prefill
             evs = [e for e in evs if "decode" in str(e[2].get("hlo_module", ""))]
-        cats = collections.defaultdict(float)
-        kinds = collections.defaultdict(float)
-        n_k = collections.Counter()
+        # under a CUDA graph every kernel's hlo_op is the command buffer: group by kernel name instead
+        by_kernel = collections.defaultdict(float)
         keys = set()
-        for name, us, stats, line, start in evs:
+        for name, us, stats, *_ in evs:
             keys.update(stats)
-            c = _category(stats, name)
-            cats[c] += us / 8
-            kinds[re.sub(r"[._0-9]+$", "", name)] += us / 8  # under a CUDA graph hlo_op is the command buffer
-            n_k[c] += 1
-        row["profile_us_per_step"] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-        row["profile_kernels_per_step"] = {k: v / 8 for k, v in n_k.items()}
-        row["profile_top_ops"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:40])
+            by_kernel[re.sub(r"[._0-9]+$", "", name)] += us / 8
+        row["profile_us_per_step"] = sum(by_kernel.values())
+        row["profile_kernels_per_step"] = len(evs) / 8
+        row["profile_top_kernels"] = dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:40])
         row["profile_stat_keys"] = sorted(keys)
         row["profile_sample"] = [(n[:100], round(u, 2), {k: str(v)[:120] for k, v in s.items()})
                                  for n, u, s, *_ in evs[:30]]
