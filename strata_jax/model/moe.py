@@ -117,20 +117,22 @@ def _unique(ids_NK: jax.Array, n_experts: int) -> jax.Array:
     """The distinct ids in first-occurrence (router) order, -1 padded to min(N*K, E): the order a policy
     sees them in, as simulate's unique_requests gives them (LRU breaks ties within a step by it).
     Quadratic in N*K, which the few-token path bounds by the expert count."""
+    flat, first = _first_occurrences(ids_NK)
+    order = jnp.argsort(~first, stable=True)
+    return jnp.where(first[order], flat[order], -1)[: min(flat.shape[0], n_experts)]
+
+
+def _first_occurrences(ids_NK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ids flattened, and whether each is the first of its value."""
     flat = ids_NK.reshape(-1)
     n = flat.shape[0]
     earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
-    first = ~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)
-    order = jnp.argsort(~first, stable=True)
-    return jnp.where(first[order], flat[order], -1)[: min(n, n_experts)]
+    return flat, ~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)
 
 
 def _n_distinct(ids_NK: jax.Array) -> jax.Array:
     """How many distinct ids (what _unique counts, without its sort)."""
-    flat = ids_NK.reshape(-1)
-    n = flat.shape[0]
-    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
-    return jnp.sum(~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)).astype(jnp.int32)
+    return jnp.sum(_first_occurrences(ids_NK)[1]).astype(jnp.int32)
 
 
 def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U: jax.Array, policy: Policy):
@@ -178,26 +180,16 @@ def moe_block(
     elif few:
         slots, plan = _access_and_fetch(slots, store, moe_idx, _unique(ids_NK, E), policy)
         pool = slots.pools[slots.layer_pool[moe_idx]]
-        slot_NK = slots.slot_map(moe_idx)[ids_NK]
-        parts = qmatvec.expert_parts(pool, N * K)
-        # Prefetching overwrites slots in place, possibly ones this layer just read. The barriers make the
-        # read happen first: without one XLA:GPU was seen reading a slot after its overwrite (greedy
-        # tokens drifted from the resident run on the B30 shape; exact without prefetch).
-        if parts is not None:
-            out_ND = qmatvec.experts_swiglu(x_ND, w_NK, slot_NK, pool.data, parts, dtype)
-            if prefetch:
-                out_ND, slots = jax.lax.optimization_barrier((out_ND, slots))
-        else:
-            rows = jnp.take(pool.data, slot_NK, axis=0)
-            if prefetch:
-                rows, slots = jax.lax.optimization_barrier((rows, slots))
-            weights = tuple(t.dequant(dtype) for t in pool.split(rows))
+        out_ND = _routed(x_ND, w_NK, slots.slot_map(moe_idx)[ids_NK], pool, dtype)
+        if prefetch:
+            # Prefetching overwrites slots in place, possibly ones this layer just read. The barrier makes
+            # the output (so the read) come first: without one XLA:GPU was seen reading a slot after its
+            # overwrite (greedy tokens drifted from the resident run on the B30 shape; exact without prefetch).
+            out_ND, slots = jax.lax.optimization_barrier((out_ND, slots))
         hits, misses = plan.n_hits.astype(jnp.int32), plan.n_misses.astype(jnp.int32)
         for next_idx, pred_NK in prefetch:
             slots, pf_plan = _access_and_fetch(slots, store, next_idx, _unique(pred_NK, E), policy)
             prefetched = prefetched + pf_plan.n_misses.astype(jnp.int32)
-        if parts is None:
-            out_ND = _apply_experts(x_ND, w_NK, weights, dtype)
     else:
         streamed_pool = stream_layer(store.layers[moe_idx])
         out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed_pool, dtype, E)
