@@ -83,6 +83,28 @@ def _first_token(logits_1V, key, sp, recent_1W, want_logprobs):
     return next_token(logits_1V, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
 
 
+class HostTiming:
+    """Where the host spends a decode step: inside the jitted call (tracing aside, the launch: argument
+    handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled token. With one step
+    queued ahead, dispatch time above the step time means the host, not the device, sets the pace."""
+
+    def __init__(self):
+        self.steps, self.dispatch_s, self.waits, self.wait_s = 0, 0.0, 0, 0.0
+
+    def dispatch(self, seconds: float) -> None:
+        self.steps += 1
+        self.dispatch_s += seconds
+
+    def wait(self, seconds: float) -> None:
+        self.waits += 1
+        self.wait_s += seconds
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {"decode_steps": self.steps,
+                "dispatch_ms_per_step": 1e3 * self.dispatch_s / self.steps if self.steps else None,
+                "wait_ms_per_step": 1e3 * self.wait_s / self.waits if self.waits else None}
+
+
 def _resolve_dtype(dtype: Any, platform: str):
     if dtype in (None, "auto"):
         return jnp.float32 if platform == "cpu" else jnp.bfloat16
@@ -148,6 +170,7 @@ class Model:
         self._kv_tokens: list[int] = []  # tokens whose keys/values the KV cache holds, from position 0
         self._routing: list[np.ndarray] | None = [] if record_routing else None
         self._forced_TMk: np.ndarray | None = None
+        self._host = HostTiming()
 
     # -- telemetry --------------------------------------------------------------------------------
     @property
@@ -158,7 +181,13 @@ class Model:
         """Expert-cache telemetry since load or reset_stats (see OffloadManager.stats); {} for dense models."""
         return self.experts.stats() if self.experts is not None else {}
 
+    def host_timing(self) -> dict[str, float | int | None]:
+        """Decode steps since load or reset_stats, the host's milliseconds per step inside the jitted call
+        (dispatch) and blocked on the token (wait); see HostTiming."""
+        return self._host.summary()
+
     def reset_stats(self) -> None:
+        self._host = HostTiming()
         if self.experts is not None:
             self.experts.reset_stats()
 
@@ -322,7 +351,7 @@ class Model:
         t0 = time.perf_counter()
         last_logits, _ = self._run_prefill(ids, all_logits=False, start=n_cached)
         tok, pen, lp = _first_token(last_logits, jax.random.fold_in(key, 0), sp, PenaltyState.window(ids), want)
-        tok_host = int(tok[0])
+        tok_host = int(np.asarray(tok)[0])
         t_prefill = time.perf_counter() - t0
 
         stream = TextStream(stops, max_tokens, self.tokenizer.stream_decoder(), n_top is not None)
@@ -331,28 +360,45 @@ class Model:
         pos = len(ids)
         fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
         self._kv_tokens = []
+        n_steps = 0
+        # One step stays queued ahead of the host: step s+1 is dispatched (fed step s's token, still on
+        # the device) before the host waits for step s's token, so the device never idles while the host
+        # launches a step. Stop ids and strings are seen one step late: that step's token is discarded
+        # (its input, the stop token, stays in the KV cache and in `fed`).
+        cur, cur_lp, cur_host = tok, lp, tok_host
         try:
             while True:
-                tok_lp = token_logprob(jax.device_get(lp), 0, tok_host, n_top, 0) if n_top is not None else None
-                chunks, finish = stream.push(tok_host, self.tokenizer.stop_ids, tok_lp)
+                more = len(stream.generated) + 1 < max_tokens  # after this token, another may be needed
+                if more:
+                    t_d = time.perf_counter()
+                    (nxt, pen, nxt_lp), routed = self._step(_decode, cur, np.array([pos], np.int32), key,
+                                                            np.int32(len(stream.generated) + 1), sp, pen, want,
+                                                            end=pos + 1, **self._forced(pos, 1))
+                    self._host.dispatch(time.perf_counter() - t_d)
+                    n_steps += 1
+                if cur_host is None:
+                    t_w = time.perf_counter()
+                    cur_host = int(np.asarray(cur)[0])
+                    self._host.wait(time.perf_counter() - t_w)
+                    if len(stream.generated) == 1:  # steady-state speed starts after the first (compiling) step
+                        t_steady = time.perf_counter()
+                if more:
+                    fed.append(cur_host)
+                    pos += 1
+                tok_lp = token_logprob(jax.device_get(cur_lp), 0, cur_host, n_top, 0) if n_top is not None else None
+                chunks, finish = stream.push(cur_host, self.tokenizer.stop_ids, tok_lp)
+                if more:
+                    self._record(routed, 1)  # the step that took this token in, even if it ends the stream
                 yield from chunks
                 if finish is not None:
                     break
-                (tok, pen, lp), routed = self._step(_decode, tok, np.array([pos], np.int32), key,
-                                                    np.int32(len(stream.generated)), sp, pen, want, end=pos + 1,
-                                                    **self._forced(pos, 1))
-                fed.append(tok_host)
-                self._record(routed, 1)
-                pos += 1
-                tok_host = int(tok[0])
-                if len(stream.generated) == 1:  # steady-state speed starts after the first (compiling) step
-                    t_steady = time.perf_counter()
+                cur, cur_lp, cur_host = nxt, nxt_lp, None
         finally:
             self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
         n_gen = len(stream.generated)
         if self.experts is not None:
-            self.experts.note_steps(t_end - t0, n_gen + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
+            self.experts.note_steps(t_end - t0, n_steps + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
         yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end),
                           ids)
 
