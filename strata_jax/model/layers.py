@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.weights import AttnParams, MLPParams, QTensor
+from strata_jax.model.weights import AttnParams, MLPParams, Projections, QTensor
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -34,6 +34,16 @@ def linear(x: jax.Array, w: QTensor, bias: jax.Array | None = None) -> jax.Array
     if bias is not None:
         y = y + bias
     return y.astype(x.dtype)
+
+
+def project(x: jax.Array, p: Projections) -> list[jax.Array]:
+    """Each projection of x (see Projections): one product per stacked group, then split."""
+    outs = []
+    for w, b, sizes in zip(p.mats, p.biases, p.sizes):
+        y = linear(x, w, b)
+        at = [sum(sizes[:i]) for i in range(1, len(sizes))]
+        outs += jnp.split(y, at, axis=-1) if at else [y]
+    return outs
 
 
 def rope(x_BTHDh: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -72,9 +82,7 @@ def attention(
     the furthest position, so a short sequence does not pay for the whole context."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q = linear(x_BTD, p.wq, p.bq)
-    k = linear(x_BTD, p.wk, p.bk)
-    v = linear(x_BTD, p.wv, p.bv)
+    q, k, v = project(x_BTD, p.qkv)
     if cfg.qk_norm == "full":  # olmoe: one norm over all heads
         q = rms_norm(q, p.q_norm, cfg.rms_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
@@ -105,5 +113,6 @@ def attention(
 
 
 def swiglu(x: jax.Array, p: MLPParams) -> jax.Array:
-    h = jax.nn.silu(linear(x, p.w_gate)) * linear(x, p.w_up)
+    g, u = project(x, p.gate_up)
+    h = jax.nn.silu(g) * u
     return linear(h, p.w_down)

@@ -68,16 +68,24 @@ class QTensor:
         return (*self.data.shape[:-1], self.n_cols)
 
 
+@pytree_dataclass(meta=("sizes",))
+class Projections:
+    """Several projections of one input. Matrices of one GGML type that follow each other are stacked
+    row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
+    decode then runs one product per type, not one per matrix (q, k, v of the B30 shape: one fused
+    kernel instead of three products; Qwen2.5's Q5_0 q and k, and its Q8_0 v: two). Biases are stacked
+    the same way (None for a group without any). sizes: per group, the output rows of its matrices."""
+
+    mats: tuple[QTensor, ...]
+    biases: tuple[jax.Array | None, ...]
+    sizes: tuple[tuple[int, ...], ...]
+
+
 @pytree_dataclass
 class AttnParams:
     norm_D: jax.Array
-    wq: QTensor  # [H*Dh, D]
-    wk: QTensor  # [K*Dh, D]
-    wv: QTensor
+    qkv: Projections  # q [H*Dh, D], k [K*Dh, D], v [K*Dh, D]
     wo: QTensor  # [D, H*Dh]
-    bq: jax.Array | None
-    bk: jax.Array | None
-    bv: jax.Array | None
     q_norm: jax.Array | None  # [Dh] per head (qwen3) or [H*Dh] over all heads (olmoe)
     k_norm: jax.Array | None
 
@@ -86,8 +94,7 @@ class AttnParams:
 class MLPParams:
     """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
 
-    w_gate: QTensor  # [F, D]
-    w_up: QTensor  # [F, D]
+    gate_up: Projections  # gate [F, D], up [F, D]
     w_down: QTensor  # [D, F]
 
 
@@ -154,6 +161,34 @@ class WeightLoader:
             return QTensor(_dequant_once(data, t.ggml_type, t.shape[-1], self.dense_dtype), None, t.shape[-1])
         return QTensor(data, t.ggml_type, t.shape[-1])
 
+    def projections(self, mats: list[tuple[str, int]], n_cols: int) -> Projections:
+        """Projections of one input from (tensor prefix, output rows) pairs: `prefix.weight` [rows, n_cols]
+        and an optional `prefix.bias`; consecutive matrices of one type become one stacked QTensor
+        (dequantized at load, every matrix is of one type)."""
+        infos = [self.info(f"{name}.weight", (rows, n_cols)) for name, rows in mats]
+        groups: list[list[int]] = []
+        for i, t in enumerate(infos):
+            if groups and (self.dequantize_dense or t.ggml_type == infos[groups[-1][0]].ggml_type):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        out, biases, sizes = [], [], []
+        for g in groups:
+            qtype = infos[g[0]].ggml_type
+            parts = [_dequant_once(self._put(np.ascontiguousarray(infos[i].data)), infos[i].ggml_type, n_cols,
+                                   self.dense_dtype) if self.dequantize_dense
+                     else np.ascontiguousarray(infos[i].data) for i in g]
+            if self.dequantize_dense:
+                out.append(QTensor(jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0], None, n_cols))
+            else:
+                out.append(QTensor(self._put(np.concatenate(parts, axis=0)), qtype, n_cols))
+            rows = [mats[i][1] for i in g]
+            b = [self.optional_f32(f"{mats[i][0]}.bias", (mats[i][1],)) for i in g]
+            biases.append(None if all(x is None for x in b) else
+                          jnp.concatenate([jnp.zeros((r,), jnp.float32) if x is None else x for x, r in zip(b, rows)]))
+            sizes.append(tuple(rows))
+        return Projections(tuple(out), tuple(biases), tuple(sizes))
+
     def f32(self, name: str, shape: tuple[int, ...]) -> jax.Array:
         """Small tensors (norms, biases, routers): dequantize once, on the host, to float32."""
         t = self.info(name, shape)
@@ -179,13 +214,9 @@ def load_params(loader: WeightLoader) -> Params:
         kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
         attn = AttnParams(
             norm_D=loader.f32(p + "attn_norm.weight", (D,)),
-            wq=loader.qtensor(p + "attn_q.weight", (cfg.q_dim, D)),
-            wk=loader.qtensor(p + "attn_k.weight", (cfg.kv_dim, D)),
-            wv=loader.qtensor(p + "attn_v.weight", (cfg.kv_dim, D)),
+            qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)],
+                                   D),
             wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
-            bq=loader.optional_f32(p + "attn_q.bias", (cfg.q_dim,)),
-            bk=loader.optional_f32(p + "attn_k.bias", (cfg.kv_dim,)),
-            bv=loader.optional_f32(p + "attn_v.bias", (cfg.kv_dim,)),
             q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
             k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
         )
@@ -195,8 +226,7 @@ def load_params(loader: WeightLoader) -> Params:
             if cfg.shared_expert_ffn_dim:
                 Fs = cfg.shared_expert_ffn_dim
                 shared = MLPParams(
-                    w_gate=loader.qtensor(p + "ffn_gate_shexp.weight", (Fs, D)),
-                    w_up=loader.qtensor(p + "ffn_up_shexp.weight", (Fs, D)),
+                    gate_up=loader.projections([(p + "ffn_gate_shexp", Fs), (p + "ffn_up_shexp", Fs)], D),
                     w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
                 )
                 # llama.cpp's converter writes this gate as a [1, D] matrix; older files as a [D] vector
@@ -212,8 +242,7 @@ def load_params(loader: WeightLoader) -> Params:
         else:
             F = cfg.ffn_dim
             mlp = MLPParams(
-                w_gate=loader.qtensor(p + "ffn_gate.weight", (F, D)),
-                w_up=loader.qtensor(p + "ffn_up.weight", (F, D)),
+                gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
                 w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
             )
         layers.append(LayerParams(attn=attn, ffn_norm_D=loader.f32(p + "ffn_norm.weight", (D,)), mlp=mlp, moe=moe))
