@@ -53,6 +53,7 @@ def test_rows(bench_run):
         assert 0 <= r["hit_rate"] <= 1
         assert r["limit_ratio"] > 0 and r["limit_ms_per_token"] > 0 and r["hbm_MB_per_token"] > 0
         assert r["total_experts"] == total
+        assert r["host_dispatch_ms_per_step"] > 0 and r["host_wait_ms_per_step"] >= 0
         if r["config_kind"] == "resident":
             assert r["process"].startswith("child") and r["vram_cap_bytes"] is None
             assert r["resident"] and r["hit_rate"] == 1.0 and r["misses"] == 0
@@ -162,6 +163,13 @@ def test_render_updates_only_the_region(bench_run, tmp_path):
     assert "strata-jax bench --shape tiny" in region and "llama.cpp all-gpu: `" in region
     assert table.main([str(out), "--update", str(doc)]) == 0
     assert doc.read_text() == after  # idempotent
+    # a run under user XLA_FLAGS (an A/B of the defaults) is labelled as such in its rows
+    variant = json.loads(out.read_text())
+    variant["machine"]["xla_flags_user"] = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    (tmp_path / "variant.json").write_text(json.dumps(variant))
+    both = table.render(table.load([out, tmp_path / "variant.json"]))
+    assert "| strata-jax | resident (32 experts, `XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) |" in both
+    assert "| strata-jax | resident (32 experts) | realistic |" in both
     bare = tmp_path / "bare.md"
     bare.write_text("# no markers\n")
     assert table.main([str(out), "--update", str(bare)]) == 2 and bare.read_text() == "# no markers\n"

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resident-process", choices=["auto", "same", "child"], default="auto",
                    help="where the resident reference runs: auto = a child process without the VRAM cap when "
                         "every expert does not fit the budget, else this process")
-    p.add_argument("--resident-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
+    p.add_argument("--resident-only", action="store_true",
+                   help="only the all-resident configuration: no cache, no llama.cpp, no VRAM cap (what the "
+                        "uncapped child runs; also a quick A/B of XLA_FLAGS)")
     p.add_argument("--probe-mib", type=_positive, default=None,
                    help="size of the bandwidth probes (default 1024 on a GPU, 64 on CPU)")
     p.add_argument("--peer-llama-bench", metavar="PATH",

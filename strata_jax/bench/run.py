@@ -73,6 +73,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
     gen = model.generate(prompt, max_tokens=n_tokens, temperature=0, cache_prompt=False)
     wall = time.perf_counter() - t0
     st = model.stats()
+    host = model.host_timing()
     counters = model.experts.counters() if model.experts is not None and not st.get("resident") else None
     tps = gen.timings["decode_per_second"]
     n = len(gen.token_ids)
@@ -89,6 +90,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "prefetch_precision": st.get("prefetch_precision"), "prefetch_recall": st.get("prefetch_recall"),
         "expert_slots": st.get("expert_slots"), "total_experts": st.get("total_experts"),
         "resident": st.get("resident", True), "store_memory": st.get("store_memory"),
+        "host_dispatch_ms_per_step": host["dispatch_ms_per_step"], "host_wait_ms_per_step": host["wait_ms_per_step"],
         "token_ids": gen.token_ids,
     }
     row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes))
