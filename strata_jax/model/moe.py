@@ -7,9 +7,9 @@ Two static code paths, chosen by the token count (a trace-time constant):
   does not hold every expert, the policy first decides hits, misses and victims, and the misses are
   DMA'd from the pinned-host store into their slots (all inside the jitted step: no host sync);
 - many tokens (prefill): dequantize each of the layer's experts once per chunk, so each expert's bytes
-  are read once per chunk rather than once per token; on GPU each expert's tokens are multiplied as one
-  group (rows sorted by expert, ragged_dot), on CPU every token runs through every expert, masked
-  (see _many_token_impl); with offloading, the layer's experts are streamed from the host once per chunk.
+  are read once per chunk rather than once per token; every token runs through every expert, weighted
+  by its routing weight, a group of experts at a time (see _experts_dense and _many_token_impl); with
+  offloading, the layer's experts are streamed from the host once per chunk.
 
 Shape legend: N tokens (B*T flattened), D model dim, E experts, K experts per token, F expert ffn dim.
 """
@@ -72,14 +72,44 @@ def _routed(x_ND, w_NK, slot_NK, pool, dtype):
     return _apply_experts(x_ND, w_NK, _gather_experts(pool, slot_NK, dtype), dtype)
 
 
+PREFILL_GROUP_BYTES = 1 << 30  # transient bytes of one group of experts in the prefill's scan
+
+
+def _prefill_group(n_tokens: int, n_experts: int, pool, dtype) -> int:
+    """Experts per step of the dense prefill's scan: the largest power of two dividing the expert count
+    whose dequantized weights and float32 gate/up activations stay within PREFILL_GROUP_BYTES."""
+    gate, _, down = pool.parts
+    f, d = gate[1], down[1]
+    per_expert = 3 * f * d * jnp.dtype(dtype).itemsize + n_tokens * f * (2 * 4 + jnp.dtype(dtype).itemsize)
+    g = 1
+    while g * 2 <= n_experts and n_experts % (g * 2) == 0 and (g * 2) * per_expert <= PREFILL_GROUP_BYTES:
+        g *= 2
+    return g
+
+
 def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
+    """Every token through every expert, weighted by its routing weight (zero where it did not route):
+    E/K times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
+    weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
+    dequantizes one group at a time, and the weight is applied before the down projection so no
+    [tokens, experts, D] tensor exists. (ragged_dot on the H200 was expanded by XLA into padded dense
+    operands: a 512-token BSEED chunk asked for 10 GiB under a 32 GiB cap; its scatter-add of the rows
+    also made prefill non-deterministic.)"""
+    N = x_ND.shape[0]
     f32 = jnp.float32
-    combine_NE = jnp.zeros((x_ND.shape[0], n_experts), f32).at[jnp.arange(x_ND.shape[0])[:, None], ids_NK].add(w_NK)
-    g_EFD, u_EFD, d_EDF = _gather_experts(pool, slot_E, dtype)
-    h = jax.nn.silu(jnp.einsum("nd,efd->nef", x_ND, g_EFD, preferred_element_type=f32))
-    h = (h * jnp.einsum("nd,efd->nef", x_ND, u_EFD, preferred_element_type=f32)).astype(dtype)
-    y_NED = jnp.einsum("nef,edf->ned", h, d_EDF, preferred_element_type=f32)
-    return jnp.einsum("ned,ne->nd", y_NED, combine_NE)
+    combine_NE = jnp.zeros((N, n_experts), f32).at[jnp.arange(N)[:, None], ids_NK].add(w_NK)
+    G = _prefill_group(N, n_experts, pool, dtype)
+    slot_CG = slot_E.reshape(-1, G)  # C groups of G experts
+    combine_CNG = combine_NE.reshape(N, -1, G).transpose(1, 0, 2)
+
+    def group(acc_ND, xs):
+        slot_G, combine_NG = xs
+        g_GFD, u_GFD, d_GDF = _gather_experts(pool, slot_G, dtype)
+        h = jax.nn.silu(jnp.einsum("nd,gfd->ngf", x_ND, g_GFD, preferred_element_type=f32))
+        h = h * jnp.einsum("nd,gfd->ngf", x_ND, u_GFD, preferred_element_type=f32) * combine_NG[:, :, None]
+        return acc_ND + jnp.einsum("ngf,gdf->nd", h.astype(dtype), d_GDF, preferred_element_type=f32), None
+
+    return jax.lax.scan(group, jnp.zeros((N, x_ND.shape[1]), f32), (slot_CG, combine_CNG))[0]
 
 
 def _experts_grouped(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
@@ -101,10 +131,12 @@ def _experts_grouped(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
 
 
 def _many_token_impl():
-    """The prefill MoE formulation. ragged_dot has a grouped-GEMM kernel on GPU but only a slow reference
-    lowering on CPU (prefill of 512 tokens, 64 experts top-8: 45 tok/s grouped vs 330 dense), so CPU
-    keeps the dense masked product. STRATA_JAX_MOE_PREFILL=grouped|dense overrides (read at trace time)."""
-    choice = os.environ.get("STRATA_JAX_MOE_PREFILL") or ("grouped" if jax.default_backend() == "gpu" else "dense")
+    """The prefill MoE formulation: dense (_experts_dense) everywhere by default; grouped (tokens sorted by
+    expert, ragged_dot) on request, STRATA_JAX_MOE_PREFILL=grouped|dense (read at trace time). Grouped
+    does E/K times fewer multiply-adds, but ragged_dot has only a slow reference lowering on CPU (512
+    tokens, 64 experts top-8: 45 tok/s against 330 dense) and XLA:GPU expanded it into padded dense
+    operands on the H200 (B30 prefill 1,305 tok/s; BSEED ran out of memory under a 32 GiB cap)."""
+    choice = os.environ.get("STRATA_JAX_MOE_PREFILL") or "dense"
     if choice not in ("grouped", "dense"):
         raise ValueError(f"STRATA_JAX_MOE_PREFILL={choice!r}: use 'grouped' or 'dense'")
     return _experts_grouped if choice == "grouped" else _experts_dense
