@@ -96,6 +96,18 @@ def _host(r) -> str:
     return "-" if d is None else f"{d:.2f} / {'-' if w is None else f'{w:.2f}'}"
 
 
+def _prefill_error(r, n) -> str | None:
+    e = (r.get("prefill_errors") or {}).get(n)
+    if e is None:
+        return None
+    return "out of memory" if "RESOURCE_EXHAUSTED" in e or "Out of memory" in e else "error"
+
+
+def _prefill_cell(r, n) -> str:
+    err = _prefill_error(r, n)
+    return f"failed: {err}" if err else _num((r.get("prefill_tok_s") or {}).get(n))
+
+
 def _same(r) -> str:
     if r.get("config_kind") == "resident":
         return "reference"
@@ -125,9 +137,8 @@ def shape_table(rows: list[dict]) -> list[str]:
             cells = ["strata-jax", _our_config(r), r.get("routing", "-"), _memory(r), f"failed: {r['error'][:80]}"]
             out.append("| " + " | ".join(cells + ["-"] * (len(head) - len(cells))) + " |")
             continue
-        pre = r.get("prefill_tok_s") or {}
         cells = (["strata-jax", _our_config(r), r["routing"], _memory(r), _num(r.get("decode_tok_s"))]
-                 + [_num(pre.get(n)) for n in lens]
+                 + [_prefill_cell(r, n) for n in lens]
                  + [_pct(r.get("hit_rate")), _gbs(r.get("decode_h2d_GB_s")), _pct(r.get("transfer_stall_fraction"), 0),
                     _host(r), _num(r.get("limit_ratio"), 2), _same(r)])
         out.append("| " + " | ".join(cells) + " |")
@@ -233,8 +244,11 @@ def targets(rows) -> list[str]:
                   "decode_tok_s")
         if r:
             per_mode[routing] = r["prefill_tok_s"]["4096"]
+    failed = sorted({f"{_prefill_error(x, n)} at {n} tokens" for x in _capped_offload(rows, "bseed", "model")
+                     + _capped_offload(rows, "bseed", "realistic") for n in (x.get("prefill_errors") or {})})
     line("BSEED, 32 GiB: prefill of a 4,096-token prompt", ">= 3,000 tok/s (llama.cpp within 32 GiB: ~640)",
-         ", ".join(f"{_num(v)} tok/s ({k} routing)" for k, v in per_mode.items()) or "-",
+         ", ".join(f"{_num(v)} tok/s ({k} routing)" for k, v in per_mode.items())
+         or (f"- (prefill failed: {', '.join(failed)})" if failed else "-"),
          min(per_mode.values()) if per_mode else None, 3000.0)
     return out
 
