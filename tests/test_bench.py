@@ -201,6 +201,10 @@ def test_targets():
     assert "320 tok/s" in lines[2] and "**yes** (1.07x)" in lines[2]
     assert "240 tok/s" in lines[3] and "no: 83% of it" in lines[3]
     assert "3,500 tok/s (realistic routing)" in lines[4] and "no: 67% of it" in lines[4]  # the worse mode counts
+    # a prefill that failed says so, in the row and in the target
+    oom = _row("bseed", "model", 37.0, prefill_errors={"512": "prefill: JaxRuntimeError: RESOURCE_EXHAUSTED: Out of"})
+    assert "- (prefill failed: out of memory at 512 tokens)" in table.targets([oom])[-1]
+    assert "| failed: out of memory |" in "\n".join(table.shape_table([dict(oom, prefill_tok_s={})]))
     # without peer rows the llama.cpp figures stand in, and say so
     assert "the issue's figure" in table.targets([])[2]
 

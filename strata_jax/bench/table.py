@@ -71,6 +71,7 @@ def _prefill_lens(rows) -> list[str]:
     for r in rows:
         lens.update((r.get("prefill_tok_s") or {}).keys() if r.get("engine") == "strata-jax"
                     else (r.get("prefill_tok_s_by_len") or {}).keys())
+        lens.update((r.get("prefill_errors") or {}).keys())
     return sorted(lens, key=int)
 
 
