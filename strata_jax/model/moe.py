@@ -78,8 +78,7 @@ PREFILL_GROUP_BYTES = 1 << 30  # transient bytes of one group of experts in the 
 def _prefill_group(n_tokens: int, n_experts: int, pool, dtype) -> int:
     """Experts per step of the dense prefill's scan: the largest power of two dividing the expert count
     whose dequantized weights and float32 gate/up activations stay within PREFILL_GROUP_BYTES."""
-    gate, _, down = pool.parts
-    f, d = gate[1], down[1]
+    _, f, _, d = pool.parts[0]  # the gate projection: (GGML type, rows = ffn dim, row bytes, columns = D)
     per_expert = 3 * f * d * jnp.dtype(dtype).itemsize + n_tokens * f * (2 * 4 + jnp.dtype(dtype).itemsize)
     g = 1
     while g * 2 <= n_experts and n_experts % (g * 2) == 0 and (g * 2) * per_expert <= PREFILL_GROUP_BYTES:

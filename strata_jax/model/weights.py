@@ -156,32 +156,28 @@ class WeightLoader:
 
     def qtensor(self, name: str, shape: tuple[int, ...]) -> QTensor:
         t = self.info(name, shape)
-        data = self._put(np.ascontiguousarray(t.data))
+        return self._qtensor(np.ascontiguousarray(t.data), t.ggml_type, t.shape[-1])
+
+    def _qtensor(self, data: np.ndarray, qtype, n_cols: int) -> QTensor:
+        dev = self._put(data)
         if self.dequantize_dense:
-            return QTensor(_dequant_once(data, t.ggml_type, t.shape[-1], self.dense_dtype), None, t.shape[-1])
-        return QTensor(data, t.ggml_type, t.shape[-1])
+            return QTensor(_dequant_once(dev, qtype, n_cols, self.dense_dtype), None, n_cols)
+        return QTensor(dev, qtype, n_cols)
 
     def projections(self, mats: list[tuple[str, int]], n_cols: int) -> Projections:
         """Projections of one input from (tensor prefix, output rows) pairs: `prefix.weight` [rows, n_cols]
-        and an optional `prefix.bias`; consecutive matrices of one type become one stacked QTensor
-        (dequantized at load, every matrix is of one type)."""
+        and an optional `prefix.bias`; consecutive matrices of one GGML type become one stacked QTensor."""
         infos = [self.info(f"{name}.weight", (rows, n_cols)) for name, rows in mats]
         groups: list[list[int]] = []
         for i, t in enumerate(infos):
-            if groups and (self.dequantize_dense or t.ggml_type == infos[groups[-1][0]].ggml_type):
+            if groups and t.ggml_type == infos[groups[-1][0]].ggml_type:
                 groups[-1].append(i)
             else:
                 groups.append([i])
         out, biases, sizes = [], [], []
         for g in groups:
-            qtype = infos[g[0]].ggml_type
-            parts = [_dequant_once(self._put(np.ascontiguousarray(infos[i].data)), infos[i].ggml_type, n_cols,
-                                   self.dense_dtype) if self.dequantize_dense
-                     else np.ascontiguousarray(infos[i].data) for i in g]
-            if self.dequantize_dense:
-                out.append(QTensor(jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0], None, n_cols))
-            else:
-                out.append(QTensor(self._put(np.concatenate(parts, axis=0)), qtype, n_cols))
+            data = np.concatenate([np.ascontiguousarray(infos[i].data) for i in g], axis=0)
+            out.append(self._qtensor(data, infos[g[0]].ggml_type, n_cols))
             rows = [mats[i][1] for i in g]
             b = [self.optional_f32(f"{mats[i][0]}.bias", (mats[i][1],)) for i in g]
             biases.append(None if all(x is None for x in b) else
