@@ -43,6 +43,26 @@ def test_logits_match_transformers(qwen, qwen_hf):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_projections_stack_by_ggml_type(qwen):
+    """Consecutive projections of one GGML type run as one product: in Qwen2.5's Q4_K_M file q and k are
+    Q5_0 and v is Q8_0 in some layers and Q5_0 in others, so a layer has one or two q/k/v products (their
+    biases stacked the same way); gate and up (one type) always one. logits_match_transformers checks
+    the numbers through them."""
+    cfg = qwen.config
+    n_groups = set()
+    for i, layer in enumerate(qwen.params.layers):
+        t = {n: qwen.gguf.tensor(f"blk.{i}.attn_{n}.weight").ggml_type for n in "qkv"}
+        assert t["q"] == t["k"]
+        want = ((cfg.q_dim, cfg.kv_dim, cfg.kv_dim),) if t["v"] == t["k"] else ((cfg.q_dim, cfg.kv_dim), (cfg.kv_dim,))
+        qkv = layer.attn.qkv
+        assert qkv.sizes == want
+        assert [w.shape for w in qkv.mats] == [(sum(g), cfg.d_model) for g in want]
+        assert [b.shape for b in qkv.biases] == [(sum(g),) for g in want]
+        assert layer.mlp.gate_up.sizes == ((cfg.ffn_dim, cfg.ffn_dim),)
+        n_groups.add(len(want))
+    assert n_groups == {1, 2}  # the file has both kinds of layer
+
+
 def test_chunked_prefill_equals_one_pass(qwen_gguf_path, qwen):
     """Prefill in 16-token chunks (several buckets, the cache carried across calls) = one pass."""
     small = strata_jax.load(qwen_gguf_path, ctx=512, prefill_chunk=16)

@@ -73,7 +73,7 @@ class Projections:
     """Several projections of one input. Matrices of one GGML type that follow each other are stacked
     row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
     decode then runs one product per type, not one per matrix (q, k, v of the B30 shape: one fused
-    kernel instead of three products; Qwen2.5's Q5_0 q and k, and its Q8_0 v: two). Biases are stacked
+    kernel instead of three products; Qwen2.5's Q4_K_M file: one, or two where v is Q8_0 and q, k Q5_0). Biases are stacked
     the same way (None for a group without any). sizes: per group, the output rows of its matrices."""
 
     mats: tuple[QTensor, ...]
