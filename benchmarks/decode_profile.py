@@ -43,8 +43,10 @@ def save():
         json.dump(RESULT, f, indent=1, default=str)
 
 
-def gpu_events(fn, n: int):
-    """Run fn() n times under the profiler; return the device events as (name, dur_us, stats)."""
+def gpu_events(fn, n: int, host: dict | None = None):
+    """Run fn() n times under the profiler; return the device events as (name, dur_us, stats). host: a
+    dict to fill with the host threads' events, {name: total us} (XLA's launch work: thunk execution,
+    command-buffer updates, PjRt's Execute), so a host-bound step shows where its launch time goes."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn())
@@ -59,6 +61,11 @@ def gpu_events(fn, n: int):
     pd = ProfileData.from_file(path)
     evs = []
     for plane in pd.planes:
+        if host is not None and plane.name.startswith("/host:"):
+            for line in plane.lines:
+                for ev in line.events:
+                    key = re.sub(r"[._0-9]+$", "", ev.name)[:100]
+                    host[key] = host.get(key, 0.0) + ev.duration_ns / 1e3
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
@@ -231,7 +238,11 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
             model.generate(prompt, max_tokens=9, temperature=0, cache_prompt=True)
             return jnp.zeros(())
 
-        evs = gpu_events(run8, 1)
+        host_us = {}
+        evs = gpu_events(run8, 1, host_us)
+        # nested host events overlap (a thunk inside Execute): totals per name, not a partition
+        row["host_top_us_per_step"] = {k: round(v / 8, 1) for k, v in
+                                       sorted(host_us.items(), key=lambda kv: -kv[1])[:40]}
         if any("hlo_module" in e[2] for e in evs):  # decode steps only, not the prompt's prefill
             evs = [e for e in evs if "decode" in str(e[2].get("hlo_module", ""))]
         # under a CUDA graph every kernel's hlo_op is the command buffer: group by kernel name instead
