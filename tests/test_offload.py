@@ -56,6 +56,13 @@ def test_all_slots_is_resident(moe_path, reference):
     m = strata_jax.load(moe_path, ctx=128, expert_slots=32)
     assert m.cache_plan.resident
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    # resident hits are counted for all layers at once after the layer loop: one token's k distinct
+    # experts per MoE layer per decode step, as the offloading path counts them
+    m.reset_stats()
+    m.generate(ids, max_tokens=6, temperature=0)
+    cfg = m.config
+    st = m.stats()
+    assert st["hits"] == st["lookups"] == 5 * len(cfg.moe_layers) * cfg.n_experts_used and st["misses"] == 0
 
 
 def test_hit_rate_grows_with_slots(moe_path, reference):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import attention, rms_norm, swiglu
-from strata_jax.model.moe import N_STATS, moe_block, route
+from strata_jax.model.moe import N_STATS, moe_block, resident_hits, route
 from strata_jax.model.weights import Params, pytree_dataclass
 from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
@@ -130,4 +130,6 @@ def forward(
             logits = logits[:, 0]
     routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)
     stats_MS = jnp.stack(stats) if stats else jnp.zeros((0, N_STATS), jnp.int32)
+    if stats and slots.resident and slots.few_path(0, B * T * cfg.n_experts_used, cfg.n_experts):
+        stats_MS = stats_MS.at[:, 0].set(resident_hits(routed_MNk))
     return logits, KVCache(k_all, v_all), slots, routed_MNk, stats_MS

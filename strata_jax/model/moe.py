@@ -166,6 +166,12 @@ def _n_distinct(ids_NK: jax.Array) -> jax.Array:
     return jnp.sum(_first_occurrences(ids_NK)[1]).astype(jnp.int32)
 
 
+def resident_hits(routed_MNk: jax.Array) -> jax.Array:
+    """int32 [M]: the distinct experts each MoE layer looked up in a few-token step of a resident cache,
+    counted like the offloading path's hits (unique experts per step)."""
+    return jax.vmap(_n_distinct)(routed_MNk)
+
+
 def _access_and_fetch(slots: SlotTable, store: ExpertStore, moe_idx: int, ids_U: jax.Array, policy: Policy):
     """Run the policy for MoE layer `moe_idx` and DMA its misses into their slots."""
     pool_i, local = slots.layer_pool[moe_idx], slots.layer_local[moe_idx]
@@ -201,13 +207,13 @@ def moe_block(
     hits = misses = streamed = prefetched = zero
     few = slots.few_path(moe_idx, N * K, E)
     if slots.resident:
-        slot_E = slots.slot_map(moe_idx)
+        # a resident pool holds expert e in slot e (resident_slot_table): no lookup. Every lookup hits;
+        # forward counts them for all layers at once (resident_hits), not with a few kernels per layer
         pool = slots.pools[slots.layer_pool[moe_idx]]
-        if few:  # every lookup hits; counted like the offloading path (unique experts per step)
-            out_ND = _routed(x_ND, w_NK, slot_E[ids_NK], pool, dtype)
-            hits = _n_distinct(ids_NK)
+        if few:
+            out_ND = _routed(x_ND, w_NK, ids_NK, pool, dtype)
         else:
-            out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, slot_E, pool, dtype, E)
+            out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), pool, dtype, E)
     elif few:
         slots, plan = _access_and_fetch(slots, store, moe_idx, _unique(ids_NK, E), policy)
         pool = slots.pools[slots.layer_pool[moe_idx]]
