@@ -62,10 +62,10 @@ pipeline() {
   if [ -z "${SKIP_B30:-}" ]; then
     phase bench-b30 "$B30_S" "$PY" -m strata_jax.cli bench --shape "${B30_SHAPE:-b30}" "${COMMON[@]}" \
       "${B30_PREFILL_ARGS[@]}" --cache-fraction 0.5 --out "$S/results-b30.json"
-    # A/B of XLA's command-buffer update mode on the same file: with SKIP_TEMP the CUDA graph's temporary
-    # buffers keep stable (VMM) addresses, so the graph is not re-patched before every step. An XLA that
-    # lacks the flag exits at once and the row is simply missing.
-    [ -n "${SKIP_VARIANT:-}" ] || phase bench-b30-skiptemp 150 env XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
+    # Opt-in A/B of XLA flags on the same file (XLA_VARIANT="--flag=value ..."), e.g. the command-buffer
+    # update mode SKIP_TEMP (stable VMM addresses for the CUDA graph's temporaries; it crashed JAX 0.11.2
+    # at start, 2026-12-01). An XLA that rejects the flags exits at once and the row is simply missing.
+    [ -z "${XLA_VARIANT:-}" ] || phase bench-b30-skiptemp 150 env XLA_FLAGS="$XLA_VARIANT" \
       "$PY" -m strata_jax.cli bench --shape "${B30_SHAPE:-b30}" --resident-only --tokens 128 --prompt-len 32 \
       --routing model --out "$S/results-b30-skiptemp.json"
     rm -f "$STRATA_JAX_CACHE/synthetic/${B30_SHAPE:-b30}-"*
