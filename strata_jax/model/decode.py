@@ -11,6 +11,11 @@ are evaluated on the device, so the host launches once per chunk. The sampling c
 The loop ends early when a stop id is sampled; the state says so (`done`) and a chunk queued after it
 runs no step. Stop strings are text, found by the host, which then drops what a queued chunk produced.
 
+Status (H200, JAX 0.11.2, 2026-12-01): on the B30 shape cut to 8 layers, chunks of 16 ran resident decode
+at 1,070 tok/s against 333 one step per call (LRU 50%: 334 against 180); on the full 48 layers the same
+code ran at 8.3 tok/s against 74 (the host spent ~1.9 s in each chunk's launch, cause not yet known: see
+docs/benchmarks.md). So Model's default is one step per call (decode_chunk=1); chunks are opt-in.
+
 Shape legend: B batch (1), N tokens per chunk (n_max), M MoE layers, k experts per token, S stop ids.
 """
 
@@ -55,11 +60,19 @@ def stop_array(stop_ids) -> jax.Array:
     return jnp.asarray(ids + [-1] * (n - len(ids)), jnp.int32)
 
 
+def _stacked_logprobs(n: int, B: int, cfg) -> Logprobs:
+    n_top = min(TOP_LOGPROBS, cfg.vocab_size)
+    return Logprobs(jnp.zeros((n, B), jnp.float32), jnp.zeros((n, B, n_top), jnp.int32),
+                    jnp.zeros((n, B, n_top), jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max", "mode"),
                    donate_argnames=STEP_DONATE + ("state",))
 def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype,
                  policy, prefetch, attn_len, n_max: int, mode: SamplingMode, forced=None):
-    """Run min(limit, n_max) decode steps (fewer if a stop id is sampled; none if state.done).
+    """Run min(limit, n_max) decode steps (fewer if a stop id is sampled; none if state.done). n_max 1 is
+    one plain step with neither loop nor conditional: it runs even after a stop id (the host discards the
+    token of a step queued after one).
     forced (int32 [N, M, B, k]): step i replays forced[i] as its routed experts (see forward).
     Returns (ChunkOut, kv, slots, DecodeState, stats_MS): the order of the prefill's outputs, whose
     routed ids stand where the state is (Model._step)."""
@@ -83,11 +96,13 @@ def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp
         i, st = carry[0], carry[1]
         return (i < limit) & ~st.done
 
-    lp0 = None
-    if mode.logprobs:
-        n_top = min(TOP_LOGPROBS, cfg.vocab_size)
-        lp0 = Logprobs(jnp.zeros((n_max, B), jnp.float32), jnp.zeros((n_max, B, n_top), jnp.int32),
-                       jnp.zeros((n_max, B, n_top), jnp.float32))
+    if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
+        out1 = ChunkOut(jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.zeros((1, M, K), jnp.int32),
+                        None if not mode.logprobs else _stacked_logprobs(1, B, cfg))
+        _, state, kv, slots, stats_MS, out = step((jnp.int32(0), state, kv, slots, stats_MS, out1))
+        return out, kv, slots, state, stats_MS
+
+    lp0 = _stacked_logprobs(n_max, B, cfg) if mode.logprobs else None
     out0 = ChunkOut(jnp.zeros((n_max,), jnp.int32), jnp.int32(0), jnp.zeros((n_max, M, K), jnp.int32), lp0)
     carry = (jnp.int32(0), state, kv, slots, stats_MS, out0)
     _, state, kv, slots, stats_MS, out = jax.lax.while_loop(more, step, carry)

@@ -52,7 +52,7 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-DECODE_CHUNK = 16  # decode steps per jitted call by default (see load's decode_chunk)
+DECODE_CHUNK = 1  # decode steps per jitted call by default: see load's decode_chunk and model/decode.py's status
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
@@ -360,7 +360,7 @@ class Model:
         # one chunk stays queued ahead of the host: chunk c+1 is dispatched (fed chunk c's state, still on
         # the device) before the host waits for chunk c's tokens, so the device does not idle while the
         # host reads tokens or launches. A chunk that sampled a stop id marks the state done and the
-        # queued one runs no step; after a stop string the queued chunk's tokens are dropped (the cache
+        # queued one runs no step (a one-step chunk runs anyway: its token is dropped); after a stop string the queued chunk's tokens are dropped (the cache
         # positions they wrote lie past `fed` and are overwritten before anything attends to them).
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
         state = DecodeState(tok, jnp.full((1,), len(ids), jnp.int32), jnp.int32(1), jnp.zeros((), bool), pen)
@@ -482,8 +482,9 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
     with the same expert types compete for one pool),
     record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
-    rows, the server's --parallel); decode_chunk: decode steps per jitted call (default 16: the loop over
-    tokens runs on the device, model/decode.py; a stream's tokens arrive up to that many at a time)."""
+    rows, the server's --parallel); decode_chunk: decode steps per jitted call (default 1; more runs the
+    loop over tokens on the device, model/decode.py, and a stream's tokens arrive up to that many at a
+    time: 3.2x faster on an 8-layer model, far slower at 48 layers on JAX 0.11.2, see docs/benchmarks.md)."""
     enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path
