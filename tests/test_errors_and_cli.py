@@ -238,3 +238,9 @@ def test_stop_token_ends_the_device_loop_and_keeps_the_cache_exact(moe_path):
     cold = strata_jax.load(moe_path, ctx=64)
     cold.tokenizer.stop_ids = frozenset({stop})
     assert a.token_ids == cold.generate(follow, max_tokens=6, temperature=0, cache_prompt=False).token_ids
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "16"])
+def test_bad_decode_chunk_is_a_config_error(moe_path, bad):
+    with pytest.raises(ConfigError, match="decode_chunk=.* must be a positive integer"):
+        strata_jax.load(moe_path, ctx=64, decode_chunk=bad)
