@@ -92,15 +92,15 @@ def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
         return i + 1, DecodeState(tok_B, st.pos_B + 1, st.step + 1, done, pen), kv, slots, stats + st_MS, out
 
-    def more(carry):
-        i, st = carry[0], carry[1]
-        return (i < limit) & ~st.done
-
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
         out1 = ChunkOut(jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.zeros((1, M, K), jnp.int32),
                         None if not mode.logprobs else _stacked_logprobs(1, B, cfg))
         _, state, kv, slots, stats_MS, out = step((jnp.int32(0), state, kv, slots, stats_MS, out1))
         return out, kv, slots, state, stats_MS
+
+    def more(carry):
+        i, st = carry[0], carry[1]
+        return (i < limit) & ~st.done
 
     lp0 = _stacked_logprobs(n_max, B, cfg) if mode.logprobs else None
     out0 = ChunkOut(jnp.zeros((n_max,), jnp.int32), jnp.int32(0), jnp.zeros((n_max, M, K), jnp.int32), lp0)

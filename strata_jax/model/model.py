@@ -352,7 +352,6 @@ class Model:
 
         stream = TextStream(stops, max_tokens, self.tokenizer.stream_decoder(), n_top is not None)
         t1 = t_steady = time.perf_counter()
-        n_before_steady = 2  # tokens before t_steady (see request_timings)
         fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
         self._kv_tokens = []
         n_steps = 0
@@ -360,8 +359,9 @@ class Model:
         # one chunk stays queued ahead of the host: chunk c+1 is dispatched (fed chunk c's state, still on
         # the device) before the host waits for chunk c's tokens, so the device does not idle while the
         # host reads tokens or launches. A chunk that sampled a stop id marks the state done and the
-        # queued one runs no step (a one-step chunk runs anyway: its token is dropped); after a stop string the queued chunk's tokens are dropped (the cache
-        # positions they wrote lie past `fed` and are overwritten before anything attends to them).
+        # queued one runs no step (a one-step chunk runs anyway: its token is dropped); after a stop
+        # string the queued chunk's tokens are dropped (the cache positions they wrote lie past `fed`
+        # and are overwritten before anything attends to them).
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
         state = DecodeState(tok, jnp.full((1,), len(ids), jnp.int32), jnp.int32(1), jnp.zeros((), bool), pen)
         stop_S = stop_array(self.tokenizer.stop_ids)
@@ -380,7 +380,7 @@ class Model:
                                             **self._forced(pos, self.decode_chunk, chunk=True))
                     self._host.dispatch(time.perf_counter() - t_d)
                     if t_steady == t1:  # steady-state speed starts once the first call has compiled
-                        t_steady, n_before_steady = time.perf_counter(), 1
+                        t_steady = time.perf_counter()
                     pending.append(out)
                     planned, pos = planned + n, pos + n
                 if not pending:
@@ -409,7 +409,7 @@ class Model:
         if self.experts is not None:
             self.experts.note_steps(t_end - t0, n_steps + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
         yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end,
-                                                  n_before_steady), ids)
+                                                  n_before_steady=1), ids)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
