@@ -460,9 +460,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled programs on disk (cache_dir()/xla) so a second start skips XLA compilation.
-    STRATA_JAX_COMPILATION_CACHE=0 turns it off."""
-    if os.environ.get("STRATA_JAX_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    """Keep compiled programs on disk (cache_dir()/xla) so a second start skips XLA compilation: on GPUs
+    by default, where compiling a 48-layer model takes minutes. STRATA_JAX_COMPILATION_CACHE=0 turns it
+    off, =1 turns it on for the CPU too. Off on the CPU by default: CPU programs compile in seconds, and
+    JAX 0.10.2's CPU backend aborted the process (SIGABRT) while writing or reading the cache entry of a
+    decode program after many others in one process (tests/test_offload.py, reproduced twice; the test
+    alone passed)."""
+    choice = os.environ.get("STRATA_JAX_COMPILATION_CACHE")
+    if choice == "0" or jax.config.jax_compilation_cache_dir or (choice != "1" and jax.default_backend() == "cpu"):
         return
     from strata_jax.model.default_model import cache_dir
 
