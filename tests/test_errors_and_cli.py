@@ -217,22 +217,30 @@ def test_abandoned_stream_keeps_a_valid_cache(moe_path):
     assert out.token_ids == ref.token_ids and out.timings["cache_n"] > 0
 
 
-def test_stop_token_seen_one_step_late_keeps_the_cache_exact(moe_path):
-    """Decode keeps one step queued ahead of the host, so the step after a stop token has already taken
-    that token in when the stop is seen: the reply stops at the same place, the KV cache holds the stop
-    token too (a follow-up reuses it), and the follow-up gives exactly what a cold run gives."""
+def test_stop_token_ends_the_device_loop_and_keeps_the_cache_exact(moe_path):
+    """Decode runs chunks of steps on the device, one chunk queued ahead of the host. A sampled stop id
+    ends the chunk's loop there and the queued chunk runs no step: the reply stops at the same place,
+    the KV cache holds the prompt and the reply (a follow-up reuses them; the stop token itself was
+    never fed), and the follow-up gives exactly what a cold run gives."""
     ref = strata_jax.load(moe_path, ctx=64).generate("the tea", max_tokens=8, temperature=0)
     stop = ref.token_ids[3]
     assert stop not in ref.token_ids[:3]
-    warm = strata_jax.load(moe_path, ctx=64)
+    warm = strata_jax.load(moe_path, ctx=64, decode_chunk=2)  # chunks: tokens 1-2, 3 (the stop), none
     warm.tokenizer.stop_ids = frozenset({stop})
     first = warm.generate("the tea", max_tokens=8, temperature=0)
     assert first.finish_reason == "stop" and first.token_ids == ref.token_ids[:3]
     host = warm.host_timing()
-    assert host["decode_steps"] == 4 and host["dispatch_ms_per_step"] > 0  # tokens 1-3 and the stop token
+    # tokens 1-2, then the stop token (its chunk's second step never ran), then a queued chunk with no step
+    assert host["decode_steps"] == 3 and host["decode_calls"] == 3 and host["dispatch_ms_per_step"] > 0
     follow = first.prompt_token_ids + first.token_ids + [stop] + warm.tokenize(" and the rain")
     a = warm.generate(follow, max_tokens=6, temperature=0)
-    assert a.timings["cache_n"] == len(first.prompt_token_ids) + len(first.token_ids) + 1
+    assert a.timings["cache_n"] == len(first.prompt_token_ids) + len(first.token_ids)
     cold = strata_jax.load(moe_path, ctx=64)
     cold.tokenizer.stop_ids = frozenset({stop})
     assert a.token_ids == cold.generate(follow, max_tokens=6, temperature=0, cache_prompt=False).token_ids
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "16"])
+def test_bad_decode_chunk_is_a_config_error(moe_path, bad):
+    with pytest.raises(ConfigError, match="decode_chunk=.* must be a positive integer"):
+        strata_jax.load(moe_path, ctx=64, decode_chunk=bad)

@@ -15,7 +15,8 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.errors import ConfigError
-from strata_jax.model.model import _decode, _first_token
+from strata_jax.model.decode import decode_chunk
+from strata_jax.model.model import _first_token
 from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingParams, penalize,
                                        sample)
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -208,17 +209,23 @@ def test_invalid_values_are_config_errors(moe):
             moe.generate(SHORT, max_tokens=2, **kw)
 
 
-def test_toggling_penalties_and_logprobs_compiles_nothing(moe):
+def test_sampling_values_compile_nothing_once_their_mode_is_compiled(moe):
+    """Sampling parameters are traced: new values compile nothing. The decode chunk is compiled once per
+    SamplingMode (greedy or sampled, penalties on or off, logprobs or not: what a conditional would decide
+    inside its device-side loop), so after one request of each mode no other request compiles."""
     configs = [dict(temperature=0), dict(temperature=0, logprobs=True, top_logprobs=20),
                dict(temperature=0.7, seed=1, presence_penalty=1.0, frequency_penalty=0.3),
                dict(temperature=0, repeat_penalty=1.5, repeat_last_n=5, logprobs=True),
                dict(temperature=1.0, seed=2, top_k=0, top_p=1.0, min_p=0.0, logprobs=True, top_logprobs=3)]
-    for kw in configs[:2]:  # compile the steps (logprobs on and off share them)
+    warm = [dict(temperature=0), dict(temperature=0, logprobs=True, top_logprobs=1),
+            dict(temperature=0.2, seed=9, frequency_penalty=-0.5), dict(temperature=0, presence_penalty=0.1, logprobs=True),
+            dict(temperature=0.5, seed=3, top_k=5, logprobs=True)]  # the same five modes, other values
+    for kw in warm:
         moe.generate(PROMPT, max_tokens=4, cache_prompt=False, **kw)
-    jit_entries = _decode._cache_size(), _first_token._cache_size()
+    jit_entries = decode_chunk._cache_size(), _first_token._cache_size()
     with count_compiles() as compiles:
         for kw in configs:
             moe.generate(PROMPT, max_tokens=6, cache_prompt=False, **kw)
     assert compiles == []
     # the persistent compilation cache can hide a recompile from the counter; the jit caches cannot
-    assert (_decode._cache_size(), _first_token._cache_size()) == jit_entries
+    assert (decode_chunk._cache_size(), _first_token._cache_size()) == jit_entries

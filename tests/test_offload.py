@@ -161,6 +161,7 @@ def test_second_request_compiles_nothing(moe_path, slots):
     ids = m.tokenize(PROMPT)
     m.generate(ids, max_tokens=4, temperature=0)
     m.generate(ids, max_tokens=4, temperature=0)  # a repeat reuses the cached prompt: one-token prefill
+    m.generate(ids, max_tokens=4, temperature=0.9, seed=1)  # the sampling mode's decode program
     m.logits(ids)
     with count_compiles() as compiles:
         m.reset_stats()
@@ -227,6 +228,37 @@ def test_static_policy_per_layer_pools_take_their_rows(moe_path, reference):
     for i, cache in enumerate(m.experts.slots.caches):
         np.testing.assert_array_equal(np.asarray(cache.meta["profile_LE"]), prof[i:i + 1])
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
+
+
+@pytest.mark.parametrize("slots", [None, 8])
+def test_decode_chunk_size_changes_nothing_but_the_calls(moe_path, reference, slots):
+    """Decoding 1, 3 or 16 steps per jitted call (the loop over tokens on the device) gives the same
+    tokens, logprobs, cache decisions and routing, also under a replayed routing trace: the chunk only
+    changes how often the host launches."""
+    ids, _, ref_tokens = reference
+    rng = np.random.default_rng(1)
+    trace = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(4)]) for _ in range(40)])
+    runs = []
+    for chunk in (1, 3, 16):
+        m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, decode_chunk=chunk, record_routing=True)
+        m.tokenizer.stop_ids = frozenset()  # every request runs to max_tokens: the call counts are known
+        greedy = m.generate(ids, max_tokens=24, temperature=0)
+        sampled = m.generate(ids, max_tokens=10, temperature=0.9, seed=4, logprobs=True, top_logprobs=2,
+                             presence_penalty=0.5, cache_prompt=False)
+        m.force_routing(trace)
+        forced = m.generate(ids, max_tokens=7, temperature=0, cache_prompt=False)
+        host, st = m.host_timing(), m.stats()
+        assert greedy.token_ids == ref_tokens
+        assert host["decode_steps"] == 23 + 9 + 6
+        assert host["decode_calls"] == sum(-(-n // chunk) for n in (23, 9, 6))
+        routing = m.routing_trace()
+        np.testing.assert_array_equal(routing[-6:], trace[np.arange(len(ids), len(ids) + 6) % 40])
+        runs.append((sampled.token_ids, [lp.logprob for lp in sampled.logprobs], forced.token_ids,
+                     st["hits"], st["misses"], routing))
+    for run in runs[1:]:
+        assert run[0] == runs[0][0] and run[2] == runs[0][2] and run[3:5] == runs[0][3:5]
+        np.testing.assert_allclose(run[1], runs[0][1], atol=1e-5)
+        np.testing.assert_array_equal(run[5], runs[0][5])
 
 
 def test_forced_routing_replays_the_trace_and_keeps_offloading_exact(moe_path, reference):

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.errors import ConfigError
+from strata_jax.model.decode import STEP_DONATE, STEP_STATIC
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.model import (_DONATE, _STATIC, Model, _common_prefix, _first_token, attn_bucket, bucket,
-                                    check_request, logprob_count)
+from strata_jax.model.model import (Model, _common_prefix, _first_token, attn_bucket, bucket, check_request,
+                                    logprob_count)
 from strata_jax.model.streaming import GenerationChunk, TextStream, TokenLogprob, request_timings, token_logprob
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import PenaltyState, SamplingParams, next_token, sample_rows
@@ -51,7 +52,7 @@ log = logging.getLogger("strata_jax")
 SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
+@functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
 def _prefill_row(params, slots, store, kv, stats_MS, row, tokens_1T, start_1, n_valid_1, *, cfg, dtype, policy,
                  prefetch, attn_len):
     """One prefill chunk of one row: the row is sliced out of the donated cache, run at batch 1 (the
@@ -66,7 +67,7 @@ def _prefill_row(params, slots, store, kv, stats_MS, row, tokens_1T, start_1, n_
     return logits_1V, kv, slots, routed, stats_MS + st
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("pen",))
+@functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE + ("pen",))
 def _decode_rows(params, slots, store, kv, stats_MS, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *,
                  cfg, dtype, policy, prefetch, attn_len):
     logits_NV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_N[:, None], start_N,

@@ -1,11 +1,13 @@
 """`load()` and `Model`: the Python API around the jitted forward pass.
 
-The host drives one jitted call per prefill chunk and one per decoded token (which samples on the
-device and returns only the token id); nothing crosses to the host between layers.
+The host drives one jitted call per prefill chunk and one per chunk of decoded tokens (model/decode.py:
+the loop over tokens, sampling and the stop test run on the device, which returns only token ids);
+nothing crosses to the host between layers or between the tokens of a chunk.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -21,11 +23,12 @@ import numpy as np
 from strata_jax import runtime
 from strata_jax.errors import ConfigError
 from strata_jax.model.config import ModelConfig
+from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.moe import N_STATS
-from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingParams, next_token, sample,
-                                      validate_sampling)
+from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams, next_token,
+                                      sample, validate_sampling)
 from strata_jax.model.streaming import (Generation, GenerationChunk, TextStream, TokenLogprob,  # noqa: F401
                                         request_timings, token_logprob)
 from strata_jax.model.tokenizer import GGUFTokenizer
@@ -49,30 +52,16 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len")
-_DONATE = ("kv", "slots", "stats_MS")
+DECODE_CHUNK = 1  # decode steps per jitted call by default: see load's decode_chunk and model/decode.py's status
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("all_logits",), donate_argnames=_DONATE)
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
              attn_len, all_logits, forced=None):
     logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
                                             dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
                                             attn_len=attn_len, forced_MNk=forced)
     return logits, kv, slots, routed, stats_MS + st
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("pen",))
-def _decode(params, slots, store, kv, stats_MS, tokens_B, start_B, key, step, sp, pen, want_logprobs, *, cfg, dtype,
-            policy, prefetch, attn_len, forced=None):
-    # token reshape and key folding live in the step: outside they are extra dispatches per token
-    tokens_B1 = tokens_B[:, None]
-    key = jax.random.fold_in(key, step)
-    logits_BV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_B1, start_B, jnp.ones_like(start_B),
-                                               cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
-                                               attn_len=attn_len, forced_MNk=forced)
-    out = next_token(logits_BV, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
-    return out, kv, slots, routed, stats_MS + st
 
 
 @jax.jit
@@ -84,25 +73,26 @@ def _first_token(logits_1V, key, sp, recent_1W, want_logprobs):
 
 
 class HostTiming:
-    """Where the host spends a decode step: inside the jitted call (tracing aside, the launch: argument
-    handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled token. With one step
-    queued ahead, dispatch time above the step time means the host, not the device, sets the pace."""
+    """Where the host spends decode time: inside the jitted calls (tracing aside, the launch: argument
+    handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled tokens, per decode
+    step (token). With a chunk queued ahead, dispatch time near the step time means the host, not the
+    device, sets the pace."""
 
     def __init__(self):
-        self.steps, self.dispatch_s, self.waits, self.wait_s = 0, 0.0, 0, 0.0
+        self.steps, self.chunks, self.dispatch_s, self.wait_s = 0, 0, 0.0, 0.0
 
     def dispatch(self, seconds: float) -> None:
-        self.steps += 1
+        self.chunks += 1
         self.dispatch_s += seconds
 
-    def wait(self, seconds: float) -> None:
-        self.waits += 1
+    def wait(self, seconds: float, steps: int) -> None:
         self.wait_s += seconds
+        self.steps += steps
 
     def summary(self) -> dict[str, float | int | None]:
-        return {"decode_steps": self.steps,
-                "dispatch_ms_per_step": 1e3 * self.dispatch_s / self.steps if self.steps else None,
-                "wait_ms_per_step": 1e3 * self.wait_s / self.waits if self.waits else None}
+        per = (lambda s: 1e3 * s / self.steps) if self.steps else (lambda s: None)  # noqa: E731
+        return {"decode_steps": self.steps, "decode_calls": self.chunks,
+                "dispatch_ms_per_step": per(self.dispatch_s), "wait_ms_per_step": per(self.wait_s)}
 
 
 def _resolve_dtype(dtype: Any, platform: str):
@@ -123,7 +113,7 @@ class Model:
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
                  record_routing: bool = False,
-                 parallel: int = 1):
+                 parallel: int = 1, decode_chunk: int = DECODE_CHUNK):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
@@ -141,6 +131,9 @@ class Model:
         if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk={prefill_chunk} must be a power of two >= {MIN_BUCKET}.")
         self.prefill_chunk = prefill_chunk
+        if not isinstance(decode_chunk, int) or decode_chunk < 1:
+            raise ConfigError(f"decode_chunk={decode_chunk!r} must be a positive integer (decode steps per call).")
+        self.decode_chunk = decode_chunk
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
         if dequantize_dense is None:
             dequantize_dense = self.device.platform == "cpu"
@@ -182,8 +175,8 @@ class Model:
         return self.experts.stats() if self.experts is not None else {}
 
     def host_timing(self) -> dict[str, float | int | None]:
-        """Decode steps since load or reset_stats, the host's milliseconds per step inside the jitted call
-        (dispatch) and blocked on the token (wait); see HostTiming."""
+        """Decode steps and jitted decode calls since load or reset_stats, the host's milliseconds per
+        step inside the jitted calls (dispatch) and blocked on the tokens (wait); see HostTiming."""
         return self._host.summary()
 
     def reset_stats(self) -> None:
@@ -216,33 +209,36 @@ class Model:
             raise ConfigError(f"routing trace ids must lie in [0, {cfg.n_experts})")
         self._forced_TMk = t.astype(np.int32)
 
-    def _forced(self, pos: int, T: int) -> dict:
-        """The forced-routing argument of a step over cache positions pos..pos+T-1 ({} when not forcing)."""
+    def _forced(self, pos: int, T: int, chunk: bool = False) -> dict:
+        """The forced-routing argument of a step over cache positions pos..pos+T-1 ({} when not forcing):
+        [M, T, k] for a prefill, [T, M, 1, k] for a decode chunk of T steps (decode_chunk)."""
         if self._forced_TMk is None:
             return {}
         rows = self._forced_TMk[np.arange(pos, pos + T) % len(self._forced_TMk)]  # [T, M, k]
-        return {"forced": jnp.asarray(rows.transpose(1, 0, 2))}
+        return {"forced": jnp.asarray(rows[:, :, None] if chunk else rows.transpose(1, 0, 2))}
 
-    def _record(self, routed_MNk: jax.Array, n_valid: int) -> None:
-        if self._routing is not None and routed_MNk.shape[0]:
-            self._routing.append(np.asarray(routed_MNk)[:, :n_valid].transpose(1, 0, 2))
+    def _record(self, routed_NMk: jax.Array, n_valid: int) -> None:
+        """Keep the routed experts [tokens, M, k] of the first n_valid tokens (record_routing)."""
+        if self._routing is not None and routed_NMk.shape[1]:
+            self._routing.append(np.asarray(routed_NMk)[:n_valid])
 
     def _step(self, fn, *args, end: int, **static):
-        """One jitted step over the donated state (KV cache, slot table, counters); puts it back after.
-        end: one past the furthest cache position the step writes (sizes the attention span)."""
+        """One jitted call over the donated state (KV cache, slot table, counters); puts it back after.
+        Returns the call's first and fourth outputs (a prefill's logits and routed ids; a decode chunk's
+        tokens and state). end: one past the furthest cache position it writes (sizes the attention span)."""
         kv, self._kv = self._kv, None
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
         e = self.experts
         slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
         self._kv_tokens = []  # until the step returns, the cache's contents are not known
-        out, self._kv, slots, routed, stats = fn(
+        out, self._kv, slots, extra, stats = fn(
             self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
             dtype=self.dtype, policy=e.policy if e is not None else None,
             prefetch=e.prefetch if e is not None else 0, attn_len=attn_bucket(end, self.ctx), **static)
         if e is not None:
             e.put(slots, stats)
-        return out, routed
+        return out, extra
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -291,7 +287,7 @@ class Model:
             logits, routed = self._step(_prefill, jnp.asarray(toks), jnp.array([pos], jnp.int32),
                                         jnp.array([len(chunk)], jnp.int32), end=pos + T, all_logits=all_logits,
                                         **self._forced(pos, T))
-            self._record(routed, len(chunk))
+            self._record(routed.transpose(1, 0, 2), len(chunk))
             outs.append(logits[0, : len(chunk)] if all_logits else logits)
             pos += len(chunk)
         self._kv_tokens = list(ids)
@@ -355,52 +351,65 @@ class Model:
         t_prefill = time.perf_counter() - t0
 
         stream = TextStream(stops, max_tokens, self.tokenizer.stream_decoder(), n_top is not None)
-        finish = None
         t1 = t_steady = time.perf_counter()
-        pos = len(ids)
         fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
         self._kv_tokens = []
         n_steps = 0
-        # One step stays queued ahead of the host: step s+1 is dispatched (fed step s's token, still on
-        # the device) before the host waits for step s's token, so the device never idles while the host
-        # launches a step. Stop ids and strings are seen one step late: that step's token is discarded
-        # (its input, the stop token, stays in the KV cache and in `fed`).
-        cur, cur_lp, cur_host = tok, lp, tok_host
+        # Decode runs in chunks of up to decode_chunk steps, the loop on the device (model/decode.py), and
+        # one chunk stays queued ahead of the host: chunk c+1 is dispatched (fed chunk c's state, still on
+        # the device) before the host waits for chunk c's tokens, so the device does not idle while the
+        # host reads tokens or launches. A chunk that sampled a stop id marks the state done and the
+        # queued one runs no step (a one-step chunk runs anyway: its token is dropped); after a stop
+        # string the queued chunk's tokens are dropped (the cache positions they wrote lie past `fed`
+        # and are overwritten before anything attends to them).
+        mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
+        state = DecodeState(tok, jnp.full((1,), len(ids), jnp.int32), jnp.int32(1), jnp.zeros((), bool), pen)
+        stop_S = stop_array(self.tokenizer.stop_ids)
+        pos, planned, last = len(ids), 1, tok_host  # planned: tokens once the dispatched chunks have run in full
+        pending: collections.deque = collections.deque()
         try:
-            while True:
-                more = len(stream.generated) + 1 < max_tokens  # after this token, another may be needed
-                if more:
+            tok_lp = token_logprob(jax.device_get(lp), 0, tok_host, n_top, 0) if n_top is not None else None
+            chunks, finish = stream.push(tok_host, self.tokenizer.stop_ids, tok_lp)
+            yield from chunks
+            while finish is None:
+                while len(pending) < 2 and planned < max_tokens:
+                    n = min(self.decode_chunk, max_tokens - planned)
                     t_d = time.perf_counter()
-                    (nxt, pen, nxt_lp), routed = self._step(_decode, cur, np.array([pos], np.int32), key,
-                                                            np.int32(len(stream.generated) + 1), sp, pen, want,
-                                                            end=pos + 1, **self._forced(pos, 1))
+                    out, state = self._step(decode_chunk, state, key, sp, stop_S, np.int32(n), end=pos + n,
+                                            n_max=self.decode_chunk, mode=mode,
+                                            **self._forced(pos, self.decode_chunk, chunk=True))
                     self._host.dispatch(time.perf_counter() - t_d)
-                    n_steps += 1
-                if cur_host is None:
-                    t_w = time.perf_counter()
-                    cur_host = int(np.asarray(cur)[0])
-                    self._host.wait(time.perf_counter() - t_w)
-                    if len(stream.generated) == 1:  # steady-state speed starts after the first (compiling) step
+                    if t_steady == t1:  # steady-state speed starts once the first call has compiled
                         t_steady = time.perf_counter()
-                if more:
-                    fed.append(cur_host)
-                    pos += 1
-                tok_lp = token_logprob(jax.device_get(cur_lp), 0, cur_host, n_top, 0) if n_top is not None else None
-                chunks, finish = stream.push(cur_host, self.tokenizer.stop_ids, tok_lp)
-                if more:
-                    self._record(routed, 1)  # the step that took this token in, even if it ends the stream
-                yield from chunks
-                if finish is not None:
+                    pending.append(out)
+                    planned, pos = planned + n, pos + n
+                if not pending:
                     break
-                cur, cur_lp, cur_host = nxt, nxt_lp, None
+                out = pending.popleft()
+                t_w = time.perf_counter()
+                n_done = int(out.n_done)
+                toks = np.asarray(out.tokens_N)[:n_done].tolist()
+                lps = jax.device_get(out.logprobs) if n_top is not None else None
+                self._host.wait(time.perf_counter() - t_w, n_done)
+                n_steps += n_done
+                self._record(out.routed_NMk, n_done)
+                for j, t in enumerate(toks):
+                    fed.append(last)  # the step that sampled t took `last` in
+                    last = t
+                    tok_lp = (token_logprob(jax.tree.map(lambda a: a[j], lps), 0, t, n_top, 0)
+                              if n_top is not None else None)
+                    chunks, finish = stream.push(t, self.tokenizer.stop_ids, tok_lp)
+                    yield from chunks
+                    if finish is not None:
+                        break
         finally:
             self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
         t_end = time.perf_counter()
         n_gen = len(stream.generated)
         if self.experts is not None:
             self.experts.note_steps(t_end - t0, n_steps + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
-        yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end),
-                          ids)
+        yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end,
+                                                  n_before_steady=1), ids)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
@@ -473,7 +482,9 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
     with the same expert types compete for one pool),
     record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
-    rows, the server's --parallel)."""
+    rows, the server's --parallel); decode_chunk: decode steps per jitted call (default 1; more runs the
+    loop over tokens on the device, model/decode.py, and a stream's tokens arrive up to that many at a
+    time: 3.2x faster on an 8-layer model, far slower at 48 layers on JAX 0.11.2, see docs/benchmarks.md)."""
     enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path

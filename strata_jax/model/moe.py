@@ -27,7 +27,7 @@ from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import swiglu
 from strata_jax.model.weights import MoEParams
-from strata_jax.offload.fetch import fetch_misses, stream_layer
+from strata_jax.offload.fetch import fetch_misses, stream_layer, to_device
 from strata_jax.offload.policies import Policy
 from strata_jax.offload.slot_table import SlotTable
 from strata_jax.offload.store import ExpertStore
@@ -86,14 +86,20 @@ def _prefill_group(n_tokens: int, n_experts: int, pool, dtype) -> int:
     return g
 
 
-def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
+def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts, from_host: bool = False):
     """Every token through every expert, weighted by its routing weight (zero where it did not route):
     E/K times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
     weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
     dequantizes one group at a time, and the weight is applied before the down projection so no
     [tokens, experts, D] tensor exists. (ragged_dot on the H200 was expanded by XLA into padded dense
     operands: a 512-token BSEED chunk asked for 10 GiB under a 32 GiB cap; its scatter-add of the rows
-    also made prefill non-deterministic.)"""
+    also made prefill non-deterministic.)
+
+    from_host (offloading): pool is the layer's rows in the host store, slot_E the expert ids; each
+    group's rows are copied in by its scan step, so the device holds one group's bytes, never the
+    layer's (a whole streamed layer, 0.86 GiB for BSEED, could be copied early for every layer at once:
+    the 48-layer BSEED prefill asked for 5.7 GiB of temporaries under a 32 GiB cap and ran out of
+    memory)."""
     N = x_ND.shape[0]
     f32 = jnp.float32
     combine_NE = jnp.zeros((N, n_experts), f32).at[jnp.arange(N)[:, None], ids_NK].add(w_NK)
@@ -103,7 +109,11 @@ def _experts_dense(x_ND, w_NK, ids_NK, slot_E, pool, dtype, n_experts):
 
     def group(acc_ND, xs):
         slot_G, combine_NG = xs
-        g_GFD, u_GFD, d_GDF = _gather_experts(pool, slot_G, dtype)
+        if from_host:  # groups are consecutive expert ids: slot_G[0] is the first
+            rows = to_device(jax.lax.dynamic_slice_in_dim(pool.data, slot_G[0], G, axis=0))
+            g_GFD, u_GFD, d_GDF = (t.dequant(dtype) for t in pool.split(rows))
+        else:
+            g_GFD, u_GFD, d_GDF = _gather_experts(pool, slot_G, dtype)
         h = jax.nn.silu(jnp.einsum("nd,gfd->ngf", x_ND, g_GFD, preferred_element_type=f32))
         h = h * jnp.einsum("nd,gfd->ngf", x_ND, u_GFD, preferred_element_type=f32) * combine_NG[:, :, None]
         return acc_ND + jnp.einsum("ngf,gdf->nd", h.astype(dtype), d_GDF, preferred_element_type=f32), None
@@ -228,8 +238,11 @@ def moe_block(
             slots, pf_plan = _access_and_fetch(slots, store, next_idx, _unique(pred_NK, E), policy)
             prefetched = prefetched + pf_plan.n_misses.astype(jnp.int32)
     else:
-        streamed_pool = stream_layer(store.layers[moe_idx])
-        out_ND = _many_token_impl()(x_ND, w_NK, ids_NK, jnp.arange(E, dtype=jnp.int32), streamed_pool, dtype, E)
+        impl, layer, ids_E = _many_token_impl(), store.layers[moe_idx], jnp.arange(E, dtype=jnp.int32)
+        if impl is _experts_dense:  # streams group by group from the host store
+            out_ND = impl(x_ND, w_NK, ids_NK, ids_E, layer, dtype, E, from_host=True)
+        else:
+            out_ND = impl(x_ND, w_NK, ids_NK, ids_E, stream_layer(layer), dtype, E)
         streamed = jnp.int32(E)
     pred_hit = pred_total = zero
     if predicted_NK is not None:

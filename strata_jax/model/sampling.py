@@ -17,6 +17,7 @@ Shape legend: B batch, V vocab, W repeat window, N top logprobs.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,10 +133,11 @@ class Logprobs:
     top_BN: jax.Array  # float32: their log-probabilities
 
 
-def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array, want: jax.Array) -> Logprobs:
+def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array, want: jax.Array | bool) -> Logprobs:
     """The model's log-probabilities (raw logits: no penalties, temperature or filtering) of the sampled
-    tokens and the most likely ones. want is traced: when no row asked, the branch that skips the
-    vocabulary-wide softmax and top-k runs, and toggling it per request compiles nothing."""
+    tokens and the most likely ones. want traced: when no row asked, the branch that skips the
+    vocabulary-wide softmax and top-k runs, and toggling it per request compiles nothing; a Python bool
+    decides at trace time."""
     B, V = logits_BV.shape
     N = min(TOP_LOGPROBS, V)
 
@@ -148,14 +150,42 @@ def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array, want: jax.Array) -> L
     def skip() -> Logprobs:
         return Logprobs(jnp.zeros((B,), jnp.float32), jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32))
 
+    if isinstance(want, bool):  # known when tracing (SamplingMode): no conditional in the program
+        return compute() if want else skip()
     return jax.lax.cond(want, compute, skip)
 
 
+class SamplingMode(NamedTuple):
+    """Which sampling work a request needs, fixed when a program is traced instead of chosen by a
+    conditional on the device. The device-side decode loop (model/decode.py) is compiled per mode: a
+    conditional inside it could keep XLA from running the loop as one CUDA graph (a conditional whose
+    branches cannot be captured is run from the host, with a device->host copy of its predicate)."""
+
+    sample: bool  # some row has temperature > 0 (else greedy: argmax only, no vocabulary sort)
+    penalties: bool  # some row has a presence, frequency or repeat penalty on
+    logprobs: bool
+
+    @classmethod
+    def of(cls, sp_host: dict, logprobs: bool) -> "SamplingMode":
+        """From a request's sampling arguments (the keywords of SamplingParams.make)."""
+        return cls(sp_host["temperature"] > 0,
+                   sp_host.get("presence_penalty", 0) != 0 or sp_host.get("frequency_penalty", 0) != 0
+                   or (sp_host.get("repeat_penalty", 1) != 1 and sp_host.get("repeat_last_n", 64) > 0),
+                   bool(logprobs))
+
+
 def next_token(logits_BV: jax.Array, draw, sp: SamplingParams, pen: PenaltyState, want_logprobs: jax.Array,
-               active_B: jax.Array | None = None) -> tuple[jax.Array, PenaltyState, Logprobs]:
+               active_B: jax.Array | None = None, mode: SamplingMode | None = None,
+               ) -> tuple[jax.Array, PenaltyState, Logprobs]:
     """One sampling step: penalties, then draw(logits) (sample or sample_rows with their keys), then the
-    penalty state takes in the token. Returns (tokens int32 [B], new state, logprobs)."""
+    penalty state takes in the token. Returns (tokens int32 [B], new state, logprobs). With a mode the
+    choices the conditionals make are made at trace time (want_logprobs and draw's greedy test are then
+    ignored: draw should be built from the mode too, see sample)."""
     logits_BV = logits_BV.astype(jnp.float32)
+    if mode is not None:
+        penalized_BV = penalize(logits_BV, sp, pen) if mode.penalties else logits_BV
+        tok_B = draw(penalized_BV)
+        return tok_B, pen.push(tok_B, active_B), token_logprobs(logits_BV, tok_B, mode.logprobs)
     on = jnp.any((sp.presence_B != 0) | (sp.frequency_B != 0) | ((sp.repeat_B != 1) & (sp.repeat_last_n_B > 0)))
     # with every row's penalties off the vocabulary-wide passes are skipped, not multiplied by zero
     penalized_BV = jax.lax.cond(on, lambda: penalize(logits_BV, sp, pen), lambda: logits_BV)
@@ -165,9 +195,12 @@ def next_token(logits_BV: jax.Array, draw, sp: SamplingParams, pen: PenaltyState
 
 # -- drawing ---------------------------------------------------------------------------------------
 
-def sample(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array:
+def sample(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams, mode: SamplingMode | None = None) -> jax.Array:
+    """mode: decide greedy vs sampled at trace time (mode.sample False: every row greedy)."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if mode is not None:
+        return jnp.where(sp.temperature_B <= 0, greedy_B, _draw(logits_BV, key, sp)) if mode.sample else greedy_B
     # sorting the vocabulary costs more than a small model's forward pass on CPU (~40 ms for 152k
     # entries): skip it when no row samples. Under vmap the branches become a select and both run.
     return jax.lax.cond(jnp.all(sp.temperature_B <= 0), lambda: greedy_B,

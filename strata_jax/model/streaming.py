@@ -102,9 +102,11 @@ class TextStream:
 
 
 def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, t1: float, t_steady: float,
-                    t_end: float) -> dict[str, float]:
+                    t_end: float, n_before_steady: int = 2) -> dict[str, float]:
     """A request's timings in llama.cpp's names: prompt_n counts the prompt tokens actually run, cache_n
-    the reused ones; decode runs from t1 (after prefill) to t_end."""
+    the reused ones; decode runs from t1 (after prefill) to t_end. decode_per_second is the steady state:
+    the tokens after the first n_before_steady over the time from t_steady (Model: once the first decode
+    call, which may compile, has been launched; only the prefill's token comes before)."""
     t_decode = t_end - t1
     return {
         "prompt_n": n_prompt,
@@ -114,9 +116,8 @@ def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, 
         "predicted_n": n_dec,
         "predicted_ms": t_decode * 1e3,
         "predicted_per_second": (n_dec - 1) / t_decode if n_dec > 1 and t_decode > 0 else 0.0,
-        # the first token comes out of prefill, the second from the first (possibly compiling) decode
-        # step; decode speed is the steady state after that
-        "decode_per_second": max(n_dec - 2, 0) / max(t_end - t_steady, 1e-9) if n_dec > 2 else 0.0,
+        "decode_per_second": (n_dec - n_before_steady) / max(t_end - t_steady, 1e-9)
+        if n_dec > n_before_steady else 0.0,
     }
 
 

@@ -3,7 +3,8 @@
 `fetch_misses` copies only the experts the policy marked as misses, one DMA per expert, in a
 loop whose trip count is the (traced) number of misses: at a high hit rate a step moves few bytes and
 pays no per-expert branch. Writes go into the donated slot pool, in place. `stream_layer` brings a
-whole layer's experts over at once for prefill chunks, where every expert is likely needed.
+whole layer's experts over at once (the grouped prefill; the dense prefill copies a group of experts
+per step of its scan, model/moe.py).
 
 Shape legend: S slots, E experts of the layer, U requested experts.
 """
@@ -17,7 +18,7 @@ from strata_jax.offload.policies import Plan
 from strata_jax.offload.store import ExpertRows
 
 
-def _to_device(x: jax.Array) -> jax.Array:
+def to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
@@ -26,7 +27,7 @@ def fetch_misses(pool: ExpertRows, layer: ExpertRows, plan: Plan) -> ExpertRows:
 
     def body(i, data_SB):
         j = order_U[i]
-        row_B = _to_device(jax.lax.dynamic_index_in_dim(layer.data, plan.ids_U[j], 0, keepdims=False))
+        row_B = to_device(jax.lax.dynamic_index_in_dim(layer.data, plan.ids_U[j], 0, keepdims=False))
         return jax.lax.dynamic_update_index_in_dim(data_SB, row_B, plan.slot_U[j], 0)
 
     return ExpertRows(jax.lax.fori_loop(0, plan.n_misses, body, pool.data), pool.parts)
@@ -34,7 +35,7 @@ def fetch_misses(pool: ExpertRows, layer: ExpertRows, plan: Plan) -> ExpertRows:
 
 def stream_layer(layer: ExpertRows) -> ExpertRows:
     """All E experts of one layer on the device (one copy), as a temporary pool indexed by expert id."""
-    return ExpertRows(_to_device(layer.data), layer.parts)
+    return ExpertRows(to_device(layer.data), layer.parts)
 
 
 def calibrate_fetch(layer: ExpertRows, device, n: int = 8, reps: int = 3) -> tuple[float, float]:

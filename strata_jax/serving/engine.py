@@ -224,7 +224,9 @@ class Engine:
         self._fail_pending()
 
     def _warm(self, model: Any, session: Any = None) -> None:
-        """Compile the decode step and the smallest prefill before the first request pays for it."""
+        """Compile the decode step and the smallest prefill before the first request pays for it: greedy
+        and sampled (the single-request decode loop is compiled per sampling mode; penalties and logprobs
+        compile their modes on first use)."""
         t0 = time.perf_counter()
         ids = model.tokenize("Hello") or [0]
         if session is not None:
@@ -233,8 +235,9 @@ class Engine:
                 session.step()
         else:
             kw = {"cache_prompt": False} if self._cache_kw else {}
-            for _ in model.generate_stream(ids, max_tokens=2, temperature=0.0, **kw):
-                pass
+            for temperature in (0.0, 0.8):
+                for _ in model.generate_stream(ids, max_tokens=2, temperature=temperature, seed=0, **kw):
+                    pass
         log.info("warm-up (compilation) took %.1f s", time.perf_counter() - t0)
 
     def _serve(self, job: Job) -> None:
