@@ -3,8 +3,10 @@
 #
 #   bash benchmarks/gpu_sitting.sh start [WAIT_S]  install the carried gguf wheel, record the machine,
 #        snapshot the repo, launch the pipeline in its own session (it outlives the call), then wait
-#   bash benchmarks/gpu_sitting.sh wait [WAIT_S]   wait up to WAIT_S s (default 560) or until the pipeline
-#        ends; then copy the results and the logs' tails to $OUT: every call returns what exists so far
+#   bash benchmarks/gpu_sitting.sh wait [WAIT_S [DEADLINE_S]]   wait up to WAIT_S s (default 560) or until
+#        the pipeline ends; then copy the results and the logs' tails to $OUT: every call returns what exists
+#        so far. DEADLINE_S replaces SITTING_S for the phases not yet started (the machine's start time,
+#        hence the device time left, is known only after the first call)
 #   bash benchmarks/gpu_sitting.sh pipeline        the phases, in order (start runs it; not by hand)
 #
 # Pipeline: llama.cpp builds in the background while the B30 bench writes its GGUF and measures (its
@@ -13,7 +15,7 @@
 # a 32 GiB cap. Each bench is cut at its share of the sitting (rows are saved as they come).
 #
 # Knobs (environment): SITTING_S (pipeline seconds, default 1500), B30_S (B30's share, default 600),
-# SKIP_B30=1 (BSEED only: a second attempt), B30_PREFILL / BSEED_PREFILL ("--prefill-len N ..."),
+# SKIP_B30=1 (BSEED only: a second attempt), TAIL / TAIL_MIN_S (a last BSEED bench if time is left), B30_PREFILL / BSEED_PREFILL ("--prefill-len N ..."),
 # LLAMA_BIN (an existing llama-bench: no build), B30_SHAPE / BSEED_SHAPE and SITTING_DIR (a local dry
 # run: B30_SHAPE=tiny BSEED_SHAPE=tiny LLAMA_BIN=... SITTING_DIR=/tmp/dry OUT=/tmp/dry/out PY=python).
 set -u
@@ -32,6 +34,9 @@ COMMON=(--tokens 128 --prompt-len 32 --routing model --routing realistic --peer-
 # the 512-token prompt (llama.cpp's pp512): every other length costs compilations the sitting lacks
 read -r -a B30_PREFILL_ARGS <<< "${B30_PREFILL:---prefill-len 512}"
 read -r -a BSEED_PREFILL_ARGS <<< "${BSEED_PREFILL:---prefill-len 512 --prefill-len 4096}"
+
+# the deadline a later call may move (`wait N DEADLINE_S`, once the machine's start time is known)
+deadline() { cat "$S/deadline" 2>/dev/null || echo "$SITTING_S"; }
 
 note() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" >> "$S/progress"; }
 
@@ -71,9 +76,19 @@ pipeline() {
     rm -f "$STRATA_JAX_CACHE/synthetic/${B30_SHAPE:-b30}-"*
     note "B30 GGUF deleted; disk: $(df -h "$STRATA_JAX_CACHE" | tail -1)"
   fi
-  local left=$((SITTING_S - SECONDS))
+  local left=$(($(deadline) - SECONDS))
   phase bench-bseed $((left > 60 ? left : 60)) "$PY" -m strata_jax.cli bench --shape "${BSEED_SHAPE:-bseed}" \
     "${COMMON[@]}" "${BSEED_PREFILL_ARGS[@]}" --vram-budget 32GiB --no-resident --out "$S/results-bseed.json"
+  # Last, and only if the deadline leaves TAIL_MIN_S (default 150): TAIL="bench arguments" on the BSEED
+  # file, still on disk, e.g. TAIL="--decode-chunk 16 --routing model --vram-budget 32GiB --no-resident"
+  left=$(($(deadline) - SECONDS))
+  if [ -n "${TAIL:-}" ] && (( left >= ${TAIL_MIN_S:-150} )); then
+    read -r -a TAIL_ARGS <<< "$TAIL"
+    phase bench-tail "$left" "$PY" -m strata_jax.cli bench --shape "${BSEED_SHAPE:-bseed}" --tokens 128 \
+      --prompt-len 32 "${TAIL_ARGS[@]}" --out "$S/results-tail.json"
+  elif [ -n "${TAIL:-}" ]; then
+    note "bench-tail: skipped, ${left} s left"
+  fi
   wait  # the build, if it outlived both benches
   note "pipeline: done"
 }
@@ -83,7 +98,7 @@ collect() {
   cp -f "$S/progress" "$S"/results-*.json "$OUT"/ 2>/dev/null
   # at most 8 files come back from a call: the logs' tails travel as one archive
   mkdir -p "$S/tails"
-  for f in build bench-b30 bench-b30-skiptemp bench-bseed pipeline; do
+  for f in build bench-b30 bench-b30-skiptemp bench-bseed bench-tail pipeline; do
     [ -f "$S/$f.log" ] && tail -n 400 "$S/$f.log" > "$S/tails/$f.log.tail"
   done
   tar -czf "$OUT/logs.tar.gz" -C "$S" tails
@@ -92,6 +107,7 @@ collect() {
 
 wait_for() {
   local limit=${1:-560} t0=$SECONDS f
+  if [ -n "${2:-}" ]; then echo "$2" > "$S/deadline"; note "deadline moved to ${2} s of the pipeline"; fi
   while (( SECONDS - t0 < limit )) && ! grep -q "pipeline: done" "$S/progress" 2>/dev/null; do sleep 5; done
   collect
   tail -n 30 "$S/progress"
@@ -129,7 +145,7 @@ start() {
 
 case "${1:-}" in
   start) start "${2:-540}" ;;
-  wait) wait_for "${2:-560}" ;;
+  wait) wait_for "${2:-560}" "${3:-}" ;;
   pipeline) pipeline ;;
   *) echo "usage: $0 start|wait [SECONDS]" >&2; exit 2 ;;
 esac

@@ -39,6 +39,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the model's, capped at 4096)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--decode-chunk", type=_positive_int("--decode-chunk"), default=None,
+                   help="decode steps per jitted call, the loop over tokens on the device (default 1; "
+                        "docs/benchmarks.md has the measurements)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", type=_positive_int("--expert-slots"), default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -58,9 +61,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args) -> dict:
     """load() keyword arguments from the shared engine flags (generate, serve)."""
-    return dict(ctx=args.ctx, dtype=args.dtype, expert_slots=args.expert_slots, vram_budget=args.vram_budget,
+    opts = dict(ctx=args.ctx, dtype=args.dtype, expert_slots=args.expert_slots, vram_budget=args.vram_budget,
                 vram_reserve=args.vram_reserve, policy=args.policy,
                 prefetch=args.prefetch_depth, expert_pools=args.expert_pools)
+    if args.decode_chunk is not None:
+        opts["decode_chunk"] = args.decode_chunk
+    return opts
 
 
 def _cmd_generate(args) -> int:

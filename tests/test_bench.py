@@ -24,8 +24,8 @@ GiB = 1 << 30
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     """One bench run: resident (in a child process) and LRU 50%, both routing modes, two prefill lengths,
-    a 2 GiB budget (every expert fits: its configuration equals resident and is not run twice), and a
-    stand-in llama-bench that prints a real llama-bench JSON (tests/data) for every placement."""
+    a 2 GiB budget (every expert fits: its configuration equals resident and is not run twice), decode in
+    3-step calls, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data) for every placement."""
     from strata_jax.cli import main
 
     tmp = tmp_path_factory.mktemp("bench")
@@ -35,7 +35,8 @@ def bench_run(tmp_path_factory):
     out = tmp / "results-tiny.json"
     argv = ["bench", "--shape", "tiny", "--tokens", "8", "--prompt-len", "8", "--prefill-len", "32", "--prefill-len",
             "64", "--cache-fraction", "0.5", "--routing", "model", "--routing", "realistic", "--vram-budget", "2GiB",
-            "--resident-process", "child", "--peer-llama-bench", str(fake), "--peer-reps", "2", "--out", str(out)]
+            "--resident-process", "child", "--peer-llama-bench", str(fake), "--peer-reps", "2", "--decode-chunk", "3",
+            "--out", str(out)]
     assert main(argv) == 0
     return json.loads(out.read_text()), out
 
@@ -54,6 +55,8 @@ def test_rows(bench_run):
         assert r["limit_ratio"] > 0 and r["limit_ms_per_token"] > 0 and r["hbm_MB_per_token"] > 0
         assert r["total_experts"] == total
         assert r["host_dispatch_ms_per_step"] > 0 and r["host_wait_ms_per_step"] >= 0
+        # --decode-chunk reaches every configuration, the child's too, and names it: 7 steps in 3 calls
+        assert r["decode_chunk"] == 3 and r["decode_calls"] == 3 and r["config"].endswith(", 3-step decode calls")
         if r["config_kind"] == "resident":
             assert r["process"].startswith("child") and r["vram_cap_bytes"] is None
             assert r["resident"] and r["hit_rate"] == 1.0 and r["misses"] == 0

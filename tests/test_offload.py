@@ -153,11 +153,14 @@ def test_simulator_equals_engine_telemetry(tmp_path, policy, pools):
     np.testing.assert_allclose(sim["per_layer_hit_rate"], st["per_layer_hit_rate"])
 
 
-@pytest.mark.parametrize("slots", [None, 8])
-def test_second_request_compiles_nothing(moe_path, slots):
+@pytest.mark.parametrize("slots,chunk", [(None, 1), (8, 1), (None, 16), (8, 16)])
+def test_second_request_compiles_nothing(moe_path, slots, chunk):
     """State fed back from a jitted step must hit the same compiled program (committed arrays on both
-    calls), so a repeated request shape compiles nothing, resident or offloading."""
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots)
+    calls), so a repeated request shape compiles nothing, resident or offloading. With chunks of 16 the
+    warm-up requests run one chunk each, and the longer request's second chunk takes the state the first
+    returned: the state a request starts with must be the same kind of array."""
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, decode_chunk=chunk)
+    m.tokenizer.stop_ids = frozenset()
     ids = m.tokenize(PROMPT)
     m.generate(ids, max_tokens=4, temperature=0)
     m.generate(ids, max_tokens=4, temperature=0)  # a repeat reuses the cached prompt: one-token prefill
@@ -166,8 +169,10 @@ def test_second_request_compiles_nothing(moe_path, slots):
     with count_compiles() as compiles:
         m.reset_stats()
         m.generate(ids, max_tokens=8, temperature=0.5, seed=3)
+        m.generate(ids, max_tokens=40, temperature=0, cache_prompt=False)
         m.logits(ids)
     assert compiles == []
+    assert m.host_timing()["decode_calls"] == (7 + 39 if chunk == 1 else 1 + 3)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-depth", type=int, action="append", default=None,
                    help="prefetch depth; repeat to compare several (0 = off, the default)")
     p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--decode-chunk", type=_positive, default=None,
+                   help="decode steps per jitted call in every configuration (default: the engine's, load's "
+                        "decode_chunk)")
     p.add_argument("--no-resident", dest="resident", action="store_false", help="no all-resident reference run")
     p.add_argument("--resident-process", choices=["auto", "same", "child"], default="auto",
                    help="where the resident reference runs: auto = a child process without the VRAM cap when "
@@ -121,6 +124,8 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
         argv += ["--routing", r]
     if args.probe_mib:
         argv += ["--probe-mib", str(args.probe_mib)]
+    if args.decode_chunk:
+        argv += ["--decode-chunk", str(args.decode_chunk)]
     log.info("resident reference in a child process without the VRAM cap: %s", shlex.join(argv))
     proc = subprocess.run(argv, env=dict(machine.uncapped_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
     try:

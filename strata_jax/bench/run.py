@@ -29,8 +29,18 @@ class Config:
 
 def build_configs(args, total_experts: int, budget: int | None, resident: bool) -> list[Config]:
     configs = [Config("resident", "resident", {})] if resident else []
-    if args.resident_only:
+    if not args.resident_only:
+        configs += _cache_configs(args, total_experts, budget)
+    chunk = getattr(args, "decode_chunk", None)
+    if chunk is None:
         return configs
+    # a configuration decoded in other chunks is another configuration: its rows must not merge with
+    # the default's in a table
+    return [dataclasses.replace(c, name=f"{c.name}, {chunk}-step decode calls", load_kw=dict(c.load_kw, decode_chunk=chunk)) for c in configs]
+
+
+def _cache_configs(args, total_experts: int, budget: int | None) -> list[Config]:
+    configs = []
     depths = [0] if args.no_prefetch else args.prefetch_depth
     for depth in depths:
         pf = f" + prefetch {depth}" if depth else ""
@@ -91,6 +101,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "expert_slots": st.get("expert_slots"), "total_experts": st.get("total_experts"),
         "resident": st.get("resident", True), "store_memory": st.get("store_memory"),
         "host_dispatch_ms_per_step": host["dispatch_ms_per_step"], "host_wait_ms_per_step": host["wait_ms_per_step"],
+        "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"),
         "token_ids": gen.token_ids,
     }
     row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes))

@@ -12,9 +12,11 @@ The loop ends early when a stop id is sampled; the state says so (`done`) and a 
 runs no step. Stop strings are text, found by the host, which then drops what a queued chunk produced.
 
 Status (H200, JAX 0.11.2, 2026-12-01): on the B30 shape cut to 8 layers, chunks of 16 ran resident decode
-at 1,070 tok/s against 333 one step per call (LRU 50%: 334 against 180); on the full 48 layers the same
-code ran at 8.3 tok/s against 74 (the host spent ~1.9 s in each chunk's launch, cause not yet known: see
-docs/benchmarks.md). So Model's default is one step per call (decode_chunk=1); chunks are opt-in.
+at 1,070 tok/s against 333 one step per call (LRU 50%: 334 against 180). The full 48 layers measured
+8.3 tok/s, but that timed run compiled a second program: the first chunk took an uncommitted initial
+state and the second the committed state the first returned, and the bench's 4-token warm-up had run
+only one chunk (fixed in Model.generate_stream; test_offload's second-request test). Not yet re-measured
+at 48 layers, so Model's default stays one step per call (decode_chunk=1) and chunks are opt-in.
 
 Shape legend: B batch (1), N tokens per chunk (n_max), M MoE layers, k experts per token, S stop ids.
 """

@@ -363,7 +363,10 @@ class Model:
         # string the queued chunk's tokens are dropped (the cache positions they wrote lie past `fed`
         # and are overwritten before anything attends to them).
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
-        state = DecodeState(tok, jnp.full((1,), len(ids), jnp.int32), jnp.int32(1), jnp.zeros((), bool), pen)
+        # committed to the device like the state a chunk returns: an uncommitted first state compiled a
+        # second program for the second chunk (on the H200, 48 layers: the timed decode spent ~15 s in it)
+        state = DecodeState(tok, *jax.device_put((np.full((1,), len(ids), np.int32), np.int32(1), np.bool_(False)),
+                                                 self.device), pen)
         stop_S = stop_array(self.tokenizer.stop_ids)
         pos, planned, last = len(ids), 1, tok_host  # planned: tokens once the dispatched chunks have run in full
         pending: collections.deque = collections.deque()
