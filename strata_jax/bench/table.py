@@ -85,7 +85,8 @@ def _our_config(r) -> str:
     slots, total = r.get("expert_slots"), r.get("total_experts")
     flags = f", `XLA_FLAGS={r['xla_flags_user']}`" if r.get("xla_flags_user") else ""
     if r.get("config_kind") == "resident":
-        return (f"resident ({total:,} experts{flags})" if total else f"resident{flags}")
+        chunk = f", {r['decode_chunk']}-step decode calls" if r.get("decode_chunk", 1) != 1 else ""
+        return (f"resident{chunk} ({total:,} experts{flags})" if total else f"resident{chunk}{flags}")
     name = r["config"]
     if slots and total:
         name += f" ({slots:,} of {total:,} slots, {slots / total:.0%}{flags})"
