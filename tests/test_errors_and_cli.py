@@ -246,7 +246,19 @@ def test_stop_token_ends_the_device_loop_and_keeps_the_cache_exact(moe_path):
     assert a.token_ids == cold.generate(follow, max_tokens=6, temperature=0, cache_prompt=False).token_ids
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "16"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "16", True])
 def test_bad_decode_chunk_is_a_config_error(moe_path, bad):
     with pytest.raises(ConfigError, match="decode_chunk=.* must be a positive integer"):
         strata_jax.load(moe_path, ctx=64, decode_chunk=bad)
+
+
+def test_decode_chunk_default_follows_the_device(moe_path, caplog):
+    """16 steps per call on a GPU (where the launch of a step costs as much as the step), 1 elsewhere; the
+    load log says which."""
+    from strata_jax.model.model import default_decode_chunk
+
+    assert default_decode_chunk("gpu") == 16 and default_decode_chunk("cpu") == 1
+    with caplog.at_level("INFO", logger="strata_jax"):
+        m = strata_jax.load(moe_path, ctx=64)
+    assert m.decode_chunk == default_decode_chunk(m.device.platform)
+    assert f"decode {m.decode_chunk} step" in caplog.text

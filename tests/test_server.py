@@ -173,6 +173,28 @@ def test_chat_stream_matches_non_stream(client):
     assert "usage" not in chunks[-1] and "timings" in chunks[-1]
 
 
+def test_decode_chunks_serve_the_same(moe_path, client):
+    """A GPU decodes 16 steps per jitted call by default: served in 4-step calls, the same requests give
+    the same choices and usage, streamed or not, greedy or seeded, with a stop string and a length cut
+    that fall inside a chunk."""
+    greedy = chat(client, max_tokens=12, temperature=0).json()["choices"][0]["message"]["content"]
+    stop = greedy[5:7]
+    bodies = [dict(max_tokens=12, temperature=0), dict(max_tokens=10, seed=3, temperature=0.8),
+              dict(max_tokens=12, temperature=0, stop=stop), dict(max_tokens=6, temperature=0)]
+    chunked = strata_jax.load(moe_path, ctx=CTX, expert_slots=8, decode_chunk=4)
+    with serving(chunked) as c4:
+        for body in bodies:
+            a, b = chat(client, **body).json(), chat(c4, **body).json()
+            counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: each server's history
+            assert a["choices"] == b["choices"], body
+            assert [a["usage"][k] for k in counts] == [b["usage"][k] for k in counts], body
+            streamed = parse_sse(chat(c4, stream=True, **body).text)
+            assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == \
+                a["choices"][0]["message"]["content"]
+            assert streamed[-1]["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    assert chunked.decode_chunk == 4 and chunked.host_timing()["decode_calls"] < chunked.host_timing()["decode_steps"]
+
+
 def test_stream_include_usage(client):
     r = chat(client, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = parse_sse(r.text)

@@ -32,11 +32,9 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
     if not args.resident_only:
         configs += _cache_configs(args, total_experts, budget)
     chunk = getattr(args, "decode_chunk", None)
-    if chunk is None:
+    if chunk is None:  # the engine's default for the device; each row records what ran (decode_chunk)
         return configs
-    # a configuration decoded in other chunks is another configuration: its rows must not merge with
-    # the default's in a table
-    return [dataclasses.replace(c, name=f"{c.name}, {chunk}-step decode calls", load_kw=dict(c.load_kw, decode_chunk=chunk)) for c in configs]
+    return [dataclasses.replace(c, load_kw=dict(c.load_kw, decode_chunk=chunk)) for c in configs]
 
 
 def _cache_configs(args, total_experts: int, budget: int | None) -> list[Config]:

@@ -84,10 +84,11 @@ def _memory(r) -> str:
 def _our_config(r) -> str:
     slots, total = r.get("expert_slots"), r.get("total_experts")
     flags = f", `XLA_FLAGS={r['xla_flags_user']}`" if r.get("xla_flags_user") else ""
+    # rows decoded N steps per jitted call say so; one step per call (and rows from before the field) do not
+    chunk = f", {r['decode_chunk']}-step decode calls" if (r.get("decode_chunk") or 1) > 1 else ""
     if r.get("config_kind") == "resident":
-        chunk = f", {r['decode_chunk']}-step decode calls" if r.get("decode_chunk", 1) != 1 else ""
         return (f"resident{chunk} ({total:,} experts{flags})" if total else f"resident{chunk}{flags}")
-    name = r["config"]
+    name = r["config"] if r["config"].endswith(chunk) else r["config"] + chunk  # older rows named it
     if slots and total:
         name += f" ({slots:,} of {total:,} slots, {slots / total:.0%}{flags})"
     return name
@@ -225,7 +226,7 @@ def targets(rows) -> list[str]:
     # 2. BSEED, 32 GiB, the model's random routing (miss-bound): limit ratio >= 0.8
     r = _best(_capped_offload(rows, "bseed", "model"), "limit_ratio")
     line("BSEED, 32 GiB, model (random) routing: limit ratio", ">= 0.80",
-         f"{_num(r['limit_ratio'], 2)} ({r['config']}, {_num(r['decode_tok_s'])} tok/s)" if r else "-",
+         f"{_num(r['limit_ratio'], 2)} ({_our_config(r)}, {_num(r['decode_tok_s'])} tok/s)" if r else "-",
          r and r["limit_ratio"], 0.8)
     # 3. B30 all experts resident: decode >= llama.cpp all-GPU
     dec, _, src, _ = _llama(rows, "b30", "all-gpu")
@@ -258,7 +259,8 @@ def targets(rows) -> list[str]:
 # --- the region ------------------------------------------------------------------------------------
 
 def _machine_line(docs) -> list[str]:
-    seen, out = set(), []
+    """One description per distinct machine and software, with the commits its runs reported."""
+    commits: dict[str, list[str]] = {}
     for d in docs:
         m = d.get("machine", {})
         line = (f"{m.get('gpu') or 'no GPU'}"
@@ -266,12 +268,11 @@ def _machine_line(docs) -> list[str]:
                    if m.get("gpu_memory_MiB") else "")
                 + f", {m.get('host_cores')} host cores; JAX {m.get('jax')} (jaxlib {m.get('jaxlib')}"
                 + (f", {m['jax_cuda_plugin']} CUDA plugin" if m.get("jax_cuda_plugin") else "") + ")"
-                + f", Python {m.get('python')}, strata-jax {m.get('strata_jax')}"
-                + (f" at {m['commit']}" if m.get("commit") else ""))
-        if line not in seen:
-            seen.add(line)
-            out.append(line)
-    return out
+                + f", Python {m.get('python')}, strata-jax {m.get('strata_jax')}")
+        seen = commits.setdefault(line, [])
+        if m.get("commit") and m["commit"] not in seen:
+            seen.append(m["commit"])
+    return [line + (f" at {', '.join(c)}" if c else "") for line, c in commits.items()]
 
 
 def render(docs: list[dict]) -> str:

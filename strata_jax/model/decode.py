@@ -11,12 +11,13 @@ are evaluated on the device, so the host launches once per chunk. The sampling c
 The loop ends early when a stop id is sampled; the state says so (`done`) and a chunk queued after it
 runs no step. Stop strings are text, found by the host, which then drops what a queued chunk produced.
 
-Status (H200, JAX 0.11.2, 2026-12-01): on the B30 shape cut to 8 layers, chunks of 16 ran resident decode
-at 1,070 tok/s against 333 one step per call (LRU 50%: 334 against 180). The full 48 layers measured
-8.3 tok/s, but that timed run compiled a second program: the first chunk took an uncommitted initial
-state and the second the committed state the first returned, and the bench's 4-token warm-up had run
-only one chunk (fixed in Model.generate_stream; test_offload's second-request test). Not yet re-measured
-at 48 layers, so Model's default stays one step per call (decode_chunk=1) and chunks are opt-in.
+Status (H200, JAX 0.11.2, 2026-12-01, docs/benchmarks.md): on the 48-layer B30, resident, 16 steps per
+call decode 223 tok/s against 134 one step per call (LRU 50%, realistic routing: 115 against 53; BSEED
+under 32 GiB: 110 against 81), and 133 with XLA's command buffers off (the loop then runs from the
+host). So a GPU decodes 16 steps per call by default (model.py's DECODE_CHUNK), other devices one.
+(A second sitting's 8.3 tok/s at 48 layers was a compilation inside the timed run: the first chunk
+took an uncommitted initial state and the second the committed state the first returned; the initial
+state is committed now, test_offload's second-request test.)
 
 Shape legend: B batch (1), N tokens per chunk (n_max), M MoE layers, k experts per token, S stop ids.
 """

@@ -52,7 +52,16 @@ def bucket(n: int, max_chunk: int) -> int:
     return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
-DECODE_CHUNK = 1  # decode steps per jitted call by default: see load's decode_chunk and model/decode.py's status
+# Decode steps per jitted call by default (load's decode_chunk, model/decode.py). On the H200 (48-layer
+# B30, resident) 16 steps per call ran 223 tok/s against 134 one step per call: the host's launch of a
+# step costs as much as the step. On the CPU the launch is cheap next to the compute and one step per
+# call streams each token as soon as it exists.
+DECODE_CHUNK = {"gpu": 16}
+DECODE_CHUNK_OTHER = 1
+
+
+def default_decode_chunk(platform: str) -> int:
+    return DECODE_CHUNK.get(platform, DECODE_CHUNK_OTHER)
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
@@ -113,7 +122,7 @@ class Model:
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
                  record_routing: bool = False,
-                 parallel: int = 1, decode_chunk: int = DECODE_CHUNK):
+                 parallel: int = 1, decode_chunk: int | None = None):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
@@ -131,7 +140,9 @@ class Model:
         if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk={prefill_chunk} must be a power of two >= {MIN_BUCKET}.")
         self.prefill_chunk = prefill_chunk
-        if not isinstance(decode_chunk, int) or decode_chunk < 1:
+        if decode_chunk is None:
+            decode_chunk = default_decode_chunk(self.device.platform)
+        if isinstance(decode_chunk, bool) or not isinstance(decode_chunk, int) or decode_chunk < 1:
             raise ConfigError(f"decode_chunk={decode_chunk!r} must be a positive integer (decode steps per call).")
         self.decode_chunk = decode_chunk
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
@@ -152,11 +163,12 @@ class Model:
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
-                 "compute %s, context %d, dense weights %s",
+                 "compute %s, context %d, decode %s per jitted call, dense weights %s",
                  os.path.basename(gguf.path), cfg.arch, cfg.n_layers,
                  f", {cfg.n_experts} experts top-{cfg.n_experts_used}" if cfg.is_moe else "",
                  dt, loader.bytes_loaded / 2**30, self.device, loader.bytes_loaded / 2**30 / max(dt, 1e-9),
                  jnp.dtype(self.dtype).name, self.ctx,
+                 f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step",
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self._kv: KVCache | None = None
@@ -485,9 +497,9 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
     with the same expert types compete for one pool),
     record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
-    rows, the server's --parallel); decode_chunk: decode steps per jitted call (default 1; more runs the
-    loop over tokens on the device, model/decode.py, and a stream's tokens arrive up to that many at a
-    time: 3.2x faster on an 8-layer model, far slower at 48 layers on JAX 0.11.2, see docs/benchmarks.md)."""
+    rows, the server's --parallel); decode_chunk: decode steps per jitted call, the loop over tokens on
+    the device (model/decode.py); a stream's tokens then arrive up to that many at a time (default: 16 on
+    a GPU, where it measured 1.7x one step per call on the 48-layer B30, 1 elsewhere; docs/benchmarks.md)."""
     enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path
