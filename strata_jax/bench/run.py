@@ -31,10 +31,9 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
     configs = [Config("resident", "resident", {})] if resident else []
     if not args.resident_only:
         configs += _cache_configs(args, total_experts, budget)
-    chunk = getattr(args, "decode_chunk", None)
-    if chunk is None:  # the engine's default for the device; each row records what ran (decode_chunk)
+    if args.decode_chunk is None:  # the engine's default for the device; each row records what ran
         return configs
-    return [dataclasses.replace(c, load_kw=dict(c.load_kw, decode_chunk=chunk)) for c in configs]
+    return [dataclasses.replace(c, load_kw=dict(c.load_kw, decode_chunk=args.decode_chunk)) for c in configs]
 
 
 def _cache_configs(args, total_experts: int, budget: int | None) -> list[Config]:

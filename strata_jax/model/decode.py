@@ -14,7 +14,7 @@ runs no step. Stop strings are text, found by the host, which then drops what a 
 Status (H200, JAX 0.11.2, 2026-12-01, docs/benchmarks.md): on the 48-layer B30, resident, 16 steps per
 call decode 223 tok/s against 134 one step per call (LRU 50%, realistic routing: 115 against 53; BSEED
 under 32 GiB: 110 against 81), and 133 with XLA's command buffers off (the loop then runs from the
-host). So a GPU decodes 16 steps per call by default (model.py's DECODE_CHUNK), other devices one.
+host). So a GPU decodes 16 steps per call by default (model.py's DECODE_CHUNK_GPU), other devices one.
 (A second sitting's 8.3 tok/s at 48 layers was a compilation inside the timed run: the first chunk
 took an uncommitted initial state and the second the committed state the first returned; the initial
 state is committed now, test_offload's second-request test.)

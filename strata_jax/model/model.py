@@ -56,12 +56,11 @@ def bucket(n: int, max_chunk: int) -> int:
 # B30, resident) 16 steps per call ran 223 tok/s against 134 one step per call: the host's launch of a
 # step costs as much as the step. On the CPU the launch is cheap next to the compute and one step per
 # call streams each token as soon as it exists.
-DECODE_CHUNK = {"gpu": 16}
-DECODE_CHUNK_OTHER = 1
+DECODE_CHUNK_GPU = 16
 
 
 def default_decode_chunk(platform: str) -> int:
-    return DECODE_CHUNK.get(platform, DECODE_CHUNK_OTHER)
+    return DECODE_CHUNK_GPU if platform == "gpu" else 1
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
