@@ -1,0 +1,31 @@
+"""Kernel choices: which implementation the jitted programs trace for each choice point.
+
+A `Kernels` value is a static argument of every jitted program (part of its cache key), built once by
+the engine config (strata_jax/engine/config.py); nothing reads the environment at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+QMATVEC = ("auto", "on", "off")
+MOE_PREFILL = ("dense", "grouped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    # the fused dequantize + mat-vec Pallas kernel (model/qmatvec.py): "auto" takes it where it measured
+    # faster (GPU, K-quants, enough programs), "on" wherever it supports the type (on CPU through Pallas'
+    # interpreter: tests), "off" never
+    qmatvec: str = "auto"
+    # the prefill MoE formulation (model/moe.py): "dense" (every token through every expert, a scan over
+    # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)
+    moe_prefill: str = "dense"
+    # the device platform "auto" decides for ("gpu", "cpu", ...)
+    platform: str = "cpu"
+
+    def __post_init__(self):
+        if self.qmatvec not in QMATVEC:
+            raise ValueError(f"qmatvec={self.qmatvec!r}: choose one of {QMATVEC}")
+        if self.moe_prefill not in MOE_PREFILL:
+            raise ValueError(f"moe_prefill={self.moe_prefill!r}: choose one of {MOE_PREFILL}")
