@@ -1,4 +1,4 @@
-"""BatchSession (continuous batching): each request decoded in a batch gives exactly what Model.generate
+"""Session with several rows (continuous batching): each request decoded in a batch gives exactly what Model.generate
 gives it alone (greedy and seeded), whatever else is in the batch and whenever it was admitted; rows
 keep their conversation's prefix for the next turn; decode compiles once; released rows are free."""
 
@@ -9,7 +9,8 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.errors import ConfigError
-from strata_jax.model.batch import BatchSession, _decode_rows, _put_row
+from strata_jax.engine.session import Session
+from strata_jax.model import decode as programs
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 
 # 8 experts top-2: up to 4 rows take the few-token MoE path
@@ -74,7 +75,7 @@ def test_batched_greedy_equals_generate(moe):
     stop = refs[0].text[5:7]
     stopped = reference(moe, PROMPTS[0], max_tokens=20, temperature=0, stop=stop)
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 20
-    s = BatchSession(moe, 3)
+    s = Session(moe, 3)
     # admitted at different steps; more requests than rows, so the later ones wait for a row to free up
     schedule = [(0, PROMPTS[0], dict(max_tokens=20)), (2, PROMPTS[1], dict(max_tokens=12)),
                 (2, PROMPTS[2], dict(max_tokens=25)), (5, PROMPTS[3], dict(max_tokens=6)),
@@ -94,7 +95,7 @@ def test_seeded_sampling_reproduces_alone_or_batched(moe, dense):
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[2]]
     for model, rows in ((moe, 4), (dense, 3)):
         refs = [reference(model, p, max_tokens=16, **kw) for p, kw in zip(prompts, params)]
-        got = run(BatchSession(model, rows), [(i, p, dict(kw, max_tokens=16, cache_prompt=False))
+        got = run(Session(model, rows), [(i, p, dict(kw, max_tokens=16, cache_prompt=False))
                                               for i, (p, kw) in enumerate(zip(prompts, params))])
         assert [g["ids"] for g in got] == [r.token_ids for r in refs]
     assert refs[0].token_ids != reference(dense, prompts[0], max_tokens=16, **dict(OPEN, seed=4)).token_ids
@@ -111,7 +112,7 @@ def test_rows_with_penalties_and_logprobs_equal_single_requests(moe, dense):
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[2], PROMPTS[0]]
     for model, rows in ((moe, 3), (dense, 2)):
         refs = [reference(model, p, max_tokens=14, **kw) for p, kw in zip(prompts, params)]
-        got = run(BatchSession(model, rows), [(i, p, dict(kw, max_tokens=14, cache_prompt=False))
+        got = run(Session(model, rows), [(i, p, dict(kw, max_tokens=14, cache_prompt=False))
                                               for i, (p, kw) in enumerate(zip(prompts, params))])
         assert [g["ids"] for g in got] == [r.token_ids for r in refs]
         assert refs[0].token_ids != refs[1].token_ids  # the penalty acted
@@ -125,7 +126,7 @@ def test_rows_with_penalties_and_logprobs_equal_single_requests(moe, dense):
 
 
 def test_rows_keep_each_conversation_prefix(moe):
-    s = BatchSession(moe, 3)
+    s = Session(moe, 3)
     a1, b1 = moe.tokenize("the rain is there and"), moe.tokenize("the rain is there but")
     ra, _ = s.admit(a1, max_tokens=8, temperature=0)
     while s.active_rows:
@@ -163,7 +164,7 @@ def test_rows_keep_each_conversation_prefix(moe):
 
 
 def test_release_frees_the_row(moe):
-    s = BatchSession(moe, 2)
+    s = Session(moe, 2)
     keep_ref = reference(moe, PROMPTS[1], max_tokens=10, temperature=0)
     r_long, _ = s.admit(PROMPTS[0], max_tokens=200, temperature=0)
     r_keep, first = s.admit(PROMPTS[1], max_tokens=10, temperature=0)
@@ -183,9 +184,11 @@ def test_release_frees_the_row(moe):
 
 
 def test_decode_compiles_once(moe):
-    s = BatchSession(moe, 3)
-    run(s, [(0, "warm up", dict(max_tokens=3, temperature=0)), (1, "and again", dict(max_tokens=2, seed=1))])
-    jit_entries = _decode_rows._cache_size(), _put_row._cache_size()
+    s = Session(moe, 3)
+    # the decode call is compiled once per SamplingMode of the rows it serves (the union): warm those used
+    run(s, [(0, "warm up", dict(max_tokens=3, temperature=0)), (1, "and again", dict(max_tokens=2, seed=1)),
+            (2, "warm", dict(max_tokens=3, presence_penalty=0.5, logprobs=True, seed=2))])
+    jit_entries = programs.decode._cache_size(), programs.prefill._cache_size()
     with count_compiles() as compiles:
         got = run(s, [(0, PROMPTS[0], dict(max_tokens=6, temperature=0.7, seed=5)),
                       (1, PROMPTS[2], dict(max_tokens=9, temperature=0)),
@@ -197,15 +200,15 @@ def test_decode_compiles_once(moe):
         s.release(row)
     assert compiles == []
     # the persistent compilation cache can hide a recompile from the counter; the jit caches cannot
-    assert (_decode_rows._cache_size(), _put_row._cache_size()) == jit_entries
+    assert (programs.decode._cache_size(), programs.prefill._cache_size()) == jit_entries
     assert got[3]["timings"]["cache_n"] > 0
 
 
 def test_invalid_sessions_and_requests(moe):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="at least one row"):
-            BatchSession(moe, bad)
-    s = BatchSession(moe, 2)
+            Session(moe, bad)
+    s = Session(moe, 2)
     with pytest.raises(ConfigError, match="max_tokens"):
         s.admit("hi", max_tokens=0)
     with pytest.raises(ConfigError, match="temperature"):
@@ -219,8 +222,8 @@ def test_pools_too_small_for_the_rows_is_a_clear_error(tmp_path):
     path = write_synthetic_gguf(tmp_path / "moe.gguf", MOE)
     m = strata_jax.load(path, ctx=64, expert_slots=8)  # a pool per layer: 4 slots each
     with pytest.raises(ConfigError, match="3 rows can route 6 distinct experts.*parallel=3"):
-        BatchSession(m, 3)
+        Session(m, 3)
     m = strata_jax.load(path, ctx=64, expert_slots=12, parallel=3)  # 6 slots per layer
-    BatchSession(m, 3)
+    Session(m, 3)
     with pytest.raises(ConfigError, match="at least 12"):
         strata_jax.load(path, ctx=64, expert_slots=8, parallel=3)

@@ -15,7 +15,7 @@ import strata_jax
 from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
 from strata_jax.model.gguf_file import GGUFFile
-from strata_jax.model.model import Model
+from strata_jax.engine.model import Model
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
@@ -255,7 +255,7 @@ def test_bad_decode_chunk_is_a_config_error(moe_path, bad):
 def test_decode_chunk_default_follows_the_device(moe_path, caplog):
     """16 steps per call on a GPU (where the launch of a step costs as much as the step), 1 elsewhere; the
     load log says which."""
-    from strata_jax.model.model import default_decode_chunk
+    from strata_jax.engine.model import default_decode_chunk
 
     assert default_decode_chunk("gpu") == 16 and default_decode_chunk("cpu") == 1
     with caplog.at_level("INFO", logger="strata_jax"):

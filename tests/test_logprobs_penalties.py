@@ -15,10 +15,9 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.errors import ConfigError
-from strata_jax.model.decode import decode_chunk
-from strata_jax.model.model import _first_token
-from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingParams, penalize,
-                                       sample)
+from strata_jax.model import decode as programs
+from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams,
+                                       penalize, sample)
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving import protocol
 
@@ -104,7 +103,7 @@ def test_zero_penalties_and_logprobs_change_no_token(moe, kw):
     seed = kw.get("seed", 0)
     sp = SamplingParams.make(1, kw["temperature"], kw.get("top_p", 0.95), kw.get("top_k", 40), kw.get("min_p", 0.05))
     key = jax.random.PRNGKey(seed)
-    draw = jax.jit(sample)
+    draw = jax.jit(lambda logits, key, sp: sample(logits, key[None], sp, SamplingMode(True, False, False)))
     for i, logits_V in enumerate(teacher_forced(moe, base.prompt_token_ids, base.token_ids)):
         assert int(draw(logits_V[None], jax.random.fold_in(key, i), sp)[0]) == base.token_ids[i], i
 
@@ -137,7 +136,7 @@ def test_penalized_seeded_matches_reference_and_prompt_cache(moe):
     assert got.token_ids != moe.generate(PROMPT, max_tokens=12, cache_prompt=False, **kw).token_ids
     sp = SamplingParams.make(1, kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"])
     key, prompt = jax.random.PRNGKey(kw["seed"]), got.prompt_token_ids
-    draw = jax.jit(sample)
+    draw = jax.jit(lambda logits, key, sp: sample(logits, key[None], sp, SamplingMode(True, False, False)))
     for i, logits_V in enumerate(teacher_forced(moe, prompt, got.token_ids)):
         ref = penalized_np(logits_V, prompt, got.token_ids[:i], 1.0, 0.5, 1.2, 10)
         assert int(draw(ref[None], jax.random.fold_in(key, i), sp)[0]) == got.token_ids[i], i
@@ -222,10 +221,10 @@ def test_sampling_values_compile_nothing_once_their_mode_is_compiled(moe):
             dict(temperature=0.5, seed=3, top_k=5, logprobs=True)]  # the same five modes, other values
     for kw in warm:
         moe.generate(PROMPT, max_tokens=4, cache_prompt=False, **kw)
-    jit_entries = decode_chunk._cache_size(), _first_token._cache_size()
+    jit_entries = programs.decode._cache_size(), programs.prefill._cache_size()
     with count_compiles() as compiles:
         for kw in configs:
             moe.generate(PROMPT, max_tokens=6, cache_prompt=False, **kw)
     assert compiles == []
     # the persistent compilation cache can hide a recompile from the counter; the jit caches cannot
-    assert (decode_chunk._cache_size(), _first_token._cache_size()) == jit_entries
+    assert (programs.decode._cache_size(), programs.prefill._cache_size()) == jit_entries

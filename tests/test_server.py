@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 import strata_jax
 from strata_jax.cli import build_parser, main
 from strata_jax.errors import StrataError
-from strata_jax.model.model import GenerationChunk
+from strata_jax.engine.streaming import GenerationChunk
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job
@@ -474,7 +474,8 @@ def test_api_key(model):
 
 
 class Wrapped:
-    """The real model with a scripted generate_stream: blocks on a gate, fails once, or emits fixed text."""
+    """The real model whose session is scripted: an admission blocks on a gate, fails once, or emits
+    fixed text."""
 
     def __init__(self, model, *, gate=None, fail=0, script=None):
         self._m, self.gate, self.fail, self.script = model, gate, fail, script
@@ -482,18 +483,28 @@ class Wrapped:
     def __getattr__(self, name):
         return getattr(self._m, name)
 
-    def generate_stream(self, ids, cache_prompt=True, **kw):
-        if self.gate is not None:
-            assert self.gate.wait(30)
-        if self.fail:
-            self.fail -= 1
+    def session(self):
+        return ScriptedSession(self, self._m.session())
+
+
+class ScriptedSession:
+    def __init__(self, wrapped, session):
+        self.model, self._s = wrapped, session
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def admit(self, ids, **kw):
+        w = self.model
+        if w.gate is not None:
+            assert w.gate.wait(30)
+        if w.fail:
+            w.fail -= 1
             raise RuntimeError("device on fire")
-        if self.script is None:
-            yield from self._m.generate_stream(ids, cache_prompt=cache_prompt, **kw)
-            return
-        for piece in self.script[:-1]:
-            yield GenerationChunk(piece, [1])
-        yield GenerationChunk(self.script[-1], [1], "stop", {"predicted_n": len(self.script)}, list(ids))
+        if w.script is None:
+            return self._s.admit(ids, **kw)
+        chunks = [GenerationChunk(piece, [1]) for piece in w.script[:-1]]
+        return 0, chunks + [GenerationChunk(w.script[-1], [1], "stop", {"predicted_n": len(w.script)}, list(ids))]
 
 
 def test_queue_full_is_429(model):

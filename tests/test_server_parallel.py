@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import strata_jax
-import strata_jax.model.batch as batch
-from strata_jax.model.batch import BatchSession
+import strata_jax.model.decode as programs
+from strata_jax.engine.session import Session
 from strata_jax.model.synthetic import write_synthetic_gguf
 from strata_jax.serving.engine import Engine, Job
 from strata_jax.serving.protocol import GenRequest
@@ -35,7 +35,7 @@ def admission_gate(monkeypatch, engine_of, waiting: int):
     """Hold the first admission until `waiting` jobs are queued behind it (so the engine then admits
     them together), or until gate.release is set. gate.steps: the rows running at every decode step."""
     gate = SimpleNamespace(release=threading.Event(), entered=threading.Event(), steps=[])
-    admit, step = BatchSession.admit, BatchSession.step
+    admit, step = Session.admit, Session.step
 
     def gated_admit(self, *a, **kw):
         gate.entered.set()
@@ -49,8 +49,8 @@ def admission_gate(monkeypatch, engine_of, waiting: int):
         gate.steps.append(len(self.active_rows))
         return step(self)
 
-    monkeypatch.setattr(BatchSession, "admit", gated_admit)
-    monkeypatch.setattr(BatchSession, "step", spy_step)
+    monkeypatch.setattr(Session, "admit", gated_admit)
+    monkeypatch.setattr(Session, "step", spy_step)
     try:
         yield gate
     finally:
@@ -162,7 +162,7 @@ def test_cancel_frees_the_row(model):
 
 
 def test_failed_step_fails_the_running_requests_only(model, monkeypatch):
-    decode, calls = batch._decode_rows, []
+    decode, calls = programs.decode, []
 
     def flaky(*a, **kw):
         calls.append(1)
@@ -170,7 +170,7 @@ def test_failed_step_fails_the_running_requests_only(model, monkeypatch):
             raise RuntimeError("device on fire")
         return decode(*a, **kw)
 
-    monkeypatch.setattr(batch, "_decode_rows", flaky)
+    monkeypatch.setattr(programs, "decode", flaky)
     with serving(model, parallel=2) as c:
         r = chat(c, max_tokens=5, temperature=0)
         assert "device on fire" in assert_error(r, 500)["message"]

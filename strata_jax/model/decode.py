@@ -1,112 +1,172 @@
-"""Decode in chunks: up to n_max tokens per jitted call, the loop over tokens on the device.
+"""The engine's two jitted programs over a session of B rows: `prefill` (one chunk of one row's prompt,
+then that row's first token) and `decode` (up to n_max tokens for every live row, the loop on the device).
 
-Why: a decode step of a 48-layer MoE is ~1,600 kernels. Launched from the host one step at a time,
-each cost ~8 us of host time (XLA's thunks; on the H200 the host spent 12.9 of 13.5 ms per B30 token
-launching while the GPU needed ~6), so decode ran at the host's launch rate. Here a `while_loop` whose
-body is one whole step (forward, sampling, stop test) runs up to `limit` steps in one program; with
-XLA's WHILE/CONDITIONAL command buffers (runtime.py) the loop is a CUDA graph whose conditional nodes
-are evaluated on the device, so the host launches once per chunk. The sampling choices are static
-(SamplingMode) so the body holds no conditional that could keep it out of the graph.
+Why a loop on the device: a decode step of a 48-layer MoE is ~1,600 kernels; launched from the host one
+step at a time, the launch costs as much as the step. `decode` runs a `while_loop` whose body is one
+whole step (forward, sampling, per-row stop test); with XLA's WHILE/CONDITIONAL command buffers
+(runtime.py) the loop is one CUDA graph and the host launches once per chunk. Sampling choices are
+static (SamplingMode) so the body holds no conditional that could keep it out of the graph.
 
-The loop ends early when a stop id is sampled; the state says so (`done`) and a chunk queued after it
-runs no step. Stop strings are text, found by the host, which then drops what a queued chunk produced.
+Every row carries its own state on the device (RowState): last token, position, step count, tokens
+left, whether it is live, its PRNG key, sampling parameters and penalty state. A row stops on the device
+when it samples a stop id or runs out of tokens; a row that is not live computes at an out-of-range
+position (its cache writes are dropped) and keeps its state. Stop strings are text, found by the host,
+which then marks the row dead in the next call's `alive_B` and drops what a queued call produced.
 
-Status (H200, JAX 0.11.2, 2026-12-01, docs/benchmarks.md): on the 48-layer B30, resident, 16 steps per
-call decode 223 tok/s against 134 one step per call (LRU 50%, realistic routing: 115 against 53; BSEED
-under 32 GiB: 110 against 81), and 133 with XLA's command buffers off (the loop then runs from the
-host). So a GPU decodes 16 steps per call by default (model.py's DECODE_CHUNK_GPU), other devices one.
-(A second sitting's 8.3 tok/s at 48 layers was a compilation inside the timed run: the first chunk
-took an uncommitted initial state and the second the committed state the first returned; the initial
-state is committed now, test_offload's second-request test.)
-
-Shape legend: B batch (1), N tokens per chunk (n_max), M MoE layers, k experts per token, S stop ids.
+Shape legend: B rows, T tokens of a prefill chunk, C steps of a decode chunk (n_max), V vocab,
+W repeat window, M MoE layers, k experts per token, P stop ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from strata_jax.model.forward import forward
-from strata_jax.model.sampling import TOP_LOGPROBS, Logprobs, PenaltyState, SamplingMode, next_token, sample
+from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
 from strata_jax.model.weights import pytree_dataclass
 
-STEP_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len")  # the jitted steps' static arguments
-STEP_DONATE = ("kv", "slots", "stats_MS")  # and their donated state, updated in place
+STEP_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len", "mode")  # both programs' static arguments
+STEP_DONATE = ("kv", "slots", "stats_MS", "rows")  # and their donated state, updated in place
 
 
 @pytree_dataclass
-class DecodeState:
-    """What a chunk hands the next one, all on the device (donated: updated in place)."""
+class RowState:
+    """Every row's decode state, on the device (donated: updated in place)."""
 
     tok_B: jax.Array  # int32: the last sampled token, the next step's input
     pos_B: jax.Array  # int32: the cache position it goes to
-    step: jax.Array  # int32: tokens the request has generated (the PRNG fold-in index of the next one)
-    done: jax.Array  # bool: a stop id was sampled; later chunks run no step
+    step_B: jax.Array  # int32: tokens the row's request has generated (the PRNG fold-in index of the next)
+    left_B: jax.Array  # int32: tokens it may still generate
+    live_B: jax.Array  # bool: decoding (no stop id sampled, tokens left)
+    key_B2: jax.Array  # uint32: the request's PRNG key
+    sp: SamplingParams
     pen: PenaltyState
+
+    @classmethod
+    def zeros(cls, B: int, V: int, W: int) -> "RowState":
+        i32 = functools.partial(jnp.zeros, (B,), jnp.int32)
+        sp = jax.tree.map(lambda a: jnp.broadcast_to(a, (B,)), SamplingParams.make(1))  # defaults: penalties off
+        return cls(i32(), i32(), i32(), i32(), jnp.zeros((B,), bool), jnp.zeros((B, 2), jnp.uint32), sp,
+                   PenaltyState(jnp.zeros((B, V), jnp.int32), jnp.full((B, W), -1, jnp.int32)))
+
+
+@pytree_dataclass
+class RowStart:
+    """What a new request brings to its row (batch 1, built on the host)."""
+
+    key_2: jax.Array  # uint32: its PRNG key
+    sp: SamplingParams  # its sampling parameters, batch 1
+    recent_1W: jax.Array  # int32: the prompt's tail, for the repeat penalty
+    max_tokens: jax.Array  # int32: tokens to generate at most, the first included (0: prefill only)
+
+
+@pytree_dataclass
+class PrefillOut:
+    logits: jax.Array  # float32 [1, T, V] with all_logits, else [1, V]: the chunk's last valid token
+    tok_1: jax.Array  # int32: the first token, sampled from the last logits
+    logprobs: Logprobs  # its logprobs (zeros unless mode.logprobs)
 
 
 @pytree_dataclass
 class ChunkOut:
-    tokens_N: jax.Array  # int32: the sampled tokens; the first n_done are valid
-    n_done: jax.Array  # int32: steps run
-    routed_NMk: jax.Array  # int32: each step's routed experts per MoE layer
-    logprobs: Logprobs | None  # fields stacked over N (SamplingMode.logprobs), else None
+    tokens_CB: jax.Array  # int32: each step's sampled token per row; row b's first n_B[b] are valid
+    n_B: jax.Array  # int32: tokens each row produced in this call
+    routed_CMBk: jax.Array  # int32: each step's routed experts per MoE layer and row
+    logprobs: Logprobs | None  # fields stacked over C (mode.logprobs), else None
 
 
 def stop_array(stop_ids) -> jax.Array:
-    """int32 [S]: the stop ids padded with -1 to a power of two (>= 4), so their count rarely recompiles."""
+    """int32 [P]: the stop ids padded with -1 to a power of two (>= 4), so their count rarely recompiles."""
     ids = sorted(int(t) for t in stop_ids)
     n = max(4, 1 << max(len(ids) - 1, 0).bit_length())
     return jnp.asarray(ids + [-1] * (n - len(ids)), jnp.int32)
 
 
-def _stacked_logprobs(n: int, B: int, cfg) -> Logprobs:
-    n_top = min(TOP_LOGPROBS, cfg.vocab_size)
-    return Logprobs(jnp.zeros((n, B), jnp.float32), jnp.zeros((n, B, n_top), jnp.int32),
-                    jnp.zeros((n, B, n_top), jnp.float32))
+def _is_stop(tok_B, stop_P):
+    return jnp.any(tok_B[:, None] == stop_P[None, :], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max", "mode"),
-                   donate_argnames=STEP_DONATE + ("state",))
-def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype,
-                 policy, prefetch, attn_len, n_max: int, mode: SamplingMode, forced=None):
-    """Run min(limit, n_max) decode steps (fewer if a stop id is sampled; none if state.done). n_max 1 is
-    one plain step with neither loop nor conditional: it runs even after a stop id (the host discards the
-    token of a step queued after one).
-    forced (int32 [N, M, B, k]): step i replays forced[i] as its routed experts (see forward).
-    Returns (ChunkOut, kv, slots, DecodeState, stats_MS): the order of the prefill's outputs, whose
-    routed ids stand where the state is (Model._step)."""
-    B = state.tok_B.shape[0]
+def _set_row(tree, row, value):
+    """Write a batch-1 pytree into row `row` of a batch-B pytree of the same structure."""
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), row, axis=0),
+                        tree, value)
+
+
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
+def prefill(params, slots, store, kv: KVCache, stats_MS, rows: RowState, row, tokens_1T, start_1, n_valid_1,
+            req: RowStart, stop_P, *, cfg, dtype, policy, prefetch, attn_len, mode: SamplingMode, all_logits: bool,
+            forced=None):
+    """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
+    sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
+    runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
+    routed experts to replay (see forward). Returns (PrefillOut, kv, slots, routed [M, T, k], stats, rows)."""
+    B = rows.tok_B.shape[0]
+    if B == 1:
+        row_kv = kv
+    else:  # the row is sliced out of the donated cache, run at batch 1 and written back in place
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
+        row_kv = KVCache(take(kv.k_LBSKDh), take(kv.v_LBSKDh))
+    logits, row_kv, slots, routed, st = forward(params, slots, store, row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg,
+                                                dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
+                                                attn_len=attn_len, forced_MNk=forced)
+    if B == 1:
+        kv = row_kv
+    else:
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
+        kv = KVCache(put(kv.k_LBSKDh, row_kv.k_LBSKDh), put(kv.v_LBSKDh, row_kv.v_LBSKDh))
+    last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
+    pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
+    tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
+    left_1 = req.max_tokens.reshape(1) - 1
+    state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
+                     ~_is_stop(tok_1, stop_P) & (left_1 > 0), req.key_2[None], req.sp, pen)
+    rows = _set_row(rows, row, state)
+    return PrefillOut(logits, tok_1, lp), kv, slots, routed, stats_MS + st, rows
+
+
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max",), donate_argnames=STEP_DONATE)
+def decode(params, slots, store, kv: KVCache, stats_MS, rows: RowState, alive_B, stop_P, limit, *, cfg, dtype,
+           policy, prefetch, attn_len, mode: SamplingMode, n_max: int, forced=None):
+    """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
+    released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
+    is one plain step with neither loop nor conditional. forced (int32 [C, M, B, k]): step i replays
+    forced[i] as the routed experts. Returns (ChunkOut, kv, slots, routed, stats, rows), the order of
+    prefill's outputs (routed is in the ChunkOut; its slot holds None)."""
+    B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
+    ctx = kv.length
+    rows = dataclasses.replace(rows, live_B=rows.live_B & alive_B)
 
     def step(carry):
-        i, st, kv, slots, stats, out = carry
-        logits_BV, kv, slots, routed_MNk, st_MS = forward(
-            params, slots, store, kv, st.tok_B[:, None], st.pos_B, jnp.ones_like(st.pos_B), cfg=cfg, dtype=dtype,
+        i, r, kv, slots, stats, out = carry
+        live = r.live_B
+        pos_B = jnp.where(live, r.pos_B, ctx)  # a row that is not live writes past the cache: dropped
+        logits_BV, kv, slots, routed_MBk, st = forward(
+            params, slots, store, kv, r.tok_B[:, None], pos_B, jnp.ones_like(pos_B), cfg=cfg, dtype=dtype,
             policy=policy, prefetch=prefetch, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
-        k_step = jax.random.fold_in(key, st.step)
-        tok_B, pen, lp = next_token(logits_BV, lambda l: sample(l, k_step, sp, mode), sp, st.pen, mode.logprobs,
-                                    mode=mode)
-        done = jnp.any(tok_B[:, None] == stop_S[None, :])
-        out = ChunkOut(out.tokens_N.at[i].set(tok_B[0]), i + 1, out.routed_NMk.at[i].set(routed_MNk[:, 0]),
+        keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
+        tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live)
+        tok_B = jnp.where(live, tok_B, r.tok_B)
+        inc = live.astype(jnp.int32)
+        left = r.left_B - inc
+        r = RowState(tok_B, r.pos_B + inc, r.step_B + inc, left, live & ~_is_stop(tok_B, stop_P) & (left > 0),
+                     r.key_B2, r.sp, pen)
+        out = ChunkOut(out.tokens_CB.at[i].set(tok_B), out.n_B + inc, out.routed_CMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
-        return i + 1, DecodeState(tok_B, st.pos_B + 1, st.step + 1, done, pen), kv, slots, stats + st_MS, out
+        return i + 1, r, kv, slots, stats + st, out
 
+    lp0 = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), no_logprobs(B, cfg.vocab_size)) \
+        if mode.logprobs else None
+    out0 = ChunkOut(jnp.zeros((n_max, B), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((n_max, M, B, K), jnp.int32),
+                    lp0)
+    carry = (jnp.int32(0), rows, kv, slots, stats_MS, out0)
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
-        out1 = ChunkOut(jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.zeros((1, M, K), jnp.int32),
-                        None if not mode.logprobs else _stacked_logprobs(1, B, cfg))
-        _, state, kv, slots, stats_MS, out = step((jnp.int32(0), state, kv, slots, stats_MS, out1))
-        return out, kv, slots, state, stats_MS
-
-    def more(carry):
-        i, st = carry[0], carry[1]
-        return (i < limit) & ~st.done
-
-    lp0 = _stacked_logprobs(n_max, B, cfg) if mode.logprobs else None
-    out0 = ChunkOut(jnp.zeros((n_max,), jnp.int32), jnp.int32(0), jnp.zeros((n_max, M, K), jnp.int32), lp0)
-    carry = (jnp.int32(0), state, kv, slots, stats_MS, out0)
-    _, state, kv, slots, stats_MS, out = jax.lax.while_loop(more, step, carry)
-    return out, kv, slots, state, stats_MS
+        carry = step(carry)
+    else:
+        carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(c[1].live_B), step, carry)
+    _, rows, kv, slots, stats_MS, out = carry
+    return out, kv, slots, None, stats_MS, rows

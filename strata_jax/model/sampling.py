@@ -133,33 +133,25 @@ class Logprobs:
     top_BN: jax.Array  # float32: their log-probabilities
 
 
-def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array, want: jax.Array | bool) -> Logprobs:
+def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array) -> Logprobs:
     """The model's log-probabilities (raw logits: no penalties, temperature or filtering) of the sampled
-    tokens and the most likely ones. want traced: when no row asked, the branch that skips the
-    vocabulary-wide softmax and top-k runs, and toggling it per request compiles nothing; a Python bool
-    decides at trace time."""
-    B, V = logits_BV.shape
+    tokens and the most likely ones."""
+    N = min(TOP_LOGPROBS, logits_BV.shape[-1])
+    lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_BN, top_ids_BN = jax.lax.top_k(lp_BV, N)
+    return Logprobs(jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0], top_ids_BN.astype(jnp.int32), top_BN)
+
+
+def no_logprobs(B: int, V: int) -> Logprobs:
     N = min(TOP_LOGPROBS, V)
-
-    def compute() -> Logprobs:
-        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-        top_BN, top_ids_BN = jax.lax.top_k(lp_BV, N)
-        return Logprobs(jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0], top_ids_BN.astype(jnp.int32),
-                        top_BN)
-
-    def skip() -> Logprobs:
-        return Logprobs(jnp.zeros((B,), jnp.float32), jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32))
-
-    if isinstance(want, bool):  # known when tracing (SamplingMode): no conditional in the program
-        return compute() if want else skip()
-    return jax.lax.cond(want, compute, skip)
+    return Logprobs(jnp.zeros((B,), jnp.float32), jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32))
 
 
 class SamplingMode(NamedTuple):
-    """Which sampling work a request needs, fixed when a program is traced instead of chosen by a
-    conditional on the device. The device-side decode loop (model/decode.py) is compiled per mode: a
-    conditional inside it could keep XLA from running the loop as one CUDA graph (a conditional whose
-    branches cannot be captured is run from the host, with a device->host copy of its predicate)."""
+    """Which sampling work a program does, fixed when it is traced: the union over the rows it serves.
+    Rows' parameters stay traced values (a greedy row in a sampling program is a select, not a branch);
+    the mode only prunes work no row needs, so no conditional sits in the device-side decode loop (one
+    that XLA cannot capture keeps the loop out of a CUDA graph and copies its predicate to the host)."""
 
     sample: bool  # some row has temperature > 0 (else greedy: argmax only, no vocabulary sort)
     penalties: bool  # some row has a presence, frequency or repeat penalty on
@@ -173,38 +165,39 @@ class SamplingMode(NamedTuple):
                    or (sp_host.get("repeat_penalty", 1) != 1 and sp_host.get("repeat_last_n", 64) > 0),
                    bool(logprobs))
 
+    def __or__(self, other: "SamplingMode") -> "SamplingMode":  # type: ignore[override]
+        return SamplingMode(*(a or b for a, b in zip(self, other)))
 
-def next_token(logits_BV: jax.Array, draw, sp: SamplingParams, pen: PenaltyState, want_logprobs: jax.Array,
-               active_B: jax.Array | None = None, mode: SamplingMode | None = None,
-               ) -> tuple[jax.Array, PenaltyState, Logprobs]:
-    """One sampling step: penalties, then draw(logits) (sample or sample_rows with their keys), then the
-    penalty state takes in the token. Returns (tokens int32 [B], new state, logprobs). With a mode the
-    choices the conditionals make are made at trace time (want_logprobs and draw's greedy test are then
-    ignored: draw should be built from the mode too, see sample)."""
+
+GREEDY = SamplingMode(False, False, False)
+
+
+def next_token(logits_BV: jax.Array, keys_B2: jax.Array, sp: SamplingParams, pen: PenaltyState, mode: SamplingMode,
+               active_B: jax.Array | None = None) -> tuple[jax.Array, PenaltyState, Logprobs]:
+    """One sampling step for every row: penalties, then each row drawn with its own key (uint32 [B, 2],
+    already folded with the row's step), then the penalty state takes in the token (rows with active_B
+    False keep theirs). Returns (tokens int32 [B], new state, logprobs: zeros unless mode.logprobs)."""
     logits_BV = logits_BV.astype(jnp.float32)
-    if mode is not None:
-        penalized_BV = penalize(logits_BV, sp, pen) if mode.penalties else logits_BV
-        tok_B = draw(penalized_BV)
-        return tok_B, pen.push(tok_B, active_B), token_logprobs(logits_BV, tok_B, mode.logprobs)
-    on = jnp.any((sp.presence_B != 0) | (sp.frequency_B != 0) | ((sp.repeat_B != 1) & (sp.repeat_last_n_B > 0)))
-    # with every row's penalties off the vocabulary-wide passes are skipped, not multiplied by zero
-    penalized_BV = jax.lax.cond(on, lambda: penalize(logits_BV, sp, pen), lambda: logits_BV)
-    tok_B = draw(penalized_BV)
-    return tok_B, pen.push(tok_B, active_B), token_logprobs(logits_BV, tok_B, want_logprobs)
+    penalized_BV = penalize(logits_BV, sp, pen) if mode.penalties else logits_BV
+    tok_B = sample(penalized_BV, keys_B2, sp, mode)
+    lp = token_logprobs(logits_BV, tok_B) if mode.logprobs else no_logprobs(*logits_BV.shape)
+    return tok_B, pen.push(tok_B, active_B), lp
 
 
 # -- drawing ---------------------------------------------------------------------------------------
 
-def sample(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams, mode: SamplingMode | None = None) -> jax.Array:
-    """mode: decide greedy vs sampled at trace time (mode.sample False: every row greedy)."""
+def sample(logits_BV: jax.Array, keys_B2: jax.Array, sp: SamplingParams, mode: SamplingMode) -> jax.Array:
+    """Each row drawn with its own key as a batch of one, so a seeded request gives the same tokens alone
+    or batched with others; greedy rows (temperature <= 0) take the argmax."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    if mode is not None:
-        return jnp.where(sp.temperature_B <= 0, greedy_B, _draw(logits_BV, key, sp)) if mode.sample else greedy_B
-    # sorting the vocabulary costs more than a small model's forward pass on CPU (~40 ms for 152k
-    # entries): skip it when no row samples. Under vmap the branches become a select and both run.
-    return jax.lax.cond(jnp.all(sp.temperature_B <= 0), lambda: greedy_B,
-                        lambda: jnp.where(sp.temperature_B <= 0, greedy_B, _draw(logits_BV, key, sp)))
+    if not mode.sample:
+        return greedy_B
+
+    def one(logits_V, key, sp_row):
+        return _draw(logits_V[None], key, jax.tree.map(lambda a: a[None], sp_row))[0]
+
+    return jnp.where(sp.temperature_B <= 0, greedy_B, jax.vmap(one)(logits_BV, keys_B2, sp))
 
 
 def _draw(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -224,15 +217,3 @@ def _draw(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array
     scaled = jnp.where(keep, sorted_BV / temp, -jnp.inf)
     choice_B = jax.random.categorical(key, scaled, axis=-1)
     return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, sp: SamplingParams) -> jax.Array:
-    """Each row sampled with its own key (uint32 [B, 2]) exactly as sample() draws a batch of one, so a
-    seeded request gives the same tokens alone or batched with others."""
-
-    def one(logits_V, key, sp_row):
-        return sample(logits_V[None], key, jax.tree.map(lambda a: a[None], sp_row))[0]
-
-    greedy_B = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.all(sp.temperature_B <= 0), lambda: greedy_B,
-                        lambda: jax.vmap(one)(logits_BV, keys_B, sp))

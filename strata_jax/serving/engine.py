@@ -5,12 +5,12 @@ touches it (load, warm-up, generation, stats) runs on the engine thread. HTTP ha
 tokenize (the tokenizer is plain Python/Rust and safe to share), enqueue, and read events that the
 engine posts into their asyncio loop with call_soon_threadsafe.
 
-With parallel 1 the engine runs one job at a time through Model.generate_stream. With parallel N > 1
-it runs continuous batching over a BatchSession of N rows (model/batch.py): between decode steps it
-admits queued jobs into free rows (each admission prefills its row), then one step decodes a token for
-every running job; a finished or cancelled job frees its row at once. The expert-cache counters of a
-batched job are the engine's totals over the job's lifetime, so they include the concurrent jobs'
-lookups and transfers (the experts a step fetches are shared by all its rows).
+The engine runs a Session of `parallel` rows (engine/session.py; one row is Model.generate_stream's
+own session): between decode calls it admits queued jobs into free rows (each admission prefills its
+row), then a call decodes up to decode_chunk tokens for every running job; a finished or cancelled job
+frees its row at once. A job's expert-cache counters are the engine's totals over the job's lifetime,
+so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
+fetches are shared by all its rows).
 """
 
 from __future__ import annotations
@@ -90,10 +90,7 @@ class Engine:
         self.draining = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None
-        self._active: dict[int, Job] = {}  # batch row -> its job (parallel > 1)
-        self._last_expert: dict[str, int] = {}
-        self._cache_kw = False
+        self._active: dict[int, Job] = {}  # session row -> its job
         # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
         self.snapshot: dict[str, Any] = {}
 
@@ -112,9 +109,8 @@ class Engine:
         """Stop: fail queued jobs with 503, cancel the running one between tokens, join the thread."""
         self.draining = True
         self._stop.set()
-        for job in [self._current, *self._active.copy().values()]:  # copy: the engine thread changes it
-            if job is not None:
-                job.cancel()
+        for job in self._active.copy().values():  # copy: the engine thread changes it
+            job.cancel()
         self._fail_pending()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -140,7 +136,7 @@ class Engine:
     @property
     def processing(self) -> int:
         """Jobs running now (each holds a KV-cache row when batched)."""
-        return len(self._active) or int(self._current is not None)
+        return len(self._active)
 
     def check_accepting(self) -> None:
         if self.draining or self._stop.is_set():
@@ -186,16 +182,13 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        session = None
         try:
             model = self._loader()
-            self._cache_kw = "cache_prompt" in inspect.signature(model.generate_stream).parameters
-            if self.parallel > 1:
-                from strata_jax.model.batch import BatchSession
+            from strata_jax.engine.session import Session
 
-                session = BatchSession(model, self.parallel)
+            session = model.session() if self.parallel == 1 else Session(model, self.parallel)
             if self._warmup:
-                self._warm(model, session)
+                self._warm(session)
         except BaseException as e:  # noqa: BLE001 - reported through /health and the callback
             self.load_error = str(e) if isinstance(e, StrataError) else f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.load_error)
@@ -204,82 +197,10 @@ class Engine:
                 self._on_load_error(e)
             return
         self.model = model
-        self._last_expert = self._expert_counters(model)
         self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
         self.state = "ready"
-        if session is not None:
-            self._run_batch(session)
         while not self._stop.is_set():
-            try:
-                job = self._q.get(timeout=0.25)  # a put wakes this at once; the timeout only bounds stop checks
-            except queue.Empty:
-                continue
-            if job.cancelled:
-                continue
-            self._current = job
-            try:
-                self._serve(job)
-            finally:
-                self._current = None
-        self._fail_pending()
-
-    def _warm(self, model: Any, session: Any = None) -> None:
-        """Compile the decode step and the smallest prefill before the first request pays for it: greedy
-        and sampled (the single-request decode loop is compiled per sampling mode; penalties and logprobs
-        compile their modes on first use)."""
-        t0 = time.perf_counter()
-        ids = model.tokenize("Hello") or [0]
-        if session is not None:
-            session.admit(ids, max_tokens=2, temperature=0.0, cache_prompt=False)
-            while session.active_rows:
-                session.step()
-        else:
-            kw = {"cache_prompt": False} if self._cache_kw else {}
-            for temperature in (0.0, 0.8):
-                for _ in model.generate_stream(ids, max_tokens=2, temperature=temperature, seed=0, **kw):
-                    pass
-        log.info("warm-up (compilation) took %.1f s", time.perf_counter() - t0)
-
-    def _serve(self, job: Job) -> None:
-        m, req = self.model, job.req
-        kwargs = req.sampling()
-        if kwargs["max_tokens"] is None:
-            kwargs["max_tokens"] = m.ctx  # generate_stream caps it at what the context has left
-        if self._cache_kw:
-            kwargs["cache_prompt"] = req.cache_prompt
-        n_gen = 0
-        try:
-            gen = m.generate_stream(job.prompt_ids, **kwargs)
-            try:
-                for chunk in gen:
-                    n_gen += len(chunk.token_ids)
-                    if chunk.finish_reason is not None:
-                        job.emit(Event("final", chunk, expert_cache=self._expert_delta(m)))
-                        break
-                    job.emit(Event("chunk", chunk))
-                    if job.cancelled or self._stop.is_set():  # the client went away: stop before the next token
-                        log.info("request cancelled after %d generated tokens", n_gen)
-                        break
-            finally:
-                gen.close()
-        except StrataError as e:
-            job.emit(Event("error", error=bad(str(e))))
-        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-            log.exception("generation failed")
-            job.emit(Event("error", error=_engine_error(e)))
-        finally:
-            try:
-                st = m.stats()
-            except Exception:  # noqa: BLE001 - telemetry must not take the engine down
-                st = {}
-            if st:  # a cancelled or failed job still moved experts: keep the next request's delta its own
-                self._last_expert = {k: int(st.get(k) or 0) for k in EXPERT_COUNTERS}
-            self.snapshot = {"kv_tokens": len(job.prompt_ids) + n_gen, "ctx": m.ctx, "expert": _summary(st)}
-
-    # -- continuous batching (parallel > 1) --------------------------------------------------------------
-    def _run_batch(self, session: Any) -> None:
-        while not self._stop.is_set():
-            while session.free_rows:  # admit between steps; with nothing running, wait for work
+            while session.free_rows:  # admit between calls; with nothing running, wait for work
                 try:
                     job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
                 except queue.Empty:
@@ -294,6 +215,19 @@ class Engine:
             job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was stopped.",
                                                    code="shutting_down")))
         self._active.clear()
+        self._fail_pending()
+
+    def _warm(self, session: Any) -> None:
+        """Compile the programs before the first request pays for it: the smallest prefill and the decode
+        call, greedy and sampled (the decode loop is compiled per sampling mode; penalties and logprobs
+        compile their modes on first use)."""
+        t0 = time.perf_counter()
+        ids = session.model.tokenize("Hello") or [0]
+        for temperature in (0.0, 0.8):
+            session.admit(ids, max_tokens=3, temperature=temperature, seed=0, cache_prompt=False)
+            while session.active_rows:
+                session.step()
+        log.info("warm-up (compilation) took %.1f s", time.perf_counter() - t0)
 
     def _admit(self, session: Any, job: Job) -> None:
         m, req = self.model, job.req
@@ -376,12 +310,6 @@ class Engine:
     def _expert_counters(m: Any) -> dict[str, float]:
         st = m.stats()
         return {k: st.get(k) or 0 for k in EXPERT_COUNTERS} if st else {}
-
-    def _expert_delta(self, m: Any) -> dict[str, Any]:
-        d = self._expert_since(m, self._last_expert)
-        if d:
-            self._last_expert = {k: d[k] + self._last_expert.get(k, 0) for k in EXPERT_COUNTERS}
-        return d
 
     def _expert_since(self, m: Any, base: dict[str, int]) -> dict[str, Any]:
         now = self._expert_counters(m)

@@ -1,16 +1,13 @@
-"""`load()` and `Model`: the Python API around the jitted forward pass.
+"""`load()` and `Model`: the Python API around the jitted programs.
 
-The host drives one jitted call per prefill chunk and one per chunk of decoded tokens (model/decode.py:
-the loop over tokens, sampling and the stop test run on the device, which returns only token ids);
-nothing crosses to the host between layers or between the tokens of a chunk.
+A Model owns what does not change between requests: the weights, the tokenizer, the expert cache
+(offload manager) and the telemetry. Generation runs in a Session (engine/session.py): `generate` and
+`generate_stream` use a one-row session the model keeps; `serve --parallel N` one of N rows.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -21,16 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import runtime
+from strata_jax.engine.session import HostTiming, Session
+from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.errors import ConfigError
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
-from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.gguf_file import GGUFFile
-from strata_jax.model.moe import N_STATS
-from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams, next_token,
-                                      sample, validate_sampling)
-from strata_jax.model.streaming import (Generation, GenerationChunk, TextStream, TokenLogprob,  # noqa: F401
-                                        request_timings, token_logprob)
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
 from strata_jax.offload.manager import OffloadManager
@@ -39,68 +31,14 @@ from strata_jax.offload.policies import Policy
 log = logging.getLogger("strata_jax")
 
 MIN_BUCKET = 16
-MIN_ATTN_BUCKET = 256  # attention spans are powers of two from here up to the context length
-
-
-def attn_bucket(end: int, ctx: int) -> int:
-    """Cache positions attention reads when the furthest position written is end - 1."""
-    return min(max(MIN_ATTN_BUCKET, 1 << (max(end, 1) - 1).bit_length()), ctx)
-
-
-def bucket(n: int, max_chunk: int) -> int:
-    """Power-of-two token bucket for a chunk of n tokens, so prefill compiles O(log n) shapes."""
-    return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
-
-
-# Decode steps per jitted call by default (load's decode_chunk, model/decode.py). On the H200 (48-layer
-# B30, resident) 16 steps per call ran 223 tok/s against 134 one step per call: the host's launch of a
-# step costs as much as the step. On the CPU the launch is cheap next to the compute and one step per
-# call streams each token as soon as it exists.
+# Decode steps per jitted call by default: on a GPU the host's launch of a step costs as much as the
+# step (docs/benchmarks.md); on the CPU the launch is cheap next to the compute and one step per call
+# streams each token as soon as it exists.
 DECODE_CHUNK_GPU = 16
 
 
 def default_decode_chunk(platform: str) -> int:
     return DECODE_CHUNK_GPU if platform == "gpu" else 1
-
-
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
-def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
-             attn_len, all_logits, forced=None):
-    logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
-                                            dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
-                                            attn_len=attn_len, forced_MNk=forced)
-    return logits, kv, slots, routed, stats_MS + st
-
-
-@jax.jit
-def _first_token(logits_1V, key, sp, recent_1W, want_logprobs):
-    """The first token, from the prefill's logits; its penalty state starts with no generated tokens and
-    the prompt's tail in the repeat window."""
-    pen = PenaltyState(jnp.zeros(logits_1V.shape, jnp.int32), recent_1W)
-    return next_token(logits_1V, lambda l: sample(l, key, sp), sp, pen, want_logprobs)
-
-
-class HostTiming:
-    """Where the host spends decode time: inside the jitted calls (tracing aside, the launch: argument
-    handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled tokens, per decode
-    step (token). With a chunk queued ahead, dispatch time near the step time means the host, not the
-    device, sets the pace."""
-
-    def __init__(self):
-        self.steps, self.chunks, self.dispatch_s, self.wait_s = 0, 0, 0.0, 0.0
-
-    def dispatch(self, seconds: float) -> None:
-        self.chunks += 1
-        self.dispatch_s += seconds
-
-    def wait(self, seconds: float, steps: int) -> None:
-        self.wait_s += seconds
-        self.steps += steps
-
-    def summary(self) -> dict[str, float | int | None]:
-        per = (lambda s: 1e3 * s / self.steps) if self.steps else (lambda s: None)  # noqa: E731
-        return {"decode_steps": self.steps, "decode_calls": self.chunks,
-                "dispatch_ms_per_step": per(self.dispatch_s), "wait_ms_per_step": per(self.wait_s)}
 
 
 def _resolve_dtype(dtype: Any, platform: str):
@@ -170,11 +108,10 @@ class Model:
                  f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step",
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
-        self._kv: KVCache | None = None
-        self._kv_tokens: list[int] = []  # tokens whose keys/values the KV cache holds, from position 0
-        self._routing: list[np.ndarray] | None = [] if record_routing else None
-        self._forced_TMk: np.ndarray | None = None
-        self._host = HostTiming()
+        self.routing: list[np.ndarray] | None = [] if record_routing else None  # [tokens, M, k] per call
+        self.forced_TMk: np.ndarray | None = None  # force_routing's trace
+        self.host = HostTiming()
+        self._session: Session | None = None  # generate's one-row session, made on first use
 
     # -- telemetry --------------------------------------------------------------------------------
     @property
@@ -188,28 +125,28 @@ class Model:
     def host_timing(self) -> dict[str, float | int | None]:
         """Decode steps and jitted decode calls since load or reset_stats, the host's milliseconds per
         step inside the jitted calls (dispatch) and blocked on the tokens (wait); see HostTiming."""
-        return self._host.summary()
+        return self.host.summary()
 
     def reset_stats(self) -> None:
-        self._host = HostTiming()
+        self.host = HostTiming()
         if self.experts is not None:
             self.experts.reset_stats()
 
     def routing_trace(self) -> np.ndarray:
         """int32 [tokens, MoE layers, k]: the experts routed for every token processed since load (needs
         record_routing=True). Feed it to strata_jax.offload.simulate."""
-        if self._routing is None:
+        if self.routing is None:
             raise ConfigError("routing is not recorded: load the model with record_routing=True.")
-        if not self._routing:
+        if not self.routing:
             return np.zeros((0, len(self.config.moe_layers), self.config.n_experts_used), np.int32)
-        return np.concatenate(self._routing, axis=0)
+        return np.concatenate(self.routing, axis=0)
 
     def force_routing(self, trace_TMk: np.ndarray | None) -> None:
         """Replay a routing trace (int [tokens, MoE layers, k], e.g. strata_jax.offload.routing's
         realistic_trace) instead of the routers' choices: the token at cache position p uses row
         p % len(trace). For benchmarks of cache behaviour under a chosen routing; None restores the routers."""
         if trace_TMk is None:
-            self._forced_TMk = None
+            self.forced_TMk = None
             return
         cfg = self.config
         t = np.asarray(trace_TMk)
@@ -218,38 +155,32 @@ class Model:
                               f"for this model, got shape {t.shape}")
         if t.min() < 0 or t.max() >= cfg.n_experts:
             raise ConfigError(f"routing trace ids must lie in [0, {cfg.n_experts})")
-        self._forced_TMk = t.astype(np.int32)
+        self.forced_TMk = t.astype(np.int32)
 
-    def _forced(self, pos: int, T: int, chunk: bool = False) -> dict:
-        """The forced-routing argument of a step over cache positions pos..pos+T-1 ({} when not forcing):
-        [M, T, k] for a prefill, [T, M, 1, k] for a decode chunk of T steps (decode_chunk)."""
-        if self._forced_TMk is None:
+    def forced_prefill(self, pos: int, T: int) -> dict:
+        """The forced-routing argument of a prefill chunk over cache positions pos..pos+T-1: [M, T, k]
+        ({} when not forcing)."""
+        if self.forced_TMk is None:
             return {}
-        rows = self._forced_TMk[np.arange(pos, pos + T) % len(self._forced_TMk)]  # [T, M, k]
-        return {"forced": jnp.asarray(rows[:, :, None] if chunk else rows.transpose(1, 0, 2))}
+        rows = self.forced_TMk[np.arange(pos, pos + T) % len(self.forced_TMk)]  # [T, M, k]
+        return {"forced": jnp.asarray(rows.transpose(1, 0, 2))}
 
-    def _record(self, routed_NMk: jax.Array, n_valid: int) -> None:
-        """Keep the routed experts [tokens, M, k] of the first n_valid tokens (record_routing)."""
-        if self._routing is not None and routed_NMk.shape[1]:
-            self._routing.append(np.asarray(routed_NMk)[:n_valid])
+    def note_steps(self, seconds: float, n: int) -> None:
+        """Wall time of n steps, for the expert cache's bandwidth and stall telemetry."""
+        if self.experts is not None:
+            self.experts.note_steps(seconds, n)
 
-    def _step(self, fn, *args, end: int, **static):
-        """One jitted call over the donated state (KV cache, slot table, counters); puts it back after.
-        Returns the call's first and fourth outputs (a prefill's logits and routed ids; a decode chunk's
-        tokens and state). end: one past the furthest cache position it writes (sizes the attention span)."""
-        kv, self._kv = self._kv, None
-        if kv is None:
-            kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
-        e = self.experts
-        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
-        self._kv_tokens = []  # until the step returns, the cache's contents are not known
-        out, self._kv, slots, extra, stats = fn(
-            self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
-            dtype=self.dtype, policy=e.policy if e is not None else None,
-            prefetch=e.prefetch if e is not None else 0, attn_len=attn_bucket(end, self.ctx), **static)
-        if e is not None:
-            e.put(slots, stats)
-        return out, extra
+    def _adopt(self, session: Session) -> None:
+        """A new session takes the device memory for its rows: the one-row session's cache is freed."""
+        if self._session is not None and self._session is not session:
+            self._session = None
+
+    def session(self) -> Session:
+        """The one-row session generate and logits use (made again if another session replaced it)."""
+        if self._session is None:
+            s = Session(self, 1)
+            self._session = s
+        return self._session
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -281,37 +212,18 @@ class Model:
         return self.tokenize(text, add_special=not has_bos)
 
     # -- forward --------------------------------------------------------------------------------
-    def _check_len(self, n: int) -> None:
+    def check_len(self, n: int) -> None:
         if n > self.ctx:
             raise ConfigError(f"{n} tokens exceed the context of {self.ctx}; shorten the input or load the "
                               f"model with a larger ctx (--ctx, up to the model's {self.config.context_length}).")
-
-    def _run_prefill(self, ids: Sequence[int], all_logits: bool, start: int = 0) -> tuple[jax.Array, list[jax.Array]]:
-        """Prefill ids[start:] at cache positions start.. (ids[:start] are already in the KV cache)."""
-        outs, pos = [], start
-        self._kv_tokens = []  # the cache is being rewritten; valid again once this returns
-        while pos < len(ids):
-            chunk = list(ids[pos : pos + self.prefill_chunk])
-            T = bucket(len(chunk), self.prefill_chunk)
-            toks = np.zeros((1, T), np.int32)
-            toks[0, : len(chunk)] = chunk
-            logits, routed = self._step(_prefill, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                                        jnp.array([len(chunk)], jnp.int32), end=pos + T, all_logits=all_logits,
-                                        **self._forced(pos, T))
-            self._record(routed.transpose(1, 0, 2), len(chunk))
-            outs.append(logits[0, : len(chunk)] if all_logits else logits)
-            pos += len(chunk)
-        self._kv_tokens = list(ids)
-        return outs[-1], outs
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the next-token logits after each position."""
         if isinstance(token_ids, str) or not all(isinstance(t, (int, np.integer)) for t in token_ids):
             raise ConfigError("logits() takes a list of token ids; use model.tokenize(text) first.")
         ids = self.prompt_tokens(list(token_ids))
-        self._check_len(len(ids))
-        _, outs = self._run_prefill(ids, all_logits=True)
-        return np.concatenate([np.asarray(o) for o in outs], axis=0)
+        self.check_len(len(ids))
+        return self.session().logits(ids)
 
     # -- generation -----------------------------------------------------------------------------
     def generate_stream(
@@ -341,89 +253,19 @@ class Model:
         repeat_penalty (llama.cpp's, 1 = off) on the last repeat_last_n tokens of prompt and output.
         logprobs: each chunk's `logprobs` holds a TokenLogprob per token (the model's log-probability and
         the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs)."""
-        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
-        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                              **penalties)
-        n_top = logprob_count(logprobs, top_logprobs)
-        want = np.bool_(n_top is not None)
-        ids = self.prompt_tokens(prompt_or_messages, **template_kwargs)
-        self._check_len(len(ids) + 1)
-        max_tokens = min(max_tokens, self.ctx - len(ids))
-        sp = SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties)
-        key = jax.random.PRNGKey(seed if seed is not None else time.time_ns() % (2**31))
-
-        n_cached = _common_prefix(ids, self._kv_tokens) if cache_prompt else 0
-        n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
-        t0 = time.perf_counter()
-        last_logits, _ = self._run_prefill(ids, all_logits=False, start=n_cached)
-        tok, pen, lp = _first_token(last_logits, jax.random.fold_in(key, 0), sp, PenaltyState.window(ids), want)
-        tok_host = int(np.asarray(tok)[0])
-        t_prefill = time.perf_counter() - t0
-
-        stream = TextStream(stops, max_tokens, self.tokenizer.stream_decoder(), n_top is not None)
-        t1 = t_steady = time.perf_counter()
-        fed = list(ids)  # tokens written to the KV cache; if the consumer stops early, they stay reusable
-        self._kv_tokens = []
-        n_steps = 0
-        # Decode runs in chunks of up to decode_chunk steps, the loop on the device (model/decode.py), and
-        # one chunk stays queued ahead of the host: chunk c+1 is dispatched (fed chunk c's state, still on
-        # the device) before the host waits for chunk c's tokens, so the device does not idle while the
-        # host reads tokens or launches. A chunk that sampled a stop id marks the state done and the
-        # queued one runs no step (a one-step chunk runs anyway: its token is dropped); after a stop
-        # string the queued chunk's tokens are dropped (the cache positions they wrote lie past `fed`
-        # and are overwritten before anything attends to them).
-        mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
-        # committed to the device like the state a chunk returns: an uncommitted first state compiled a
-        # second program for the second chunk (on the H200, 48 layers: the timed decode spent ~15 s in it)
-        state = DecodeState(tok, *jax.device_put((np.full((1,), len(ids), np.int32), np.int32(1), np.bool_(False)),
-                                                 self.device), pen)
-        stop_S = stop_array(self.tokenizer.stop_ids)
-        pos, planned, last = len(ids), 1, tok_host  # planned: tokens once the dispatched chunks have run in full
-        pending: collections.deque = collections.deque()
+        s = self.session()
+        row, chunks = s.admit(prompt_or_messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, min_p=min_p, seed=seed, stop=stop, cache_prompt=cache_prompt,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
+                              top_logprobs=top_logprobs, **template_kwargs)
         try:
-            tok_lp = token_logprob(jax.device_get(lp), 0, tok_host, n_top, 0) if n_top is not None else None
-            chunks, finish = stream.push(tok_host, self.tokenizer.stop_ids, tok_lp)
             yield from chunks
-            while finish is None:
-                while len(pending) < 2 and planned < max_tokens:
-                    n = min(self.decode_chunk, max_tokens - planned)
-                    t_d = time.perf_counter()
-                    out, state = self._step(decode_chunk, state, key, sp, stop_S, np.int32(n), end=pos + n,
-                                            n_max=self.decode_chunk, mode=mode,
-                                            **self._forced(pos, self.decode_chunk, chunk=True))
-                    self._host.dispatch(time.perf_counter() - t_d)
-                    if t_steady == t1:  # steady-state speed starts once the first call has compiled
-                        t_steady = time.perf_counter()
-                    pending.append(out)
-                    planned, pos = planned + n, pos + n
-                if not pending:
-                    break
-                out = pending.popleft()
-                t_w = time.perf_counter()
-                n_done = int(out.n_done)
-                toks = np.asarray(out.tokens_N)[:n_done].tolist()
-                lps = jax.device_get(out.logprobs) if n_top is not None else None
-                self._host.wait(time.perf_counter() - t_w, n_done)
-                n_steps += n_done
-                self._record(out.routed_NMk, n_done)
-                for j, t in enumerate(toks):
-                    fed.append(last)  # the step that sampled t took `last` in
-                    last = t
-                    tok_lp = (token_logprob(jax.tree.map(lambda a: a[j], lps), 0, t, n_top, 0)
-                              if n_top is not None else None)
-                    chunks, finish = stream.push(t, self.tokenizer.stop_ids, tok_lp)
-                    yield from chunks
-                    if finish is not None:
-                        break
+            while row in s.active_rows:
+                yield from s.step().get(row, [])
         finally:
-            self._kv_tokens = fed if self._kv is not None else []  # a failed step leaves no valid cache
-        t_end = time.perf_counter()
-        n_gen = len(stream.generated)
-        if self.experts is not None:
-            self.experts.note_steps(t_end - t0, n_steps + math.ceil((len(ids) - n_cached) / self.prefill_chunk))
-        yield stream.last(finish, request_timings(len(ids) - n_cached, n_cached, t_prefill, n_gen, t1, t_steady, t_end,
-                                                  n_before_steady=1), ids)
+            if row in s.active_rows:  # the consumer stopped early: what was written stays reusable
+                s.release(row)
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
@@ -442,35 +284,6 @@ class Model:
         a UTF-8 sequence): the `bytes` of OpenAI's logprobs."""
         pieces = self.tokenizer._piece_bytes()
         return pieces[token_id] if 0 <= token_id < len(pieces) else b""
-
-
-def check_request(max_tokens: Any, stop: str | Sequence[str] | None, **sampling: Any) -> list[str]:
-    """Reject invalid generation limits and sampling values; returns the stop strings as a list."""
-    validate_sampling(**sampling)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
-    return stops
-
-
-def logprob_count(logprobs: Any, top_logprobs: Any) -> int | None:
-    """How many alternatives each token's logprobs carry, or None when the request wants no logprobs."""
-    if not isinstance(logprobs, (bool, np.bool_)):
-        raise ConfigError(f"logprobs={logprobs!r} is invalid: give True or False.")
-    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer))
-            or not 0 <= top_logprobs <= TOP_LOGPROBS):
-        raise ConfigError(f"top_logprobs={top_logprobs!r} is invalid: give an integer in [0, {TOP_LOGPROBS}].")
-    return int(top_logprobs) if logprobs or top_logprobs else None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def enable_compilation_cache() -> None:

@@ -1,0 +1,459 @@
+"""Session: B rows of KV cache and decode state over one Model, driving model/decode.py's two programs.
+
+`Model.generate_stream` is a one-row session; `serve --parallel N` runs one session of N rows. A
+request is admitted into a free row and prefilled there alone (its first token is sampled by the same
+program); then every `step` decodes up to `decode_chunk` tokens for all rows at once in one jitted call
+whose shapes never change, so admitting and finishing requests never recompiles. One call is kept
+queued ahead of the host: call c+1 is dispatched on call c's device state before the host waits for
+call c's tokens, so the device does not idle while the host reads tokens or launches.
+
+Each row keeps its last request's tokens after it finishes (the conversation's prefix for its next
+turn). A new request goes to a free row whose whole cache is a prefix of its prompt (the longest; an
+empty row counts), else to the free row sharing the longest prefix if that covers at least half the
+prompt (llama.cpp's --slot-prompt-similarity), else to the least recently used free row.
+
+Each row samples with its own key folded with its own step count, so a seeded request gives the same
+tokens alone or batched. Rows without a request are computed too (fixed shapes) at an out-of-range
+position; with an offloaded MoE their routing also counts as expert lookups. MoE layers see B tokens
+per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
+the batch routes to once, shared by all rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.errors import ConfigError
+from strata_jax.model import decode as programs
+from strata_jax.model.forward import KVCache
+from strata_jax.model.moe import N_STATS
+from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
+                                      SamplingParams, validate_sampling)
+from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
+from strata_jax.units import fmt_bytes
+
+log = logging.getLogger("strata_jax")
+
+SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
+MIN_BUCKET = 16
+MIN_ATTN_BUCKET = 256  # attention spans are powers of two from here up to the context length
+QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
+
+
+def attn_bucket(end: int, ctx: int) -> int:
+    """Cache positions attention reads when the furthest position written is end - 1."""
+    return min(max(MIN_ATTN_BUCKET, 1 << (max(end, 1) - 1).bit_length()), ctx)
+
+
+def bucket(n: int, max_chunk: int) -> int:
+    """Power-of-two token bucket for a chunk of n tokens, so prefill compiles O(log n) shapes."""
+    return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
+
+
+def check_request(max_tokens, stop, **sampling) -> list[str]:
+    """Reject invalid generation limits and sampling values; returns the stop strings as a list."""
+    validate_sampling(**sampling)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ConfigError(f"max_tokens={max_tokens!r} is invalid: give an integer >= 1.")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ConfigError("stop must be a non-empty string or a list of non-empty strings.")
+    return stops
+
+
+def logprob_count(logprobs, top_logprobs) -> int | None:
+    """How many alternatives each token's logprobs carry, or None when the request wants no logprobs."""
+    if not isinstance(logprobs, (bool, np.bool_)):
+        raise ConfigError(f"logprobs={logprobs!r} is invalid: give True or False.")
+    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer))
+            or not 0 <= top_logprobs <= TOP_LOGPROBS):
+        raise ConfigError(f"top_logprobs={top_logprobs!r} is invalid: give an integer in [0, {TOP_LOGPROBS}].")
+    return int(top_logprobs) if logprobs or top_logprobs else None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefill_mode(mode: SamplingMode) -> SamplingMode:
+    """The mode a prefill samples its row's first token in: penalties and logprobs always (once per
+    prompt they cost little, and penalties that are off leave the logits bit for bit), so the prefill,
+    a whole forward pass per token bucket, is compiled twice (greedy, sampled), not once per mode."""
+    return SamplingMode(mode.sample, True, True)
+
+
+class HostTiming:
+    """Where the host spends decode time: inside the jitted calls (tracing aside, the launch: argument
+    handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled tokens, per decode
+    step. With a call queued ahead, dispatch time near the step time means the host sets the pace."""
+
+    def __init__(self):
+        self.steps, self.chunks, self.dispatch_s, self.wait_s = 0, 0, 0.0, 0.0
+
+    def dispatch(self, seconds: float) -> None:
+        self.chunks += 1
+        self.dispatch_s += seconds
+
+    def wait(self, seconds: float, steps: int) -> None:
+        self.wait_s += seconds
+        self.steps += steps
+
+    def summary(self) -> dict[str, float | int | None]:
+        per = (lambda s: 1e3 * s / self.steps) if self.steps else (lambda s: None)  # noqa: E731
+        return {"decode_steps": self.steps, "decode_calls": self.chunks,
+                "dispatch_ms_per_step": per(self.dispatch_s), "wait_ms_per_step": per(self.wait_s)}
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """One request in a row: its text stream and the host's view of its progress."""
+
+    ids: list[int]  # the prompt
+    stream: TextStream
+    n_cached: int
+    mode: SamplingMode
+    n_top: int | None  # alternatives per token's logprobs; None: no logprobs
+    max_tokens: int  # capped by what the context has left
+    t0: float
+    fed: list[int]  # tokens written to the row's cache, from position 0
+    last: int  # the latest sampled token, not yet fed back
+    planned: int = 1  # tokens once the dispatched calls have run in full (the prefill's first included)
+    t_prefill: float = 0.0
+    t1: float = 0.0
+    t_steady: float = 0.0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.stream.generated
+
+    def final(self, finish: str) -> GenerationChunk:
+        # decode time includes the prefills of requests admitted meanwhile
+        timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
+                                  self.t1, self.t_steady, time.perf_counter(), n_before_steady=1)
+        return self.stream.last(finish, timings, self.ids)
+
+
+@dataclasses.dataclass
+class _Pending:
+    out: programs.ChunkOut
+    owners: list[_Request | None]  # each row's request when the call was dispatched
+
+
+class Session:
+    """B request rows over one Model. Not thread-safe: one thread admits, steps and releases.
+
+        s = Session(model, 4)
+        row, chunks = s.admit(ids, max_tokens=64, temperature=0)   # prefill; chunks of the first token
+        while s.active_rows:
+            for row, chunks in s.step().items(): ...               # tokens for every active row
+
+    A chunk with finish_reason set is a request's last; its row is free from then on.
+    """
+
+    def __init__(self, model, n_rows: int, *, decode_chunk: int | None = None):
+        if isinstance(n_rows, bool) or not isinstance(n_rows, int) or n_rows < 1:
+            raise ConfigError(f"a session needs at least one row; got {n_rows!r}.")
+        self.model, self.n_rows = model, n_rows
+        self.decode_chunk = decode_chunk or model.decode_chunk
+        model._adopt(self)
+        self._kv: KVCache | None = None  # allocated at the first call
+        self._rows: programs.RowState | None = None
+        self._reqs: list[_Request | None] = [None] * n_rows
+        self._cached: list[list[int]] = [[] for _ in range(n_rows)]  # a free row's tokens, from position 0
+        self._used = [0] * n_rows  # last use, for least-recently-used choice
+        self._clock = 0
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._t_last = 0.0  # when the previous call's tokens arrived (telemetry: seconds per step)
+        self._stop_P = programs.stop_array(model.tokenizer.stop_ids)
+        cfg = model.config
+        if n_rows > 1:
+            kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
+            log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
+                     fmt_bytes(kv_bytes), self.decode_chunk)
+        e = model.experts
+        need = min(n_rows * cfg.n_experts_used, cfg.n_experts)
+        if e is not None and not e.plan.resident and min(e.plan.slots_per_pool) < need:
+            raise ConfigError(
+                f"{n_rows} rows can route {need} distinct experts per layer in one decode step, but an expert "
+                f"pool holds only {min(e.plan.slots_per_pool)} slots ({e.expert_pools} pools); load the model "
+                f"with parallel={n_rows} (pools are then sized for it), more expert_slots, or expert_pools='shared'.")
+        if cfg.is_moe and n_rows * cfg.n_experts_used > cfg.n_experts:
+            log.warning("%d rows x %d experts per token exceed the %d experts: decode steps take the many-token "
+                        "MoE path (every expert computed%s); use fewer rows", n_rows, cfg.n_experts_used,
+                        cfg.n_experts, ", and streamed from the host when offloading" if e is not None and
+                        not e.plan.resident else "")
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def active_rows(self) -> list[int]:
+        return [r for r, q in enumerate(self._reqs) if q is not None]
+
+    @property
+    def free_rows(self) -> int:
+        return sum(q is None for q in self._reqs)
+
+    def cached_tokens(self, row: int) -> list[int]:
+        """The tokens row `row` holds from position 0 (for an active row: the ones written so far)."""
+        q = self._reqs[row]
+        return list(q.fed if q is not None else self._cached[row])
+
+    def tokens_held(self) -> int:
+        """Tokens in the KV cache over all rows (active, or kept for prefix reuse)."""
+        return sum(len(q.fed) if q is not None else len(c) for q, c in zip(self._reqs, self._cached))
+
+    def generated(self, row: int) -> int:
+        q = self._reqs[row]
+        return len(q.generated) if q is not None else 0
+
+    # -- requests -----------------------------------------------------------------------------------
+    def admit(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+              min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
+              cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
+              **template_kwargs) -> tuple[int, list[GenerationChunk]]:
+        """Prefill a request into a free row and sample its first token; arguments as for
+        Model.generate_stream. Returns the row and the chunks of that first token (ending with the final
+        chunk if the request is already done, and then the row is free again)."""
+        m = self.model
+        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+        stops = check_request(max_tokens, stop, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              **penalties)
+        n_top = logprob_count(logprobs, top_logprobs)
+        ids = m.prompt_tokens(prompt, **template_kwargs)
+        m.check_len(len(ids) + 1)
+        if not self.free_rows:
+            raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
+        row = self._pick_row(ids, cache_prompt)
+        n_cached = common_prefix(ids, self._cached[row]) if cache_prompt else 0
+        n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
+        max_tokens = min(max_tokens, m.ctx - len(ids))
+        mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
+        seed = seed if seed is not None else time.time_ns() % (2**31)
+        sp = jax.tree.map(np.asarray, SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties))
+        start = programs.RowStart(np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))), sp,
+                                  PenaltyState.window(ids), np.int32(max_tokens))
+        self._touch(row)
+        t0 = time.perf_counter()
+        out = self._prefill(row, ids, n_cached, start, prefill_mode(mode), all_logits=False)
+        tok = int(np.asarray(out.tok_1)[0])
+        m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
+        stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(), n_top is not None)
+        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok)
+        q.t_prefill = time.perf_counter() - t0
+        q.t1 = q.t_steady = time.perf_counter()
+        self._reqs[row] = q
+        lp = token_logprob(jax.device_get(out.logprobs), 0, tok, n_top, 0) if n_top is not None else None
+        return row, self._push(row, q, tok, lp, first=True)
+
+    def step(self) -> dict[int, list[GenerationChunk]]:
+        """Dispatch decode calls (keeping one queued ahead), wait for the oldest, and stream its tokens:
+        {row: the chunks its new tokens gave}."""
+        m = self.model
+        t_start = time.perf_counter()
+        if not self._pending:
+            self._t_last = t_start
+        while len(self._pending) < QUEUED and self._dispatch():
+            pass
+        if not self._pending:
+            # every planned token was delivered, so TextStream has ended each request; never spin on one
+            done = {r: [q.final("length")] for r, q in enumerate(self._reqs) if q is not None}
+            for r in done:
+                self._end(r)
+            return done
+        p = self._pending.popleft()
+        t_w = time.perf_counter()
+        n_B = np.asarray(p.out.n_B)
+        toks_CB = np.asarray(p.out.tokens_CB)
+        lps = jax.device_get(p.out.logprobs) if p.out.logprobs is not None else None
+        now = time.perf_counter()
+        steps = int(n_B.max()) if len(n_B) else 0
+        m.host.wait(now - t_w, steps)
+        m.note_steps(now - self._t_last, steps)  # wall time between the calls' results: the device's pace
+        self._t_last = now
+        if m.routing is not None and steps:
+            routed = np.asarray(p.out.routed_CMBk)
+            for c in range(steps):
+                rows = [r for r in range(self.n_rows) if n_B[r] > c and p.owners[r] is not None]
+                if rows:
+                    m.routing.append(routed[c][:, rows].transpose(1, 0, 2))
+        out: dict[int, list[GenerationChunk]] = {}
+        for r, q in enumerate(p.owners):
+            if q is None or self._reqs[r] is not q:  # ended since the call was dispatched: drop its tokens
+                continue
+            chunks = []
+            for j in range(int(n_B[r])):
+                tok = int(toks_CB[j, r])
+                lp = (token_logprob(jax.tree.map(lambda a: a[j], lps), r, tok, q.n_top, 0)
+                      if q.n_top is not None else None)
+                chunks += self._push(r, q, tok, lp)
+                if self._reqs[r] is not q:  # done: a stop id or string, or max_tokens
+                    break
+            if chunks:
+                out[r] = chunks
+        return out
+
+    def release(self, row: int) -> int:
+        """End the request in `row` now (a cancelled request): the row is free and keeps what it has
+        written for prefix reuse. Returns how many tokens the request had generated."""
+        n = self.generated(row)
+        self._end(row)
+        return n
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """float32 [len(ids), vocab]: the next-token logits after each position (row 0, no sampling)."""
+        m = self.model
+        self.drain()
+        row = self._pick_row(ids, cache_prompt=False) if self.free_rows else None
+        if row is None:
+            raise ConfigError(f"all {self.n_rows} rows are busy.")
+        sp = jax.tree.map(np.asarray, SamplingParams.make(1))
+        start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0))
+        outs = self._prefill(row, ids, 0, start, prefill_mode(GREEDY), all_logits=True, keep=True)
+        return np.concatenate(outs, axis=0)
+
+    def drain(self) -> None:
+        """Wait for the calls in flight and drop their tokens (before work that bypasses `step`)."""
+        while self._pending:
+            p = self._pending.popleft()
+            jax.block_until_ready(p.out.n_B)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _push(self, row: int, q: _Request, tok: int, lp, first: bool = False) -> list[GenerationChunk]:
+        """Take in a sampled token: stream it, and end the request if it is done."""
+        if not first:
+            q.fed.append(q.last)  # the step that sampled tok took `last` in
+            q.last = tok
+        chunks, finish = q.stream.push(tok, self.model.tokenizer.stop_ids, lp)
+        if finish is not None:
+            chunks.append(q.final(finish))
+            self._end(row)
+        return chunks
+
+    def _dispatch(self) -> bool:
+        """Queue one decode call for the rows with tokens still to plan; False when there is none."""
+        live = [(r, q) for r, q in enumerate(self._reqs) if q is not None and q.planned < q.max_tokens]
+        if not live:
+            return False
+        m = self.model
+        n = min(self.decode_chunk, max(q.max_tokens - q.planned for _, q in live))
+        owners: list[_Request | None] = [None] * self.n_rows
+        pos = [m.ctx] * self.n_rows
+        alive = np.zeros(self.n_rows, bool)
+        mode = GREEDY
+        for r, q in live:
+            owners[r], pos[r], alive[r] = q, len(q.ids) + q.planned - 1, True
+            mode = mode | q.mode
+        end = max(pos[r] for r, _ in live) + n
+        t_d = time.perf_counter()
+        out, _ = self._call(programs.decode, alive, self._stop_P, np.int32(n), end=end, mode=mode,
+                            n_max=self.decode_chunk, **self._forced_decode(pos))
+        m.host.dispatch(time.perf_counter() - t_d)
+        now = time.perf_counter()
+        for r, q in live:
+            q.planned += min(n, q.max_tokens - q.planned)
+            if q.t_steady == q.t1:  # steady-state speed starts once its first decode call is launched
+                q.t_steady = now
+        self._pending.append(_Pending(out, owners))
+        return True
+
+    def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, mode: SamplingMode,
+                 all_logits: bool, keep: bool = False):
+        """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
+        last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
+        m, pos, out, outs = self.model, start, None, []
+        self._cached[row] = []  # being rewritten: nothing in it is reusable until the prefill returns
+        while pos < len(ids):
+            chunk = ids[pos: pos + m.prefill_chunk]
+            T = bucket(len(chunk), m.prefill_chunk)
+            toks = np.zeros((1, T), np.int32)
+            toks[0, : len(chunk)] = chunk
+            out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
+                                     np.array([len(chunk)], np.int32), req, self._stop_P, end=pos + T,
+                                     mode=mode, all_logits=all_logits, **m.forced_prefill(pos, T))
+            if m.routing is not None:
+                m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
+            if all_logits:
+                outs.append(np.asarray(out.logits[0, : len(chunk)]))
+            pos += len(chunk)
+        if keep:
+            self._cached[row] = list(ids)
+        return outs if all_logits else out
+
+    def _forced_decode(self, pos: list[int]) -> dict:
+        """The forced-routing argument of a decode call ({} when not forcing): [C, M, B, k] by each row's
+        positions."""
+        trace = self.model.forced_TMk
+        if trace is None:
+            return {}
+        idx = (np.asarray(pos)[None, :] + np.arange(self.decode_chunk)[:, None]) % len(trace)  # [C, B]
+        return {"forced": jnp.asarray(trace[idx].transpose(0, 2, 1, 3))}
+
+    def _call(self, fn, *args, end: int, **static):
+        """One jitted call over the donated state (KV cache, rows, slot table, counters); puts it back
+        after. Returns the call's first output and its routed ids."""
+        m, e = self.model, self.model.experts
+        kv, self._kv = self._kv, None
+        if kv is None:
+            kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device)
+        rows, self._rows = self._rows, None
+        if rows is None:  # committed like the state the programs return, or the second call compiles again
+            rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
+        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        try:
+            out, kv_out, slots_out, routed, stats_out, rows_out = fn(
+                m.params, slots, e.store if e is not None else None, kv, stats, rows, *args, cfg=m.config,
+                dtype=m.dtype, policy=e.policy if e is not None else None, prefetch=e.prefetch if e is not None else 0,
+                attn_len=attn_bucket(end, m.ctx), **static)
+        except BaseException:
+            # a call that failed before it ran leaves its donated inputs intact; one that ran consumed them
+            if e is not None:
+                e.put(slots, stats)
+            deleted = any(a.is_deleted() for a in jax.tree.leaves((kv, rows)))
+            if not deleted:
+                self._kv, self._rows = kv, rows
+            else:  # every row's cache is gone, and with it every request in flight
+                self._cached = [[] for _ in range(self.n_rows)]
+                self._reqs = [None] * self.n_rows
+                self._pending.clear()
+            raise
+        if e is not None:
+            e.put(slots_out, stats_out)
+        self._kv, self._rows = kv_out, rows_out
+        return out, routed
+
+    def _pick_row(self, ids: list[int], cache_prompt: bool) -> int:
+        free = [r for r in range(self.n_rows) if self._reqs[r] is None]
+        shared = {r: common_prefix(ids, self._cached[r]) if cache_prompt else 0 for r in free}
+        by_reuse = lambda r: (shared[r], -self._used[r])  # noqa: E731 - ties go to the least recently used
+        lossless = [r for r in free if shared[r] == len(self._cached[r])]  # taking it discards nothing
+        if lossless:
+            return max(lossless, key=by_reuse)
+        best = max(free, key=by_reuse)
+        return best if shared[best] >= SIMILARITY * len(ids) else min(free, key=self._used.__getitem__)
+
+    def _touch(self, row: int) -> None:
+        self._clock += 1
+        self._used[row] = self._clock
+
+    def _end(self, row: int) -> None:
+        q = self._reqs[row]
+        if q is not None:
+            self._cached[row] = q.fed if self._kv is not None else []
+            self._reqs[row] = None
+            self._touch(row)
+            if not any(r is not None for r in self._reqs):
+                self._pending.clear()  # nothing left to deliver; the calls in flight finish on their own
