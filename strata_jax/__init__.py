@@ -13,5 +13,6 @@ configure_xla()  # before anything imports jax's backend
 
 from strata_jax.errors import StrataError  # noqa: E402
 from strata_jax.engine.model import Generation, GenerationChunk, Model, load  # noqa: E402
+from strata_jax.engine.session import Session  # noqa: E402
 
-__all__ = ["load", "Model", "Generation", "GenerationChunk", "StrataError", "__version__"]
+__all__ = ["load", "Model", "Session", "Generation", "GenerationChunk", "StrataError", "__version__"]

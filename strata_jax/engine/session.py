@@ -177,7 +177,7 @@ class Session:
         self._clock = 0
         self._pending: collections.deque[_Pending] = collections.deque()
         self._t_last = 0.0  # when the previous call's tokens arrived (telemetry: seconds per step)
-        self._stop_P = programs.stop_array(model.tokenizer.stop_ids)
+        self._stops: tuple[frozenset, jax.Array] | None = None
         cfg = model.config
         if n_rows > 1:
             kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
@@ -314,24 +314,25 @@ class Session:
         return n
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        """float32 [len(ids), vocab]: the next-token logits after each position (row 0, no sampling)."""
-        m = self.model
-        self.drain()
-        row = self._pick_row(ids, cache_prompt=False) if self.free_rows else None
-        if row is None:
-            raise ConfigError(f"all {self.n_rows} rows are busy.")
+        """float32 [len(ids), vocab]: the next-token logits after each position, prefilled into a free row
+        (which then holds ids for prefix reuse; the row is not decoded)."""
+        if not self.free_rows:
+            raise ConfigError(f"all {self.n_rows} rows are busy: take logits after a request finishes.")
+        row = self._pick_row(ids, cache_prompt=False)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1))
         start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0))
         outs = self._prefill(row, ids, 0, start, prefill_mode(GREEDY), all_logits=True, keep=True)
         return np.concatenate(outs, axis=0)
 
-    def drain(self) -> None:
-        """Wait for the calls in flight and drop their tokens (before work that bypasses `step`)."""
-        while self._pending:
-            p = self._pending.popleft()
-            jax.block_until_ready(p.out.n_B)
-
     # -- internals ------------------------------------------------------------------------------------
+    @property
+    def _stop_P(self) -> jax.Array:
+        """The tokenizer's stop ids on the device (made again if they were changed)."""
+        ids = frozenset(self.model.tokenizer.stop_ids)
+        if self._stops is None or self._stops[0] != ids:
+            self._stops = (ids, programs.stop_array(ids))
+        return self._stops[1]
+
     def _push(self, row: int, q: _Request, tok: int, lp, first: bool = False) -> list[GenerationChunk]:
         """Take in a sampled token: stream it, and end the request if it is done."""
         if not first:
