@@ -33,7 +33,7 @@ SHAPES = {
 
 
 def synthetic_model_path(shape: str) -> Path:
-    from strata_jax.model.default_model import cache_dir, file_lock
+    from strata_jax.core.paths import cache_dir, file_lock
 
     spec = SHAPES[shape]
     key = hashlib.sha256(repr(dataclasses.astuple(spec)).encode()).hexdigest()[:16]

@@ -478,7 +478,7 @@ def enable_compilation_cache() -> None:
     STRATA_JAX_COMPILATION_CACHE=0 turns it off."""
     if os.environ.get("STRATA_JAX_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
         return
-    from strata_jax.model.default_model import cache_dir
+    from strata_jax.core.paths import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
