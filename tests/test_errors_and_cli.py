@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType
 import strata_jax
 from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.model.model import Model
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                      vocab_size=512, qtype="Q8_0")

@@ -19,7 +19,7 @@ from strata_jax.model.decode import decode_chunk
 from strata_jax.model.model import _first_token
 from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingParams, penalize,
                                        sample)
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving import protocol
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,

@@ -13,7 +13,7 @@ import logging
 import time
 from pathlib import Path
 
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 log = logging.getLogger("strata_jax")
 

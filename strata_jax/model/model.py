@@ -501,7 +501,7 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     a GPU, where it measured 1.7x one step per call on the 48-layer B30, 1 elsewhere; docs/benchmarks.md)."""
     enable_compilation_cache()
     if path is None:
-        from strata_jax.model.default_model import default_model_path
+        from strata_jax.dev.default_model import default_model_path
 
         path = default_model_path()
     return Model(GGUFFile(path), **options)
