@@ -101,8 +101,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
+    from strata_jax.engine.inspect import format_report, report
     from strata_jax.model.gguf_file import GGUFFile
-    from strata_jax.model.inspect import format_report, report
     from strata_jax.units import parse_size
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
