@@ -40,6 +40,7 @@ import numpy as np
 from strata_jax.errors import ConfigError
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC
 from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.model import (Model, _common_prefix, _first_token, attn_bucket, bucket, check_request,
                                     logprob_count)
 from strata_jax.model.streaming import GenerationChunk, TextStream, TokenLogprob, request_timings, token_logprob
@@ -145,7 +146,7 @@ class BatchSession:
         self._keys: jax.Array | None = None
         self._pen: PenaltyState | None = None  # the rows' penalty state, on the device (allocated at the first admit)
         cfg = model.config
-        kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
+        kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
         log.info("batched decode: %d rows of %d tokens (KV cache %s)", n_rows, model.ctx, fmt_bytes(kv_bytes))
         e = model.experts
         need = min(n_rows * cfg.n_experts_used, cfg.n_experts)

@@ -26,6 +26,7 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.memory import fixed_device_bytes
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams, next_token,
                                       sample, validate_sampling)
@@ -152,10 +153,9 @@ class Model:
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (model/batch.py)
-            kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize * max(parallel, 1)
-            act_bytes = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
-            dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
-            self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
+            fixed = fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
+                                       rows=max(parallel, 1), prefill_chunk=prefill_chunk)
+            self.experts = OffloadManager(loader, fixed_bytes=fixed,
                                           expert_slots=expert_slots, vram_budget=vram_budget,
                                           vram_reserve=vram_reserve, policy=policy, prefetch=prefetch,
                                           expert_pools=expert_pools, batch_rows=parallel)
