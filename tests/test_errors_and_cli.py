@@ -181,7 +181,7 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_cli_inspect(moe_path):
-    r = _cli("inspect", str(moe_path), "--vram-budget", "1GiB", "--ctx", "256")
+    r = _cli("inspect", str(moe_path), "--vram-budget", "2GiB", "--ctx", "256")
     assert r.returncode == 0, r.stderr
     assert "qwen3moe: 2 layers" in r.stdout
     assert "2 MoE layers x 8 experts = 16" in r.stdout
