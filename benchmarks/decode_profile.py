@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from strata_jax.dev.synthetic import random_tensor_bytes  # noqa: E402
 from strata_jax.model import qmatvec as qm  # noqa: E402
-from strata_jax.model.synthetic import random_tensor_bytes  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 RESULT: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__}
@@ -207,7 +207,7 @@ def part_steps(layers: int, tokens: int, confs_arg: str):
 
     import strata_jax
     from strata_jax.bench.shapes import SHAPES
-    from strata_jax.model.synthetic import write_synthetic_gguf
+    from strata_jax.dev.synthetic import write_synthetic_gguf
 
     spec = dataclasses.replace(SHAPES["b30"], n_layers=layers)
     path = f"/tmp/b30-{layers}L.gguf"

@@ -101,12 +101,14 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
+    from strata_jax.engine.inspect import format_report, report
     from strata_jax.model.gguf_file import GGUFFile
-    from strata_jax.model.inspect import format_report, report
     from strata_jax.units import parse_size
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
-    print(format_report(report(GGUFFile(args.path), vram_budget=budget, ctx=args.ctx)))
+    reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None
+    print(format_report(report(GGUFFile(args.path), vram_budget=budget, ctx=args.ctx, vram_reserve=reserve,
+                               parallel=args.parallel)))
     return 0
 
 
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
+    i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
+    i.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
+                   help="KV-cache rows to reserve, as serve --parallel (default 1)")
     i.set_defaults(func=_cmd_inspect)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
     _add_engine_options(s)

@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from strata_jax.model.default_model import DEFAULT_MODEL_SHA256, cache_dir, default_model_path, file_lock
+from strata_jax.core.paths import cache_dir, file_lock
+from strata_jax.dev.default_model import DEFAULT_MODEL_SHA256, default_model_path
 from strata_jax.model.gguf_file import GGUFFile
 
 # The converter ships in this sdist (vendor/llama.cpp). Bump both together; the sha is what pip served.

@@ -242,7 +242,7 @@ def test_model_bytes_and_resident_estimate():
     assert mb.dense_total - mb.dense_read == gguf.tensor("token_embd.weight").nbytes
     assert sum(mb.expert_M) * cfg.n_experts == mb.experts_total
     assert mb.dense_total + mb.experts_total == sum(t.nbytes for t in gguf.tensors.values())
-    est = limits.resident_estimate(mb, cfg, ctx=1024, itemsize=2)
+    est = limits.resident_estimate(gguf, cfg, ctx=1024, itemsize=2)
     assert est == mb.dense_total + mb.experts_total + mb.kv_elems_per_position * 1024 * 2 + 64 * 512 * 128 * 4 + GiB
 
 

@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType
 import strata_jax
 from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.model.gguf_file import GGUFFile
 from strata_jax.engine.model import Model
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                      vocab_size=512, qtype="Q8_0")
@@ -181,7 +181,7 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_cli_inspect(moe_path):
-    r = _cli("inspect", str(moe_path), "--vram-budget", "1GiB", "--ctx", "256")
+    r = _cli("inspect", str(moe_path), "--vram-budget", "2GiB", "--ctx", "256")
     assert r.returncode == 0, r.stderr
     assert "qwen3moe: 2 layers" in r.stdout
     assert "2 MoE layers x 8 experts = 16" in r.stdout

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from gguf import GGUFReader
 
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

@@ -15,10 +15,10 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.errors import ConfigError
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.model import decode as programs
 from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams,
                                        penalize, sample)
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving import protocol
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,

@@ -12,8 +12,8 @@ import pytest
 
 import strata_jax
 from conftest import count_compiles
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.errors import ConfigError
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.offload.policies import POLICIES
 
 # 4 MoE layers x 8 experts, top-2; odd layers' down projections in another type -> two slot pools

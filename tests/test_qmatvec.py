@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 import strata_jax
+from strata_jax.dev.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
 from strata_jax.model import qmatvec as qm
-from strata_jax.model.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BLOCK_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]

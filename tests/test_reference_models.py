@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import reference_models as rm
+from strata_jax.core.paths import cache_dir
+from strata_jax.dev import default_model as dm
 from strata_jax.errors import StrataError
-from strata_jax.model import default_model as dm
 from strata_jax.model.gguf_file import GGUFFile
 
 # -- default model: assembly machinery, on small fake parts ------------------------------------------
@@ -46,9 +47,9 @@ def _fake_parts(monkeypatch, tmp_path: Path, sizes=(3000, 5000, 1234)) -> bytes:
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("STRATA_JAX_CACHE", str(tmp_path))
-    assert dm.cache_dir() == tmp_path
+    assert cache_dir() == tmp_path
     monkeypatch.delenv("STRATA_JAX_CACHE")
-    assert dm.cache_dir() == Path.home() / ".cache" / "strata-jax"
+    assert cache_dir() == Path.home() / ".cache" / "strata-jax"
 
 
 def test_assembles_from_installed_parts_and_trusts_marker(monkeypatch, tmp_path):
@@ -95,7 +96,7 @@ def test_hash_mismatch_leaves_nothing(monkeypatch, tmp_path):
     with pytest.raises(StrataError) as e:
         dm.default_model_path(progress=False)
     assert "0" * 64 in str(e.value) and "expected" in str(e.value) and "retry" in str(e.value)
-    folder = dm.cache_dir() / dm.DEFAULT_MODEL_SHA256
+    folder = cache_dir() / dm.DEFAULT_MODEL_SHA256
     assert [p.name for p in folder.iterdir()] == [".lock"]
 
 

@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 
 import strata_jax
 from strata_jax.cli import build_parser, main
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.errors import StrataError
 from strata_jax.engine.streaming import GenerationChunk
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job
 from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls, token_text

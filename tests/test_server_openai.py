@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                      vocab_size=512, qtype="Q8_0")

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import strata_jax
 import strata_jax.model.decode as programs
+from strata_jax.dev.synthetic import write_synthetic_gguf
 from strata_jax.engine.session import Session
-from strata_jax.model.synthetic import write_synthetic_gguf
 from strata_jax.serving.engine import Engine, Job
 from strata_jax.serving.protocol import GenRequest
 from test_server import CTX, MOE, MSGS, assert_error, chat, parse_sse, serving

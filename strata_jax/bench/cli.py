@@ -165,7 +165,7 @@ def run(args, argv: list[str]) -> dict:
     ctx = needed_ctx(args)
     on_gpu = smi is not None and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
     itemsize = 4 if args.dtype == "float32" or (args.dtype == "auto" and not on_gpu) else 2
-    need = resident_estimate(mb, cfg, ctx, itemsize)
+    need = resident_estimate(gguf, cfg, ctx, itemsize)
     doc["resident_estimate_bytes"] = need
     from strata_jax.bench import peer
 

@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from strata_jax.model import memory
+from strata_jax.offload.sizing import DEFAULT_RESERVE
 from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
@@ -100,30 +102,24 @@ class ModelBytes:
 
     @classmethod
     def of(cls, gguf, cfg) -> "ModelBytes":
-        dense_read = dense_total = experts_total = 0
-        for t in gguf.tensors.values():
-            if "_exps." in t.name:
-                experts_total += t.nbytes
-                continue
-            dense_total += t.nbytes
-            if t.name != "token_embd.weight":
-                dense_read += t.nbytes
+        dense_total = memory.dense_weight_bytes(gguf)
+        dense_read = dense_total - gguf.tensor("token_embd.weight").nbytes
         expert_M = tuple(sum(gguf.tensor(f"blk.{i}.{n}.weight").nbytes
                              for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_experts
                          for i in cfg.moe_layers)
-        return cls(dense_read, expert_M, experts_total, dense_total, cfg.n_experts_used, 2 * cfg.n_layers * cfg.kv_dim)
+        return cls(dense_read, expert_M, memory.routed_expert_bytes(gguf), dense_total, cfg.n_experts_used,
+                   memory.kv_cache_bytes(cfg, ctx=1, rows=1, itemsize=1))
 
     def hbm_bytes_per_token(self, context: float, itemsize: int) -> float:
         return self.dense_read + self.k * sum(self.expert_M) + self.kv_elems_per_position * itemsize * context
 
 
-def resident_estimate(mb: ModelBytes, cfg, ctx: int, itemsize: int, prefill_chunk: int = 512,
-                      reserve: int = GiB) -> int:
-    """Device bytes an all-resident load needs, as the engine sizes it (model/model.py's fixed bytes:
+def resident_estimate(gguf, cfg, ctx: int, itemsize: int, prefill_chunk: int = 512,
+                      reserve: int = DEFAULT_RESERVE) -> int:
+    """Device bytes an all-resident load needs, as the engine sizes it (model/memory.py's fixed bytes:
     dense + KV cache + activations, plus the default reserve) with every expert on top."""
-    kv = mb.kv_elems_per_position * ctx * itemsize
-    act = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
-    return mb.dense_total + mb.experts_total + kv + act + reserve
+    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=itemsize, prefill_chunk=prefill_chunk)
+    return fixed + memory.routed_expert_bytes(gguf) + reserve
 
 
 def limit_figures(mb: ModelBytes, counters_MS: np.ndarray | None, decode_steps: int, decode_tok_s: float,

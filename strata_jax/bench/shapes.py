@@ -13,7 +13,7 @@ import logging
 import time
 from pathlib import Path
 
-from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 log = logging.getLogger("strata_jax")
 
@@ -33,7 +33,7 @@ SHAPES = {
 
 
 def synthetic_model_path(shape: str) -> Path:
-    from strata_jax.model.default_model import cache_dir, file_lock
+    from strata_jax.core.paths import cache_dir, file_lock
 
     spec = SHAPES[shape]
     key = hashlib.sha256(repr(dataclasses.astuple(spec)).encode()).hexdigest()[:16]

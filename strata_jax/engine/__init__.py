@@ -1,1 +1,2 @@
-"""The engine: the frozen runtime config, the Model (weights, tokenizer, expert cache) and the Session that runs its jitted programs."""
+"""The engine: the layer above model/ and offload/: the frozen runtime config, the Model (weights,
+tokenizer, expert cache), the Session that runs its jitted programs, and reports that need both."""

@@ -23,6 +23,7 @@ from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogpro
 from strata_jax.errors import ConfigError
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.model.memory import fixed_device_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
 from strata_jax.offload.manager import OffloadManager
@@ -90,10 +91,9 @@ class Model:
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (model/batch.py)
-            kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize * max(parallel, 1)
-            act_bytes = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
-            dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
-            self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
+            fixed = fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
+                                       rows=max(parallel, 1), prefill_chunk=prefill_chunk)
+            self.experts = OffloadManager(loader, fixed_bytes=fixed,
                                           expert_slots=expert_slots, vram_budget=vram_budget,
                                           vram_reserve=vram_reserve, policy=policy, prefetch=prefetch,
                                           expert_pools=expert_pools, batch_rows=parallel)
@@ -291,7 +291,7 @@ def enable_compilation_cache() -> None:
     STRATA_JAX_COMPILATION_CACHE=0 turns it off."""
     if os.environ.get("STRATA_JAX_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
         return
-    from strata_jax.model.default_model import cache_dir
+    from strata_jax.core.paths import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -308,13 +308,13 @@ def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
     mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md), expert_pools
     ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
     with the same expert types compete for one pool),
-    record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
+    record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a Session's
     rows, the server's --parallel); decode_chunk: decode steps per jitted call, the loop over tokens on
     the device (model/decode.py); a stream's tokens then arrive up to that many at a time (default: 16 on
     a GPU, where it measured 1.7x one step per call on the 48-layer B30, 1 elsewhere; docs/benchmarks.md)."""
     enable_compilation_cache()
     if path is None:
-        from strata_jax.model.default_model import default_model_path
+        from strata_jax.dev.default_model import default_model_path
 
         path = default_model_path()
     return Model(GGUFFile(path), **options)

@@ -35,6 +35,7 @@ import numpy as np
 from strata_jax.errors import ConfigError
 from strata_jax.model import decode as programs
 from strata_jax.model.forward import KVCache
+from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                       SamplingParams, validate_sampling)
@@ -180,7 +181,7 @@ class Session:
         self._stops: tuple[frozenset, jax.Array] | None = None
         cfg = model.config
         if n_rows > 1:
-            kv_bytes = 2 * cfg.n_layers * n_rows * model.ctx * cfg.kv_dim * jnp.dtype(model.dtype).itemsize
+            kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
             log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
                      fmt_bytes(kv_bytes), self.decode_chunk)
         e = model.experts

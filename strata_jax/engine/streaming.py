@@ -1,8 +1,8 @@
 """What a generation streams: text chunks with the token ids (and logprobs) behind them, held back while
 they may still become a stop string or are part of a UTF-8 character, and llama.cpp's timings.
 
-`TextStream` is the text side of one request, fed one sampled token at a time: Model.generate_stream
-drives one, BatchSession one per row, so stop ids, stop strings, held-back text, logprob offsets and
+`TextStream` is the text side of one request, fed one sampled token at a time:
+a Session feeds one per row, so stop ids, stop strings, held-back text, logprob offsets and
 max_tokens behave the same alone and batched.
 """
 

@@ -22,13 +22,28 @@ from strata_jax.errors import ConfigError
 from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, plan_cache
-from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
+from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, gguf_expert_layout,
+                                          resident_slot_table)
 from strata_jax.offload.store import ExpertStore, load_expert_store
 from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
 LOW_FREE_VRAM = 512 << 20
+
+
+def plan_model_cache(gguf, cfg, *, fixed_bytes: int, expert_pools: str = "per-layer", batch_rows: int = 1,
+                     expert_slots: int | None = None, vram_budget: int | str | None = None,
+                     vram_reserve: int | str | None = None, free_bytes: int | None = None) -> CachePlan:
+    """The expert-cache plan of a model as OffloadManager makes it, from the file's tensor table alone,
+    so a report without a device (`strata-jax inspect`) gets the slot count a load would."""
+    layout = gguf_expert_layout(gguf, cfg, expert_pools)
+    return plan_cache(
+        pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
+        # one access (a layer of a decode step) may route batch_rows * k distinct experts
+        n_experts=cfg.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * cfg.n_experts_used, cfg.n_experts),
+        fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
+        free_bytes=free_bytes)
 
 
 class OffloadManager:
@@ -50,11 +65,9 @@ class OffloadManager:
                         "run at depth 2 (exact at depths 0 and 1, and on CPU at any depth), and depth 2 was "
                         "slower; use --prefetch-depth 1 for exact results", prefetch)
         layout = expert_layout(loader, expert_pools)
-        self.plan: CachePlan = plan_cache(
-            pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
-            # one access (a layer of a decode step) may route batch_rows * k distinct experts
-            n_experts=cfg.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * cfg.n_experts_used, cfg.n_experts),
-            fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
+        self.plan: CachePlan = plan_model_cache(
+            loader.gguf, cfg, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,
+            expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
             free_bytes=device_free_bytes(self.device))
         log.info(describe(self.plan))
         self.expert_pools = expert_pools

@@ -74,16 +74,20 @@ POOLS = ("per-layer", "shared")
 def expert_layout(loader: WeightLoader, pools: str = "shared") -> ExpertLayout:
     """pools="shared": one pool per set of expert types, its layers competing for slots; "per-layer": a
     pool (and cache) per MoE layer, with an equal share of the slots."""
+    return gguf_expert_layout(loader.gguf, loader.cfg, pools)
+
+
+def gguf_expert_layout(gguf, cfg, pools: str = "shared") -> ExpertLayout:
+    """expert_layout from the file's tensor table alone (no weights loaded), for planning without a device."""
     if pools not in POOLS:
         from strata_jax.errors import ConfigError
 
         raise ConfigError(f"expert_pools={pools!r} is invalid: choose {' or '.join(map(repr, POOLS))}.")
-    cfg = loader.cfg
     keys: list[tuple] = []
     types: list[tuple] = []
     layer_pool = []
     for i, layer in enumerate(cfg.moe_layers):
-        t = tuple(loader.gguf.tensor(f"blk.{layer}.{n}.weight").ggml_type for n in EXPERT_TENSORS)
+        t = tuple(gguf.tensor(f"blk.{layer}.{n}.weight").ggml_type for n in EXPERT_TENSORS)
         key = (t, i) if pools == "per-layer" else t
         if key not in keys:
             keys.append(key)

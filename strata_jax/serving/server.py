@@ -49,7 +49,7 @@ def model_id(args: Any) -> str:
         return args.alias
     if args.model:
         return Path(args.model).stem
-    from strata_jax.model.default_model import DEFAULT_MODEL_NAME
+    from strata_jax.dev.default_model import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME
 

@@ -26,12 +26,8 @@ import zipfile
 from collections.abc import Callable, Iterator
 from typing import IO, NamedTuple
 
+from strata_jax.core.paths import cache_dir, file_lock
 from strata_jax.errors import StrataError
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; a concurrent assembly still never yields a bad file
-    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("strata_jax")
 
@@ -55,12 +51,6 @@ PARTS: tuple[Part, ...] = tuple(
 
 _CHUNK = 4 << 20
 _MiB = 1 << 20
-
-
-def cache_dir() -> pathlib.Path:
-    """Root of strata-jax's cache: $STRATA_JAX_CACHE, else ~/.cache/strata-jax."""
-    env = os.environ.get("STRATA_JAX_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "strata-jax"
 
 
 def default_model_path(progress: bool = True) -> pathlib.Path:
@@ -326,21 +316,3 @@ def _isatty(stream) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def file_lock(lock_path: pathlib.Path, what: str = "") -> Iterator[None]:
-    """Exclusive advisory lock (fcntl.flock) held for the block; released on exit or process death."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("waiting for another process building %s (lock %s)", what or lock_path.parent, lock_path)
-                fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(f, fcntl.LOCK_UN)

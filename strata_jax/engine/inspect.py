@@ -1,4 +1,7 @@
-"""What is in a GGUF file and what of it fits on a GPU: the report behind `strata-jax inspect`."""
+"""What is in a GGUF file and what of it fits on a GPU: the report behind `strata-jax inspect`.
+
+The slot count for a VRAM budget comes from the planner `load` uses, with the same estimates.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,13 @@ import collections
 import re
 from typing import Any
 
+from strata_jax.errors import ConfigError
+from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.gguf_file import GGUFFile
-from strata_jax.units import fmt_bytes
+from strata_jax.offload.manager import plan_model_cache
+from strata_jax.offload.sizing import DEFAULT_RESERVE
+from strata_jax.units import fmt_bytes, parse_size
 
 _KINDS = [
     (r"^token_embd\.", "embedding"),
@@ -29,7 +36,11 @@ def tensor_kind(name: str) -> str:
     return "other"
 
 
-def report(gguf: GGUFFile, vram_budget: int | None = None, ctx: int = 4096, kv_bytes_per_elem: int = 2) -> dict[str, Any]:
+def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096, kv_bytes_per_elem: int = 2,
+           *, vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
+           expert_pools: str = "per-layer") -> dict[str, Any]:
+    """The file's tensors by kind and, given a VRAM budget, the expert slots `load` would make of it with
+    the same options (model/memory.py's fixed bytes, offload's planner)."""
     cfg = ModelConfig.from_gguf(gguf)
     by_kind: dict[str, int] = collections.Counter()
     types_by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -38,10 +49,10 @@ def report(gguf: GGUFFile, vram_budget: int | None = None, ctx: int = 4096, kv_b
         by_kind[kind] += t.nbytes
         types_by_kind[kind][t.type_name] += 1
     total = sum(by_kind.values())
-    expert_total = by_kind.get("routed experts", 0)
     n_experts_all = cfg.n_experts * len(cfg.moe_layers)
+    expert_total = memory.routed_expert_bytes(gguf)
     expert_bytes = expert_total / n_experts_all if n_experts_all else 0.0
-    kv_bytes = 2 * cfg.n_layers * ctx * cfg.kv_dim * kv_bytes_per_elem
+    rows = max(parallel, 1)
     out: dict[str, Any] = {
         "path": gguf.path,
         "file_bytes": gguf.file_size,
@@ -49,18 +60,34 @@ def report(gguf: GGUFFile, vram_budget: int | None = None, ctx: int = 4096, kv_b
         "bytes_by_kind": dict(by_kind),
         "types_by_kind": {k: dict(v) for k, v in types_by_kind.items()},
         "total_tensor_bytes": total,
-        "dense_bytes": total - expert_total,
+        "dense_bytes": memory.dense_weight_bytes(gguf),
         "experts": n_experts_all,
         "expert_bytes": expert_bytes,
-        "kv_bytes": kv_bytes,
+        "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem),
+        "activation_bytes": memory.activation_bytes(cfg, prefill_chunk),
+        "fixed_bytes": memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
+                                                 prefill_chunk=prefill_chunk),
+        "reserve_bytes": parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE,
         "ctx": ctx,
+        "rows": rows,
+        "kv_bits": 8 * kv_bytes_per_elem,
     }
-    if vram_budget is not None:
-        free_for_experts = vram_budget - out["dense_bytes"] - kv_bytes
-        slots = int(max(free_for_experts, 0) // expert_bytes) if expert_bytes else 0
-        out["vram_budget"] = vram_budget
-        out["fits_dense"] = free_for_experts >= 0
-        out["expert_slots"] = min(slots, n_experts_all)
+    if vram_budget is None:
+        return out
+    budget = parse_size(vram_budget, "vram_budget")
+    out["vram_budget"] = budget
+    if not cfg.is_moe:
+        out["fits_dense"] = budget >= out["fixed_bytes"] + out["reserve_bytes"]
+        return out
+    try:
+        plan = plan_model_cache(gguf, cfg, fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
+                                batch_rows=rows, vram_budget=budget, vram_reserve=vram_reserve)
+    except ConfigError as e:  # what load would refuse with
+        out["fits_dense"], out["too_small"] = False, str(e)
+        return out
+    out["fits_dense"] = True
+    out["plan"] = plan
+    out["expert_slots"] = plan.n_slots
     return out
 
 
@@ -83,16 +110,22 @@ def format_report(r: dict[str, Any]) -> str:
         types = ", ".join(f"{t} x{c}" for t, c in sorted(r["types_by_kind"][kind].items()))
         lines.append(f"  {kind:<15} {fmt_bytes(n):>12}  {100 * n / r['total_tensor_bytes']:5.1f}%  [{types}]")
     lines.append(f"dense weights {fmt_bytes(r['dense_bytes'])} (everything but routed experts)")
-    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,} (16-bit)")
+    rows = f" x {r['rows']} rows" if r["rows"] > 1 else ""
+    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({r['kv_bits']}-bit)")
+    lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk, bound)")
     if "vram_budget" in r:
         budget = fmt_bytes(r["vram_budget"])
-        if not r["fits_dense"]:
-            lines.append(f"vram budget   {budget}: too small for the dense weights and kv cache alone "
-                         f"(need {fmt_bytes(r['dense_bytes'] + r['kv_bytes'])} before any expert)")
+        before = (f"{fmt_bytes(r['fixed_bytes'])} of dense weights, kv cache and activations, "
+                  f"{fmt_bytes(r['reserve_bytes'])} reserved")
+        if "too_small" in r:  # the planner's own refusal, as load would raise it
+            lines.append(f"vram budget   {r['too_small']}")
+        elif not r["fits_dense"]:
+            lines.append(f"vram budget   {budget}: too small: {before}")
         elif cfg.is_moe:
             pct = 100 * r["expert_slots"] / max(r["experts"], 1)
             lines.append(f"vram budget   {budget}: {r['expert_slots']:,} expert slots ({pct:.0f}% of {r['experts']:,} "
-                         f"experts) beside the dense weights and kv cache")
+                         f"experts) beside {before}"
+                         + ("; all resident" if r["plan"].resident else "; offloading"))
         else:
             lines.append(f"vram budget   {budget}: the whole model fits")
     return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Device-memory estimates of a model, in one place: what load sizes the expert cache with, what
+`strata-jax inspect` reports and what the bench compares against.
+
+Pure arithmetic over a ModelConfig and a GGUF's tensor table; nothing is allocated. Weight sizes are
+the file's own (quantized) bytes, which is what the engine keeps on an accelerator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from strata_jax.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from strata_jax.model.gguf_file import GGUFFile
+
+# Tensors whose names contain this are routed experts (the expert cache's); everything else is dense.
+ROUTED_EXPERT_MARK = "_exps."
+
+
+def is_routed_expert(name: str) -> bool:
+    return ROUTED_EXPERT_MARK in name
+
+
+def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2) -> int:
+    """K and V of every layer for `rows` sequences of `ctx` positions (model/forward.py's KVCache)."""
+    return 2 * cfg.n_layers * rows * ctx * cfg.kv_dim * itemsize
+
+
+def dense_weight_bytes(gguf: GGUFFile) -> int:
+    """Every tensor but the routed experts: what sits on the device whatever the expert cache holds."""
+    return sum(t.nbytes for t in gguf.tensors.values() if not is_routed_expert(t.name))
+
+
+def routed_expert_bytes(gguf: GGUFFile) -> int:
+    """All routed experts of the file (every MoE layer's gate, up and down)."""
+    return sum(t.nbytes for t in gguf.tensors.values() if is_routed_expert(t.name))
+
+
+def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
+    """A bound on the live activations of one prefill chunk: 64 float32 buffers of the chunk's tokens
+    by the widest per-token dimension (the model, or the routed experts' hidden units over 8)."""
+    return 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
+
+
+def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,
+                       prefill_chunk: int = 512) -> int:
+    """What the device holds before any expert slot: dense weights + KV cache rows + activations
+    (the expert-cache planner's fixed_bytes; its reserve comes on top)."""
+    return (dense_weight_bytes(gguf) + kv_cache_bytes(cfg, ctx, rows, itemsize)
+            + activation_bytes(cfg, prefill_chunk))

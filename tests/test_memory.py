@@ -1,0 +1,117 @@
+"""model/memory.py's estimates against what is really allocated or stored, and `inspect`'s slot count
+against the planner that `load` uses (a synthetic MoE GGUF of the bench's "tiny" shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from gguf import GGUFReader
+
+import strata_jax
+from strata_jax.bench.shapes import SHAPES
+from strata_jax.dev.synthetic import write_synthetic_gguf
+from strata_jax.engine.inspect import report
+from strata_jax.errors import ConfigError
+from strata_jax.model import memory
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.forward import KVCache
+from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.offload.sizing import DEFAULT_RESERVE, plan_cache
+
+# Q4_K down projections in odd layers (as Q4_K_M mixes types): experts differ in size by layer, and
+# "shared" pools group layers 0 and 2 while "per-layer" gives each layer its own.
+SPEC = dataclasses.replace(SHAPES["tiny"], n_layers=3, odd_down_qtype="Q4_K", expert_ffn_dim=256)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("memory") / "moe.gguf", SPEC)
+    gguf = GGUFFile(path)
+    return path, gguf, ModelConfig.from_gguf(gguf)
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, jnp.bfloat16), (3, jnp.float32)])
+def test_kv_cache_bytes_is_the_allocation(moe, rows, dtype):
+    _, _, cfg = moe
+    kv = KVCache.zeros(cfg, rows, 96, dtype)
+    allocated = sum(a.nbytes for a in jax.tree.leaves(kv))
+    assert memory.kv_cache_bytes(cfg, 96, rows, jnp.dtype(dtype).itemsize) == allocated
+
+
+def test_weight_bytes_match_the_tensor_table(moe):
+    path, gguf, _ = moe
+    # gguf-py's own reader, independent of GGUFFile
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    dense = sum(n for name, n in sizes.items() if "_exps." not in name)
+    assert memory.dense_weight_bytes(gguf) == dense
+    assert memory.routed_expert_bytes(gguf) == sum(sizes.values()) - dense > 0
+    assert memory.dense_weight_bytes(gguf) + memory.routed_expert_bytes(gguf) <= path.stat().st_size
+
+
+def test_activation_and_fixed_bytes(moe):
+    _, gguf, cfg = moe
+    # widest per-token dimension: 16 experts x 256 ffn / 8 = 512 > d_model 128
+    assert memory.activation_bytes(cfg, 256) == 64 * 256 * 512 * 4
+    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=512, itemsize=2, rows=2, prefill_chunk=256)
+    assert fixed == (memory.dense_weight_bytes(gguf) + memory.kv_cache_bytes(cfg, 512, 2, 2)
+                     + memory.activation_bytes(cfg, 256))
+
+
+def test_load_plans_with_the_fixed_bytes(moe):
+    path, gguf, cfg = moe
+    m = strata_jax.load(path, ctx=128, dtype="bfloat16", parallel=2, prefill_chunk=64, expert_slots=12)
+    assert m.cache_plan.fixed_bytes == memory.fixed_device_bytes(gguf, cfg, ctx=128, itemsize=2, rows=2,
+                                                                 prefill_chunk=64)
+
+
+def _planned(gguf, cfg, budget, pools, rows=1):
+    """plan_cache called directly, with the pools spelled out from the tensor table."""
+    def expert(i, names=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+        return sum(gguf.tensor(f"blk.{i}.{n}.weight").nbytes for n in names) // cfg.n_experts
+
+    per_layer = [expert(i) for i in cfg.moe_layers]
+    assert per_layer[0] == per_layer[2] != per_layer[1]
+    if pools == "per-layer":
+        pool_layers, pool_bytes = ((0,), (1,), (2,)), tuple(per_layer)
+    else:
+        pool_layers, pool_bytes = ((0, 2), (1,)), (per_layer[0], per_layer[1])
+    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, rows=rows)
+    return plan_cache(pool_layers=pool_layers, pool_expert_bytes=pool_bytes, n_experts=cfg.n_experts,
+                      min_slots_per_pool=min(rows * cfg.n_experts_used, cfg.n_experts), fixed_bytes=fixed,
+                      vram_budget=budget)
+
+
+@pytest.mark.parametrize("pools", ["per-layer", "shared"])
+@pytest.mark.parametrize("extra_experts", [6.5, 17, 1000])
+def test_inspect_slots_are_the_planners(moe, pools, extra_experts):
+    _, gguf, cfg = moe
+    per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)
+                 + extra_experts * per_expert)
+    r = report(gguf, vram_budget=budget, ctx=256, expert_pools=pools)
+    plan = _planned(gguf, cfg, budget, pools)
+    assert r["expert_slots"] == plan.n_slots and r["plan"] == plan
+    assert plan.resident == (extra_experts >= cfg.n_experts * len(cfg.moe_layers))
+
+
+def test_inspect_agrees_with_load(moe):
+    """The same budget through `load` (CPU: the budget is the only limit) and through the report."""
+    path, gguf, cfg = moe
+    per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + 9.5 * per_expert)
+    r = report(gguf, vram_budget=budget, ctx=256)
+    m = strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+    assert not m.cache_plan.resident
+    assert m.cache_plan == r["plan"] and m.stats()["expert_slots"] == r["expert_slots"]
+
+
+def test_inspect_refuses_what_load_refuses(moe):
+    path, gguf, cfg = moe
+    budget = DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)  # no room for an expert
+    r = report(gguf, vram_budget=budget, ctx=256)
+    assert not r["fits_dense"] and "too small" in r["too_small"]
+    with pytest.raises(ConfigError, match="too small"):
+        strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
