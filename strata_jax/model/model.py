@@ -484,24 +484,30 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
-    """Load a GGUF model (the embedded default model when path is None).
+def load(path: str | os.PathLike[str] | None = None, config: "EngineConfig | None" = None, *, device: Any = None,
+         **options: Any) -> Model:
+    """Load a GGUF model (the embedded default model when path is None) on `device` (default: JAX's first).
 
-    Options: ctx, dtype ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense
-    (default: on CPU only); for MoE models the expert cache: expert_slots (total slots) or vram_budget
-    (bytes or "32GiB"; default: free device memory) and vram_reserve, policy ("lru", ... or a Policy),
-    prefetch (False, True or a depth: MoE layers ahead whose predicted experts each layer fetches; off by
-    default: in-step fetches are not yet overlapped with compute, and on an H200 the extra, partly
-    mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md), expert_pools
-    ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
-    with the same expert types compete for one pool),
-    record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a BatchSession's
-    rows, the server's --parallel); decode_chunk: decode steps per jitted call, the loop over tokens on
-    the device (model/decode.py); a stream's tokens then arrive up to that many at a time (default: 16 on
-    a GPU, where it measured 1.7x one step per call on the 48-layer B30, 1 elsewhere; docs/benchmarks.md)."""
-    enable_compilation_cache()
+    config: a strata_jax.engine.config.EngineConfig; keyword options (ctx, dtype, expert_slots,
+    vram_budget, policy, ...: EngineConfig's fields, documented there) build one, or change the given
+    one. Every option is validated before the file is opened."""
+    from strata_jax.engine.config import EngineConfig
+
+    if config is None:
+        config = EngineConfig.create(**options)
+    elif not isinstance(config, EngineConfig):
+        raise ConfigError(f"config={config!r} is not an EngineConfig; build one with EngineConfig.create(...).")
+    elif options:
+        config = config.replace(**options)
+    if config.compilation_cache:
+        enable_compilation_cache()
     if path is None:
         from strata_jax.model.default_model import default_model_path
 
         path = default_model_path()
-    return Model(GGUFFile(path), **options)
+    gguf = GGUFFile(path)
+    config = config.check_model(ModelConfig.from_gguf(gguf))
+    device = device or jax.devices()[0]
+    config = config.resolved(device.platform)
+    # Model does not take Kernels yet (the model code reads the kernel switches itself until it does)
+    return Model(gguf, device=device, **config.model_kwargs())
