@@ -28,45 +28,61 @@ def _positive_int(name):
     return _int_at_least(name, 1)
 
 
-def _non_negative_int(name):
-    return _int_at_least(name, 0)
-
-
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
+    from strata_jax.engine.config import DTYPES, POOLS
+
     p.add_argument("--model", "-m", metavar="PATH",
                    help="GGUF file (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched once)")
-    p.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
-                   help="context length in tokens (default: the model's, capped at 4096)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--decode-chunk", type=_positive_int("--decode-chunk"), default=None,
-                   help="decode steps per jitted call, the loop over tokens on the device (default 1; "
-                        "docs/benchmarks.md has the measurements)")
+    p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's, capped at 4096)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--prefill-chunk", default=512,
+                   help="prompt tokens per jitted prefill call, a power of two >= 16 (default 512)")
+    p.add_argument("--decode-chunk", default=None,
+                   help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
+                        "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
     c = p.add_argument_group("expert cache (MoE models)")
-    c.add_argument("--expert-slots", type=_positive_int("--expert-slots"), default=None,
+    c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
     c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB (default: free memory)")
     c.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace (default 1GiB)")
     c.add_argument("--policy", default="lru",
                    help="cache policy: lru, lfu, lrfu, lrfu(LAMBDA), or static:FILE.npy (a saved usage profile "
                         "[layers, experts] or routing trace [tokens, layers, k])")
-    c.add_argument("--prefetch-depth", type=_non_negative_int("--prefetch-depth"), default=0,
+    c.add_argument("--prefetch-depth", default=0,
                    help="prefetch: each MoE layer fetches the experts that the next N layers' routers predict "
                         "(default 0 = off: without copy/compute overlap it measured slower on an H200)")
-    c.add_argument("--expert-pools", choices=["per-layer", "shared"], default="per-layer",
+    c.add_argument("--expert-pools", choices=POOLS, default="per-layer",
                    help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
 
 
-def engine_options(args) -> dict:
-    """load() keyword arguments from the shared engine flags (generate, serve)."""
-    opts = dict(ctx=args.ctx, dtype=args.dtype, expert_slots=args.expert_slots, vram_budget=args.vram_budget,
-                vram_reserve=args.vram_reserve, policy=args.policy,
-                prefetch=args.prefetch_depth, expert_pools=args.expert_pools)
-    if args.decode_chunk is not None:
-        opts["decode_chunk"] = args.decode_chunk
-    return opts
+def engine_config(args):
+    """The EngineConfig of the shared engine flags (generate, serve), validated before anything loads."""
+    from strata_jax.engine.config import EngineConfig
+
+    return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+                               decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
+                               vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
+                               prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
+                               parallel=getattr(args, "parallel", 1))
+
+
+# generate's sampling flags, by the name validate_sampling knows them by
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
+
+
+def check_generate_flags(args) -> None:
+    """generate's sampling and length flags, checked before the model loads."""
+    from strata_jax.errors import ConfigError
+    from strata_jax.model.sampling import validate_sampling
+
+    validate_sampling(names=SAMPLING_FLAGS, **{k: getattr(args, k) for k in SAMPLING_FLAGS})
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens} is invalid: it must be an integer >= 1.")
+    if any(not s for s in args.stop or []):
+        raise ConfigError("--stop '' is invalid: each stop string must be non-empty.")
 
 
 def _cmd_generate(args) -> int:
@@ -74,7 +90,9 @@ def _cmd_generate(args) -> int:
 
     if args.prompt is None and args.chat is None:
         raise StrataError("give --prompt TEXT (raw completion) or --chat TEXT (one user turn through the chat template)")
-    model = strata_jax.load(args.model, **engine_options(args))
+    config = engine_config(args)
+    check_generate_flags(args)
+    model = strata_jax.load(args.model, config)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -115,7 +133,7 @@ def _cmd_inspect(args) -> int:
 def _cmd_serve(args) -> int:
     from strata_jax.serving.server import serve
 
-    return serve(args, engine_options(args))
+    return serve(args, engine_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="raw prompt, completed as is")
     src.add_argument("--chat", "-c", help="a user message, rendered with the model's chat template")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-tokens", "-n", type=_positive_int("--max-tokens"), default=256)
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
     g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=40, help="0 = off")

@@ -156,18 +156,18 @@ def test_cli_generate_with_expert_cache_options(moe_path):
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-slots", "1")
     assert r.returncode == 2 and "too few" in r.stderr
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--prefetch-depth", "-1")
-    assert r.returncode == 2 and "--prefetch-depth must be >= 0, got -1" in r.stderr
+    assert r.returncode == 2 and "--prefetch-depth -1 is invalid" in r.stderr
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-pools", "per-expert")
     assert r.returncode == 2 and "invalid choice: 'per-expert'" in r.stderr
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--expert-slots", "4",
              "--policy", "static:/nonexistent/profile.npy")
     assert r.returncode == 2 and "cannot read the static policy's profile" in r.stderr
-    # decode in 2-step calls: the same text; a zero chunk is refused by the parser
+    # decode in 2-step calls: the same text; a zero chunk is refused before loading
     r = _cli("generate", "--model", str(moe_path), "--prompt", "the tea", "-n", "5", "-t", "0", "--ctx", "64",
              "--expert-slots", "4", "--decode-chunk", "2")
     assert r.returncode == 0 and r.stdout == ref + "\n", r.stderr
     r = _cli("generate", "--model", str(moe_path), "--prompt", "x", "--decode-chunk", "0")
-    assert r.returncode == 2 and "--decode-chunk must be" in r.stderr
+    assert r.returncode == 2 and "--decode-chunk 0 is invalid" in r.stderr
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -255,7 +255,7 @@ def test_bad_decode_chunk_is_a_config_error(moe_path, bad):
 def test_decode_chunk_default_follows_the_device(moe_path, caplog):
     """16 steps per call on a GPU (where the launch of a step costs as much as the step), 1 elsewhere; the
     load log says which."""
-    from strata_jax.engine.model import default_decode_chunk
+    from strata_jax.engine.config import default_decode_chunk
 
     assert default_decode_chunk("gpu") == 16 and default_decode_chunk("cpu") == 1
     with caplog.at_level("INFO", logger="strata_jax"):

@@ -227,6 +227,16 @@ def run(args, argv: list[str]) -> dict:
     return doc
 
 
+def check_engine_options(args) -> None:
+    """The engine options every configuration shares, validated before anything is written or loaded
+    (EngineConfig: errors name the flag)."""
+    from strata_jax.engine.config import EngineConfig
+
+    for depth in args.prefetch_depth:
+        EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, decode_chunk=args.decode_chunk,
+                            vram_budget=args.vram_budget, policy=args.policy, prefetch=depth)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -239,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata_jax.errors import StrataError
 
     try:
+        check_engine_options(args)
         run(args, argv)
     except StrataError as e:
         print(f"strata-jax bench: error: {e}", file=sys.stderr)

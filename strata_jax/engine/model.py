@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import runtime
+from strata_jax.core.paths import cache_dir
+from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.errors import ConfigError
@@ -27,76 +29,39 @@ from strata_jax.model.memory import fixed_device_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, load_params
 from strata_jax.offload.manager import OffloadManager
-from strata_jax.offload.policies import Policy
 
 log = logging.getLogger("strata_jax")
 
-MIN_BUCKET = 16
-# Decode steps per jitted call by default: on a GPU the host's launch of a step costs as much as the
-# step (docs/benchmarks.md); on the CPU the launch is cheap next to the compute and one step per call
-# streams each token as soon as it exists.
-DECODE_CHUNK_GPU = 16
-
-
-def default_decode_chunk(platform: str) -> int:
-    return DECODE_CHUNK_GPU if platform == "gpu" else 1
-
-
-def _resolve_dtype(dtype: Any, platform: str):
-    if dtype in (None, "auto"):
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ConfigError(f"dtype={dtype!r} is not supported: use 'float32', 'bfloat16', 'float16' or 'auto'.")
-    return dt.type
-
 
 class Model:
-    def __init__(self, gguf: GGUFFile, *, ctx: int | None = None, dtype: Any = None, device: Any = None,
-                 prefill_chunk: int = 512, dequantize_dense: bool | None = None, expert_slots: int | None = None,
-                 vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                 policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
-                 record_routing: bool = False,
-                 parallel: int = 1, decode_chunk: int | None = None):
+    """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
+
+    def __init__(self, gguf: GGUFFile, config: EngineConfig | None = None, device: Any = None):
         t0 = time.perf_counter()
         self.gguf = gguf
         self.config = cfg = ModelConfig.from_gguf(gguf)
         self.device = device or jax.devices()[0]
-        self.dtype = _resolve_dtype(dtype, self.device.platform)
+        config = config or EngineConfig.create()
+        self.engine_config = config = config.check_model(cfg).resolved(self.device.platform)
+        self.dtype = jnp.dtype(config.dtype).type
+        self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
+        self.kernels = config.kernels
         if runtime.applied and self.device.platform == "gpu":
             log.info("XLA: %s (expert-miss loops run as CUDA graph nodes, no host sync per iteration; "
                      "STRATA_JAX_XLA_DEFAULTS=0 turns this off)", " ".join(f"{k}={v}" for k, v in runtime.applied.items()))
-        self.ctx = int(ctx or min(cfg.context_length, 4096))
-        if self.ctx < 1:
-            raise ConfigError(f"ctx={ctx!r} is invalid: give a positive context length.")
-        if self.ctx > cfg.context_length:
-            log.warning("ctx %d exceeds the model's trained context %d; quality may degrade past it",
-                        self.ctx, cfg.context_length)
-        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
-            raise ConfigError(f"prefill_chunk={prefill_chunk} must be a power of two >= {MIN_BUCKET}.")
-        self.prefill_chunk = prefill_chunk
-        if decode_chunk is None:
-            decode_chunk = default_decode_chunk(self.device.platform)
-        if isinstance(decode_chunk, bool) or not isinstance(decode_chunk, int) or decode_chunk < 1:
-            raise ConfigError(f"decode_chunk={decode_chunk!r} must be a positive integer (decode steps per call).")
-        self.decode_chunk = decode_chunk
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
-        if dequantize_dense is None:
-            dequantize_dense = self.device.platform == "cpu"
+        dequantize_dense = config.dequantize_dense
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         self.params = load_params(loader)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
-            # a server decoding `parallel` requests at once holds that many KV-cache rows (model/batch.py)
+            # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
             fixed = fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
-                                       rows=max(parallel, 1), prefill_chunk=prefill_chunk)
-            self.experts = OffloadManager(loader, fixed_bytes=fixed,
-                                          expert_slots=expert_slots, vram_budget=vram_budget,
-                                          vram_reserve=vram_reserve, policy=policy, prefetch=prefetch,
-                                          expert_pools=expert_pools, batch_rows=parallel)
+                                       rows=config.parallel, prefill_chunk=config.prefill_chunk)
+            self.experts = OffloadManager(loader, fixed_bytes=fixed, expert_slots=config.expert_slots,
+                                          vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
+                                          policy=config.policy, prefetch=config.prefetch,
+                                          expert_pools=config.expert_pools, batch_rows=config.parallel)
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
@@ -108,7 +73,7 @@ class Model:
                  f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step",
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
-        self.routing: list[np.ndarray] | None = [] if record_routing else None  # [tokens, M, k] per call
+        self.routing: list[np.ndarray] | None = [] if config.record_routing else None  # [tokens, M, k] per call
         self.forced_TMk: np.ndarray | None = None  # force_routing's trace
         self.host = HostTiming()
         self._session: Session | None = None  # generate's one-row session, made on first use
@@ -287,34 +252,30 @@ class Model:
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled programs on disk (cache_dir()/xla) so a second start skips XLA compilation.
-    STRATA_JAX_COMPILATION_CACHE=0 turns it off."""
-    if os.environ.get("STRATA_JAX_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    """Keep compiled programs on disk (cache_dir()/xla) so a second start skips XLA compilation."""
+    if jax.config.jax_compilation_cache_dir:
         return
-    from strata_jax.core.paths import cache_dir
-
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def load(path: str | os.PathLike[str] | None = None, **options: Any) -> Model:
-    """Load a GGUF model (the embedded default model when path is None).
+def load(path: str | os.PathLike[str] | None = None, config: EngineConfig | None = None, *, device: Any = None,
+         **options: Any) -> Model:
+    """Load a GGUF model (the embedded default model when path is None) on `device` (default: JAX's first).
 
-    Options: ctx, dtype ("auto" | "float32" | "bfloat16"), device, prefill_chunk, dequantize_dense
-    (default: on CPU only); for MoE models the expert cache: expert_slots (total slots) or vram_budget
-    (bytes or "32GiB"; default: free device memory) and vram_reserve, policy ("lru", ... or a Policy),
-    prefetch (False, True or a depth: MoE layers ahead whose predicted experts each layer fetches; off by
-    default: in-step fetches are not yet overlapped with compute, and on an H200 the extra, partly
-    mispredicted traffic cost more than the misses it saved, see docs/benchmarks.md), expert_pools
-    ("per-layer": a cache per MoE layer with an equal share of the slots, the default; "shared": layers
-    with the same expert types compete for one pool),
-    record_routing; parallel: KV-cache rows to leave room for beside the expert cache (a Session's
-    rows, the server's --parallel); decode_chunk: decode steps per jitted call, the loop over tokens on
-    the device (model/decode.py); a stream's tokens then arrive up to that many at a time (default: 16 on
-    a GPU, where it measured 1.7x one step per call on the 48-layer B30, 1 elsewhere; docs/benchmarks.md)."""
-    enable_compilation_cache()
+    config: an EngineConfig; keyword options (ctx, dtype, expert_slots, vram_budget, policy, ...:
+    EngineConfig's fields, documented there) build one, or change the given one. Every option is
+    validated before the file is opened."""
+    if config is None:
+        config = EngineConfig.create(**options)
+    elif not isinstance(config, EngineConfig):
+        raise ConfigError(f"config={config!r} is not an EngineConfig; build one with EngineConfig.create(...).")
+    elif options:
+        config = config.replace(**options)
+    if config.compilation_cache:
+        enable_compilation_cache()
     if path is None:
         from strata_jax.dev.default_model import default_model_path
 
         path = default_model_path()
-    return Model(GGUFFile(path), **options)
+    return Model(GGUFFile(path), config, device)

@@ -55,8 +55,9 @@ class SamplingParams:
 
 
 def validate_sampling(*, temperature=None, top_p=None, top_k=None, min_p=None, presence_penalty=None,
-                      frequency_penalty=None, repeat_penalty=None, repeat_last_n=None) -> None:
-    """Reject values that would make sampling meaningless, saying what range is valid."""
+                      frequency_penalty=None, repeat_penalty=None, repeat_last_n=None, names=None) -> None:
+    """Reject values that would make sampling meaningless, saying what range is valid. names: what the
+    errors call each value where not its keyword (the CLI's flags: {"top_p": "--top-p"})."""
     integer = lambda v: float(v).is_integer()  # noqa: E731
     checks = [
         ("temperature", temperature, lambda v: 0 <= v <= 100, "a number >= 0 (0 = greedy)"),
@@ -73,7 +74,8 @@ def validate_sampling(*, temperature=None, top_p=None, top_k=None, min_p=None, p
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-            raise ConfigError(f"{name}={value!r} is invalid: it must be {want}.")
+            shown = f"{names[name]} {value!r}" if names and name in names else f"{name}={value!r}"
+            raise ConfigError(f"{shown} is invalid: it must be {want}.")
 
 
 # -- penalties ----------------------------------------------------------------------------------------

@@ -7,9 +7,12 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata_jax.errors import StrataError
+
+if TYPE_CHECKING:
+    from strata_jax.engine.config import EngineConfig
 
 log = logging.getLogger("strata_jax")
 
@@ -54,7 +57,9 @@ def model_id(args: Any) -> str:
     return DEFAULT_MODEL_NAME
 
 
-def serve(args: Any, engine_options: dict[str, Any]) -> int:
+def serve(args: Any, config: "EngineConfig") -> int:
+    """Serve the model of args.model loaded with `config` (an EngineConfig, already validated: its
+    parallel is args.parallel, so the expert cache leaves room for every KV row)."""
     import uvicorn
 
     import strata_jax
@@ -73,14 +78,13 @@ def serve(args: Any, engine_options: dict[str, Any]) -> int:
         failure.append(e)
         server.should_exit = True
 
-    options = dict(engine_options, parallel=args.parallel)  # the expert cache leaves room for every KV row
-    engine = Engine(lambda: strata_jax.load(args.model, **options), queue_size=args.queue_size,
+    engine = Engine(lambda: strata_jax.load(args.model, config), queue_size=args.queue_size,
                     warmup=args.warmup, parallel=args.parallel, on_load_error=on_load_error)
     app = create_app(engine, model_id=model_id(args), api_key=api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                             access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_timeout,
                             lifespan="on")
-    server = Server(config)
+    server = Server(uv_config)
     log.info("serving %s on http://%s:%d (OpenAI API under /v1%s); the model loads in the background",
              model_id(args), args.host, args.port, ", API key required" if api_key else "")
     # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers in

@@ -1,0 +1,305 @@
+"""EngineConfig: every runtime option of a loaded model, validated once, before the file is opened.
+
+`EngineConfig.create(**options)` checks each option and raises a ConfigError naming it and the fix;
+with flags=True (the CLI) the errors name the command-line flag instead and numbers may arrive as text.
+The environment sets defaults here and nowhere else: STRATA_JAX_QMATVEC (1 on, 0 off, unset auto) and
+STRATA_JAX_MOE_PREFILL (dense | grouped) give `kernels`, STRATA_JAX_COMPILATION_CACHE (0 off) gives
+`compilation_cache`. Two later steps finish the config: `check_model` once the GGUF header is read
+(fills ctx, warns about options the model ignores) and `resolved` once the device is known (fills
+the platform defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from strata_jax.errors import ConfigError
+from strata_jax.model.kernels import Kernels
+from strata_jax.units import parse_size
+
+log = logging.getLogger("strata_jax")
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POOLS = ("per-layer", "shared")  # strata_jax.offload.slot_table.POOLS
+MIN_PREFILL_CHUNK = 16  # model.py's smallest prefill bucket (MIN_BUCKET)
+DEFAULT_CTX_CAP = 4096  # ctx=None: the trained context, capped here to keep the KV cache modest
+# decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
+# (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
+DECODE_CHUNK_GPU = 16
+
+
+def default_decode_chunk(platform: str) -> int:
+    return DECODE_CHUNK_GPU if platform == "gpu" else 1
+
+# the command-line flag of each option that has one (create(flags=True) names these in its errors)
+FLAGS = {
+    "ctx": "--ctx", "dtype": "--dtype", "prefill_chunk": "--prefill-chunk", "decode_chunk": "--decode-chunk",
+    "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
+    "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
+}
+
+# options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model)
+_EXPERT_OPTIONS = {"expert_slots": None, "vram_budget": None, "vram_reserve": None, "policy": "lru", "prefetch": 0,
+                   "expert_pools": "per-layer"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    # context length in tokens: sizes the KV cache; None = the model's trained length, capped at 4096
+    ctx: int | None = None
+    # compute dtype; "auto" = bfloat16 on an accelerator, float32 on CPU (resolved() fills it)
+    dtype: str = "auto"
+    # prompt tokens per jitted prefill call, a power of two >= 16 so prefill compiles O(log n) shapes
+    prefill_chunk: int = 512
+    # decode steps per jitted call (the token loop runs on the device); None = 16 on a GPU, where a
+    # step's launch costs as much as the step, 1 elsewhere, where tokens then stream one by one
+    decode_chunk: int | None = None
+    # dequantize dense weights at load (faster steps, more memory) or keep GGML blocks; None = on CPU only
+    dequantize_dense: bool | None = None
+    # MoE: total expert slots on the device; None = as many as vram_budget holds
+    expert_slots: int | None = None
+    # MoE: device bytes to use (given as 32GiB, 24GB, or bytes); None = the device's free memory
+    vram_budget: int | None = None
+    # MoE: bytes kept free for XLA workspace and fragmentation; None = 1 GiB (offload/sizing.py)
+    vram_reserve: int | None = None
+    # MoE: the cache policy: lru, lfu, lrfu, lrfu(L), static:FILE.npy (a saved profile or trace), or a Policy
+    policy: Any = "lru"
+    # MoE: MoE layers ahead whose predicted experts each layer prefetches (0 = off: fetches are not yet
+    # overlapped with compute, and the mispredicted traffic measured slower than the misses it saved)
+    prefetch: int = 0
+    # MoE: a slot pool per MoE layer (an equal share each) or one shared by layers of the same expert types
+    expert_pools: str = "per-layer"
+    # KV-cache rows (requests decoded at once, a server's --parallel) the expert cache leaves room for
+    parallel: int = 1
+    # keep the routed experts of every token (Model.routing_trace(), for the offload simulator)
+    record_routing: bool = False
+    # which kernel each jitted program traces (model/kernels.py); default from the environment
+    kernels: Kernels = dataclasses.field(default_factory=Kernels)
+    # keep compiled programs on disk so a second start skips XLA compilation
+    compilation_cache: bool = True
+
+    def __post_init__(self):
+        # a directly built config is checked too (keyword names in errors); create() normalized it already
+        for name, value in _check_all(self.options(), {}, text=False).items():
+            object.__setattr__(self, name, value)
+
+    # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, *, flags: bool | Mapping[str, str] = False, **options: Any) -> "EngineConfig":
+        """A validated config from keyword options; what is not given takes its default, or the
+        environment's for kernels and compilation_cache. flags: True (or an option -> flag mapping) when
+        the options come from a command line: errors name the flags and integers may be text."""
+        names = FLAGS if flags is True else dict(flags or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                              f"the engine options are: {', '.join(OPTIONS)}.")
+        if "kernels" not in options:
+            options["kernels"] = kernels_from_env()
+        if "compilation_cache" not in options:
+            options["compilation_cache"] = compilation_cache_from_env()
+        return cls(**_check_all(options, names, text=bool(flags)))
+
+    def options(self) -> dict[str, Any]:
+        """The fields as keyword options (shallow: kernels stays a Kernels)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **options: Any) -> "EngineConfig":
+        """A copy with these options changed, validated as create() validates them."""
+        return EngineConfig.create(**{**self.options(), **options})
+
+    # -- later steps ----------------------------------------------------------------------------------
+    def check_model(self, model_config) -> "EngineConfig":
+        """Against the model (a ModelConfig, once the GGUF header is read): ctx filled from the trained
+        length; a warning for ctx past it, and for expert-cache options a dense model ignores."""
+        trained = model_config.context_length
+        ctx = self.ctx or min(trained, DEFAULT_CTX_CAP)
+        if ctx > trained:
+            log.warning("ctx %d exceeds the model's trained context %d; quality may degrade past it", ctx, trained)
+        if not model_config.is_moe:
+            given = [k for k, default in _EXPERT_OPTIONS.items() if getattr(self, k) != default]
+            if given:
+                log.warning("%s ignored: %s is a dense model, it has no expert cache",
+                            ", ".join(given), model_config.arch)
+        return dataclasses.replace(self, ctx=ctx)
+
+    def resolved(self, platform: str) -> "EngineConfig":
+        """The platform defaults filled in for a device of this platform ("gpu", "cpu", ...)."""
+        dtype = self.dtype if self.dtype != "auto" else "float32" if platform == "cpu" else "bfloat16"
+        return dataclasses.replace(
+            self, dtype=dtype,
+            decode_chunk=self.decode_chunk if self.decode_chunk is not None else default_decode_chunk(platform),
+            dequantize_dense=self.dequantize_dense if self.dequantize_dense is not None else platform == "cpu",
+            kernels=dataclasses.replace(self.kernels, platform=platform))
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+# -- the environment's defaults ---------------------------------------------------------------------------
+
+def kernels_from_env() -> Kernels:
+    """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto) and STRATA_JAX_MOE_PREFILL."""
+    q = os.environ.get("STRATA_JAX_QMATVEC", "")
+    if q not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
+                          "type), 0 (never) or leave it unset (auto: where it measured faster).")
+    moe = os.environ.get("STRATA_JAX_MOE_PREFILL", "") or "dense"
+    if moe not in ("dense", "grouped"):
+        raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default) or grouped, or "
+                          "leave it unset.")
+    return Kernels(qmatvec={"": "auto", "0": "off", "1": "on"}[q], moe_prefill=moe)
+
+
+def compilation_cache_from_env() -> bool:
+    v = os.environ.get("STRATA_JAX_COMPILATION_CACHE", "")
+    if v not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_COMPILATION_CACHE={v!r} is invalid: set 0 (no on-disk cache of compiled "
+                          "programs) or 1, or leave it unset (on).")
+    return v != "0"
+
+
+# -- the checks -------------------------------------------------------------------------------------------
+
+def _show(name: str, value: Any) -> str:
+    return f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
+
+
+def _bad(name: str, value: Any, want: str) -> ConfigError:
+    return ConfigError(f"{_show(name, value)} is invalid: it must be {want}.")
+
+
+def _int(value: Any, name: str, text: bool, low: int, want: str, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if text and isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _bad(name, value, want) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(name, value, want)
+    return int(value)
+
+
+def _bool(value: Any, name: str, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise _bad(name, value, "True or False" + (" (or None: the platform default)" if optional else ""))
+    return value
+
+
+def _dtype(value: Any, name: str) -> str:
+    if isinstance(value, str):
+        if value in DTYPES:
+            return value
+    elif value is not None:
+        import jax.numpy as jnp  # a dtype object (jnp.bfloat16, np.float32): its name
+
+        try:
+            n = jnp.dtype(value).name
+        except TypeError:
+            n = None
+        if n in DTYPES:
+            return n
+    raise _bad(name, value, "one of " + ", ".join(DTYPES) + " (auto: bfloat16 on an accelerator, float32 on CPU)")
+
+
+def _size(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, name)
+    except ConfigError:
+        raise ConfigError(f"{_show(name, value)} is not a size: write e.g. 32GiB, 24GB, 512MiB or a number of "
+                          "bytes (>= 0).") from None
+
+
+def _policy(value: Any, name: str) -> Any:
+    from strata_jax.offload.policies import Policy, get_policy
+
+    if isinstance(value, Policy):
+        return value
+    if not isinstance(value, str):
+        raise _bad(name, value, "a policy name (lru, lfu, lrfu, lrfu(LAMBDA), static:FILE.npy) or a Policy")
+    if value.startswith("static:"):
+        _check_profile(value[len("static:"):], name)
+        return value
+    try:
+        get_policy(value)  # parses the name
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    return value
+
+
+def _check_profile(path: str, name: str) -> None:
+    """A static policy's .npy exists, is readable and has a profile's or a trace's rank; only its header
+    is read here (a routing trace may be large), the manager reads the data."""
+    import numpy as np
+
+    save = "save a [layers, experts] profile or a [tokens, layers, k] routing trace with numpy.save"
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{name}: cannot read the static policy's profile {path!r} ({e}); {save}") from None
+    if getattr(arr, "ndim", None) not in (2, 3):
+        raise ConfigError(f"{name}: {path!r} holds {getattr(arr, 'shape', 'no single array')}, not a profile or "
+                          f"a trace; {save}")
+
+
+def _prefetch(value: Any, name: str, text: bool) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    return _int(value, name, text, 0, "a depth >= 0 (MoE layers ahead to prefetch; True/False mean 1/0)")
+
+
+def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _bad(name, value, " or ".join(map(repr, choices)))
+    return value
+
+
+def _prefill_chunk(value: Any, name: str, text: bool) -> int:
+    want = f"a power of two >= {MIN_PREFILL_CHUNK} (prompt tokens per jitted call)"
+    v = _int(value, name, text, MIN_PREFILL_CHUNK, want)
+    if v & (v - 1):
+        raise _bad(name, v, want)
+    return v
+
+
+def _kernels(value: Any, name: str) -> Kernels:
+    if not isinstance(value, Kernels):
+        raise _bad(name, value, "a strata_jax.model.kernels.Kernels")
+    return value
+
+
+def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) -> dict[str, Any]:
+    """Each given option checked and normalized, in field order (errors name names[option] or option)."""
+    n = lambda k: names.get(k, k)  # noqa: E731
+    checks = {
+        "ctx": lambda v: _int(v, n("ctx"), text, 1, "a positive context length in tokens (or None: the "
+                                                    f"model's, capped at {DEFAULT_CTX_CAP})", optional=True),
+        "dtype": lambda v: _dtype(v, n("dtype")),
+        "prefill_chunk": lambda v: _prefill_chunk(v, n("prefill_chunk"), text),
+        "decode_chunk": lambda v: _int(v, n("decode_chunk"), text, 1, "a positive integer (decode steps per jitted "
+                                       "call; None: 16 on a GPU, 1 elsewhere)", optional=True),
+        "dequantize_dense": lambda v: _bool(v, n("dequantize_dense"), optional=True),
+        "expert_slots": lambda v: _int(v, n("expert_slots"), text, 1, "a positive integer (total expert slots) or "
+                                       "None (as many as the VRAM budget holds)", optional=True),
+        "vram_budget": lambda v: _size(v, n("vram_budget")),
+        "vram_reserve": lambda v: _size(v, n("vram_reserve")),
+        "policy": lambda v: _policy(v, n("policy")),
+        "prefetch": lambda v: _prefetch(v, n("prefetch"), text),
+        "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
+        "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (KV-cache rows: requests decoded at "
+                                   "once)"),
+        "record_routing": lambda v: _bool(v, n("record_routing")),
+        "kernels": lambda v: _kernels(v, n("kernels")),
+        "compilation_cache": lambda v: _bool(v, n("compilation_cache")),
+    }
+    return {k: checks[k](options[k]) for k in checks if k in options}
