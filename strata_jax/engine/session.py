@@ -361,8 +361,13 @@ class Session:
             mode = mode | q.mode
         end = max(pos[r] for r, _ in live) + n
         t_d = time.perf_counter()
-        out, _ = self._call(programs.decode, alive, self._stop_P, np.int32(n), end=end, mode=mode,
-                            n_max=self.decode_chunk, **self._forced_decode(pos))
+        try:
+            out, _ = self._call(programs.decode, alive, self._stop_P, np.int32(n), end=end, mode=mode,
+                                n_max=self.decode_chunk, **self._forced_decode(pos))
+        except BaseException:
+            for r, _ in live:  # the call did not happen: every request it was to serve ends here
+                self._end(r)
+            raise
         m.host.dispatch(time.perf_counter() - t_d)
         now = time.perf_counter()
         for r, q in live:
