@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 
 log = logging.getLogger("strata_jax")
 
@@ -101,9 +101,9 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile
     from strata_jax.model.inspect import format_report, report
-    from strata_jax.units import parse_size
+    from strata_jax.core.units import parse_size
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     print(format_report(report(GGUFFile(args.path), vram_budget=budget, ctx=args.ctx)))

@@ -8,7 +8,7 @@ import pytest
 
 import strata_jax
 from conftest import count_compiles
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.batch import BatchSession, _decode_rows, _put_row
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 

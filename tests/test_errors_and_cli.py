@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import strata_jax
-from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
+from strata_jax.core.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.model import Model
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 

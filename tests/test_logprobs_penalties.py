@@ -14,7 +14,7 @@ import pytest
 
 import strata_jax
 from conftest import count_compiles
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.decode import decode_chunk
 from strata_jax.model.model import _first_token
 from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingParams, penalize,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import reference_models as rm
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 from strata_jax.model import default_model as dm
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 
 # -- default model: assembly machinery, on small fake parts ------------------------------------------
 

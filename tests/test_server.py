@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 import strata_jax
 from strata_jax.cli import build_parser, main
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 from strata_jax.model.model import GenerationChunk
 from strata_jax.model.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.serving.app import create_app

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from strata_jax.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 

@@ -37,15 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.model import (Model, _common_prefix, _first_token, attn_bucket, bucket, check_request,
                                     logprob_count)
 from strata_jax.model.streaming import GenerationChunk, TextStream, TokenLogprob, request_timings, token_logprob
-from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import PenaltyState, SamplingParams, next_token, sample_rows
-from strata_jax.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
@@ -53,30 +52,27 @@ SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be cho
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
-def _prefill_row(params, slots, store, kv, stats_MS, row, tokens_1T, start_1, n_valid_1, *, cfg, dtype, policy,
-                 prefetch, attn_len):
+def _prefill_row(params, experts, kv, row, tokens_1T, start_1, n_valid_1, *, cfg, dtype, kernels, attn_len):
     """One prefill chunk of one row: the row is sliced out of the donated cache, run at batch 1 (the
     same program shape as Model's prefill) and written back in place."""
     take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
     row_kv = KVCache(take(kv.k_LBSKDh), take(kv.v_LBSKDh))
-    logits_1V, row_kv, slots, routed, st = forward(params, slots, store, row_kv, tokens_1T, start_1, n_valid_1,
-                                                   cfg=cfg, dtype=dtype, policy=policy, prefetch=prefetch,
-                                                   attn_len=attn_len)
+    logits_1V, row_kv, experts, routed = forward(params, experts, row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg,
+                                                 dtype=dtype, kernels=kernels, attn_len=attn_len)
     put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
     kv = KVCache(put(kv.k_LBSKDh, row_kv.k_LBSKDh), put(kv.v_LBSKDh, row_kv.v_LBSKDh))
-    return logits_1V, kv, slots, routed, stats_MS + st
+    return logits_1V, kv, experts, routed
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE + ("pen",))
-def _decode_rows(params, slots, store, kv, stats_MS, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *,
-                 cfg, dtype, policy, prefetch, attn_len):
-    logits_NV, kv, slots, routed, st = forward(params, slots, store, kv, tokens_N[:, None], start_N,
-                                               jnp.ones_like(start_N), cfg=cfg, dtype=dtype, policy=policy,
-                                               prefetch=prefetch, attn_len=attn_len)
+def _decode_rows(params, experts, kv, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *, cfg, dtype,
+                 kernels, attn_len):
+    logits_NV, kv, experts, routed = forward(params, experts, kv, tokens_N[:, None], start_N, jnp.ones_like(start_N),
+                                             cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len)
     keys_N2 = jax.vmap(jax.random.fold_in)(keys_N2, steps_N)
     active_N = start_N < kv.k_LBSKDh.shape[2]  # idle rows run at an out-of-range position; keep their state
     out = next_token(logits_NV, lambda l: sample_rows(l, keys_N2, sp), sp, pen, want_logprobs, active_N)
-    return out, kv, slots, routed, stats_MS + st
+    return out, kv, experts, routed
 
 
 @functools.partial(jax.jit, donate_argnames=("pen_N",))
@@ -338,16 +334,14 @@ class BatchSession:
         kv, self._kv = self._kv, None
         if kv is None:
             kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device)
-        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        experts = e.take() if e is not None else None
         try:
-            out, kv_out, slots_out, routed, stats_out = fn(
-                m.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=m.config, dtype=m.dtype,
-                policy=e.policy if e is not None else None, prefetch=e.prefetch if e is not None else 0,
-                attn_len=attn_bucket(end, m.ctx))
+            out, kv_out, experts_out, routed = fn(m.params, experts, kv, *args, cfg=m.config, dtype=m.dtype,
+                                                  kernels=m.kernels, attn_len=attn_bucket(end, m.ctx))
         except BaseException:
             # a step that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:
-                e.put(slots, stats)
+                e.put(experts)
             if not any(a.is_deleted() for a in jax.tree.leaves(kv)):
                 self._kv = kv
             else:  # every row's cache is gone, and with it every request in flight
@@ -355,6 +349,6 @@ class BatchSession:
                 self._seqs = [None] * self.n_rows
             raise
         if e is not None:
-            e.put(slots_out, stats_out)
+            e.put(experts_out)
         self._kv = kv_out
         return out, routed

@@ -31,13 +31,13 @@ import jax.numpy as jnp
 
 from strata_jax.model.forward import forward
 from strata_jax.model.sampling import TOP_LOGPROBS, Logprobs, PenaltyState, SamplingMode, next_token, sample
-from strata_jax.model.weights import pytree_dataclass
+from flax import struct
 
-STEP_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len")  # the jitted steps' static arguments
-STEP_DONATE = ("kv", "slots", "stats_MS")  # and their donated state, updated in place
+STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len")  # the jitted steps' static arguments
+STEP_DONATE = ("kv", "experts")  # and their donated state, updated in place
 
 
-@pytree_dataclass
+@struct.dataclass
 class DecodeState:
     """What a chunk hands the next one, all on the device (donated: updated in place)."""
 
@@ -48,7 +48,7 @@ class DecodeState:
     pen: PenaltyState
 
 
-@pytree_dataclass
+@struct.dataclass
 class ChunkOut:
     tokens_N: jax.Array  # int32: the sampled tokens; the first n_done are valid
     n_done: jax.Array  # int32: steps run
@@ -71,35 +71,40 @@ def _stacked_logprobs(n: int, B: int, cfg) -> Logprobs:
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max", "mode"),
                    donate_argnames=STEP_DONATE + ("state",))
-def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype,
-                 policy, prefetch, attn_len, n_max: int, mode: SamplingMode, forced=None):
+def decode_chunk(params, experts, kv, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype, kernels, attn_len,
+                 n_max: int, mode: SamplingMode, forced=None):
     """Run min(limit, n_max) decode steps (fewer if a stop id is sampled; none if state.done). n_max 1 is
     one plain step with neither loop nor conditional: it runs even after a stop id (the host discards the
     token of a step queued after one).
     forced (int32 [N, M, B, k]): step i replays forced[i] as its routed experts (see forward).
-    Returns (ChunkOut, kv, slots, DecodeState, stats_MS): the order of the prefill's outputs, whose
-    routed ids stand where the state is (Model._step)."""
+    Returns (ChunkOut, kv, experts, DecodeState): the order of the prefill's outputs, whose routed ids
+    stand where the state is (Model._step)."""
     B = state.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
 
+    # the loop carries the provider's changing part; its fixed part (the host store) stays outside
+    experts, fixed = experts.split() if experts is not None else (None, None)
+
     def step(carry):
-        i, st, kv, slots, stats, out = carry
-        logits_BV, kv, slots, routed_MNk, st_MS = forward(
-            params, slots, store, kv, st.tok_B[:, None], st.pos_B, jnp.ones_like(st.pos_B), cfg=cfg, dtype=dtype,
-            policy=policy, prefetch=prefetch, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
+        i, st, kv, experts, out = carry
+        experts = experts.join(fixed) if experts is not None else None
+        logits_BV, kv, experts, routed_MNk = forward(
+            params, experts, kv, st.tok_B[:, None], st.pos_B, jnp.ones_like(st.pos_B), cfg=cfg, dtype=dtype,
+            kernels=kernels, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
+        experts = experts.split()[0] if experts is not None else None
         k_step = jax.random.fold_in(key, st.step)
         tok_B, pen, lp = next_token(logits_BV, lambda l: sample(l, k_step, sp, mode), sp, st.pen, mode.logprobs,
                                     mode=mode)
         done = jnp.any(tok_B[:, None] == stop_S[None, :])
         out = ChunkOut(out.tokens_N.at[i].set(tok_B[0]), i + 1, out.routed_NMk.at[i].set(routed_MNk[:, 0]),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
-        return i + 1, DecodeState(tok_B, st.pos_B + 1, st.step + 1, done, pen), kv, slots, stats + st_MS, out
+        return i + 1, DecodeState(tok_B, st.pos_B + 1, st.step + 1, done, pen), kv, experts, out
 
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
         out1 = ChunkOut(jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.zeros((1, M, K), jnp.int32),
                         None if not mode.logprobs else _stacked_logprobs(1, B, cfg))
-        _, state, kv, slots, stats_MS, out = step((jnp.int32(0), state, kv, slots, stats_MS, out1))
-        return out, kv, slots, state, stats_MS
+        _, state, kv, experts, out = step((jnp.int32(0), state, kv, experts, out1))
+        return out, kv, experts.join(fixed) if experts is not None else None, state
 
     def more(carry):
         i, st = carry[0], carry[1]
@@ -107,6 +112,6 @@ def decode_chunk(params, slots, store, kv, stats_MS, state: DecodeState, key, sp
 
     lp0 = _stacked_logprobs(n_max, B, cfg) if mode.logprobs else None
     out0 = ChunkOut(jnp.zeros((n_max,), jnp.int32), jnp.int32(0), jnp.zeros((n_max, M, K), jnp.int32), lp0)
-    carry = (jnp.int32(0), state, kv, slots, stats_MS, out0)
-    _, state, kv, slots, stats_MS, out = jax.lax.while_loop(more, step, carry)
-    return out, kv, slots, state, stats_MS
+    carry = (jnp.int32(0), state, kv, experts, out0)
+    _, state, kv, experts, out = jax.lax.while_loop(more, step, carry)
+    return out, kv, experts.join(fixed) if experts is not None else None, state

@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from typing import IO, NamedTuple
 
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 
 try:
     import fcntl

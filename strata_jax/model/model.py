@@ -21,18 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import runtime
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.gguf_file import GGUFFile
-from strata_jax.model.moe import N_STATS
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams, next_token,
                                       sample, validate_sampling)
 from strata_jax.model.streaming import (Generation, GenerationChunk, TextStream, TokenLogprob,  # noqa: F401
                                         request_timings, token_logprob)
 from strata_jax.model.tokenizer import GGUFTokenizer
-from strata_jax.model.weights import WeightLoader, load_params
+from strata_jax.model.kernels import Kernels
+from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager
 from strata_jax.offload.policies import Policy
 
@@ -64,12 +64,11 @@ def default_decode_chunk(platform: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
-def _prefill(params, slots, store, kv, stats_MS, tokens_BT, start_B, n_valid_B, *, cfg, dtype, policy, prefetch,
-             attn_len, all_logits, forced=None):
-    logits, kv, slots, routed, st = forward(params, slots, store, kv, tokens_BT, start_B, n_valid_B, cfg=cfg,
-                                            dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
-                                            attn_len=attn_len, forced_MNk=forced)
-    return logits, kv, slots, routed, stats_MS + st
+def _prefill(params, experts, kv, tokens_BT, start_B, n_valid_B, *, cfg, dtype, kernels, attn_len, all_logits,
+             forced=None):
+    logits, kv, experts, routed = forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
+                                          kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced)
+    return logits, kv, experts, routed
 
 
 @jax.jit
@@ -101,6 +100,18 @@ class HostTiming:
         per = (lambda s: 1e3 * s / self.steps) if self.steps else (lambda s: None)  # noqa: E731
         return {"decode_steps": self.steps, "decode_calls": self.chunks,
                 "dispatch_ms_per_step": per(self.dispatch_s), "wait_ms_per_step": per(self.wait_s)}
+
+
+def _kernels_from_env(platform: str) -> Kernels:
+    """TEMPORARY, until the engine config builds Kernels: STRATA_JAX_QMATVEC (1 on, 0 off, unset auto) and
+    STRATA_JAX_MOE_PREFILL (dense, grouped), read once at load."""
+    qm = os.environ.get("STRATA_JAX_QMATVEC", "")
+    if qm not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_QMATVEC={qm!r}: use 1 (on), 0 (off) or leave it unset (auto)")
+    prefill = os.environ.get("STRATA_JAX_MOE_PREFILL") or "dense"
+    if prefill not in ("grouped", "dense"):
+        raise ConfigError(f"STRATA_JAX_MOE_PREFILL={prefill!r}: use 'grouped' or 'dense'")
+    return Kernels(qmatvec={"": "auto", "0": "off", "1": "on"}[qm], moe_prefill=prefill, platform=platform)
 
 
 def _resolve_dtype(dtype: Any, platform: str):
@@ -155,10 +166,13 @@ class Model:
             kv_bytes = 2 * cfg.n_layers * self.ctx * cfg.kv_dim * jnp.dtype(self.dtype).itemsize * max(parallel, 1)
             act_bytes = 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
             dense_bytes = sum(t.nbytes for t in gguf.tensors.values() if "_exps." not in t.name)
-            self.experts = OffloadManager(loader, fixed_bytes=dense_bytes + kv_bytes + act_bytes,
+            self.experts = OffloadManager(gguf, expert_spec(loader), self.device,
+                                          fixed_bytes=dense_bytes + kv_bytes + act_bytes,
                                           expert_slots=expert_slots, vram_budget=vram_budget,
                                           vram_reserve=vram_reserve, policy=policy, prefetch=prefetch,
                                           expert_pools=expert_pools, batch_rows=parallel)
+            loader.bytes_loaded += self.experts.device_bytes
+        self.kernels = _kernels_from_env(self.device.platform)
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
@@ -241,14 +255,12 @@ class Model:
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
         e = self.experts
-        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        experts = e.take() if e is not None else None
         self._kv_tokens = []  # until the step returns, the cache's contents are not known
-        out, self._kv, slots, extra, stats = fn(
-            self.params, slots, e.store if e is not None else None, kv, stats, *args, cfg=self.config,
-            dtype=self.dtype, policy=e.policy if e is not None else None,
-            prefetch=e.prefetch if e is not None else 0, attn_len=attn_bucket(end, self.ctx), **static)
+        out, self._kv, experts, extra = fn(self.params, experts, kv, *args, cfg=self.config, dtype=self.dtype,
+                                           kernels=self.kernels, attn_len=attn_bucket(end, self.ctx), **static)
         if e is not None:
-            e.put(slots, stats)
+            e.put(experts)
         return out, extra
 
     # -- tokens ---------------------------------------------------------------------------------
