@@ -209,8 +209,18 @@ class ExpertProvider(Protocol):
         """After the layer loop, with every MoE layer's routed ids (counting done once per step)."""
 
     def split(self) -> tuple["ExpertProvider", Any]:
-        """(the part a loop over steps carries, the fixed part it must not: e.g. the host store);
-        `carried.join(fixed)` rebuilds the provider."""
+        """(the changing part, the fixed part: e.g. the host store); `changing.join(fixed)` rebuilds the
+        provider. A jitted step donates only the changing part (host memory cannot always be donated:
+        XLA:CPU aborts on a donated unpinned_host array) and a loop carries only it."""
 
     def join(self, fixed: Any) -> "ExpertProvider":
         ...
+
+
+def split_provider(experts: ExpertProvider | None) -> tuple[ExpertProvider | None, Any]:
+    """experts.split(), or (None, None) for a dense model."""
+    return experts.split() if experts is not None else (None, None)
+
+
+def join_provider(experts: ExpertProvider | None, fixed: Any) -> ExpertProvider | None:
+    return experts.join(fixed) if experts is not None else None

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.model import (Model, _common_prefix, _first_token, attn_bucket, bucket, check_request,
@@ -52,27 +53,28 @@ SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be cho
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
-def _prefill_row(params, experts, kv, row, tokens_1T, start_1, n_valid_1, *, cfg, dtype, kernels, attn_len):
+def _prefill_row(params, experts, fixed, kv, row, tokens_1T, start_1, n_valid_1, *, cfg, dtype, kernels, attn_len):
     """One prefill chunk of one row: the row is sliced out of the donated cache, run at batch 1 (the
     same program shape as Model's prefill) and written back in place."""
     take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
     row_kv = KVCache(take(kv.k_LBSKDh), take(kv.v_LBSKDh))
-    logits_1V, row_kv, experts, routed = forward(params, experts, row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg,
-                                                 dtype=dtype, kernels=kernels, attn_len=attn_len)
+    logits_1V, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
+                                                 n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len)
     put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
     kv = KVCache(put(kv.k_LBSKDh, row_kv.k_LBSKDh), put(kv.v_LBSKDh, row_kv.v_LBSKDh))
-    return logits_1V, kv, experts, routed
+    return logits_1V, kv, split_provider(experts)[0], routed
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE + ("pen",))
-def _decode_rows(params, experts, kv, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *, cfg, dtype,
+def _decode_rows(params, experts, fixed, kv, tokens_N, start_N, keys_N2, steps_N, sp, pen, want_logprobs, *, cfg, dtype,
                  kernels, attn_len):
-    logits_NV, kv, experts, routed = forward(params, experts, kv, tokens_N[:, None], start_N, jnp.ones_like(start_N),
-                                             cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len)
+    logits_NV, kv, experts, routed = forward(params, join_provider(experts, fixed), kv, tokens_N[:, None], start_N,
+                                             jnp.ones_like(start_N), cfg=cfg, dtype=dtype, kernels=kernels,
+                                             attn_len=attn_len)
     keys_N2 = jax.vmap(jax.random.fold_in)(keys_N2, steps_N)
     active_N = start_N < kv.k_LBSKDh.shape[2]  # idle rows run at an out-of-range position; keep their state
     out = next_token(logits_NV, lambda l: sample_rows(l, keys_N2, sp), sp, pen, want_logprobs, active_N)
-    return out, kv, experts, routed
+    return out, kv, split_provider(experts)[0], routed
 
 
 @functools.partial(jax.jit, donate_argnames=("pen_N",))
@@ -334,14 +336,14 @@ class BatchSession:
         kv, self._kv = self._kv, None
         if kv is None:
             kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device)
-        experts = e.take() if e is not None else None
+        experts, fixed = split_provider(e.take() if e is not None else None)  # only `experts` is donated
         try:
-            out, kv_out, experts_out, routed = fn(m.params, experts, kv, *args, cfg=m.config, dtype=m.dtype,
+            out, kv_out, experts_out, routed = fn(m.params, experts, fixed, kv, *args, cfg=m.config, dtype=m.dtype,
                                                   kernels=m.kernels, attn_len=attn_bucket(end, m.ctx))
         except BaseException:
             # a step that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:
-                e.put(experts)
+                e.put(join_provider(experts, fixed))
             if not any(a.is_deleted() for a in jax.tree.leaves(kv)):
                 self._kv = kv
             else:  # every row's cache is gone, and with it every request in flight
@@ -349,6 +351,6 @@ class BatchSession:
                 self._seqs = [None] * self.n_rows
             raise
         if e is not None:
-            e.put(experts_out)
+            e.put(join_provider(experts_out, fixed))
         self._kv = kv_out
         return out, routed

@@ -29,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import forward
 from strata_jax.model.sampling import TOP_LOGPROBS, Logprobs, PenaltyState, SamplingMode, next_token, sample
 from flax import struct
@@ -71,7 +72,7 @@ def _stacked_logprobs(n: int, B: int, cfg) -> Logprobs:
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max", "mode"),
                    donate_argnames=STEP_DONATE + ("state",))
-def decode_chunk(params, experts, kv, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype, kernels, attn_len,
+def decode_chunk(params, experts, fixed, kv, state: DecodeState, key, sp, stop_S, limit, *, cfg, dtype, kernels, attn_len,
                  n_max: int, mode: SamplingMode, forced=None):
     """Run min(limit, n_max) decode steps (fewer if a stop id is sampled; none if state.done). n_max 1 is
     one plain step with neither loop nor conditional: it runs even after a stop id (the host discards the
@@ -82,16 +83,16 @@ def decode_chunk(params, experts, kv, state: DecodeState, key, sp, stop_S, limit
     B = state.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
 
-    # the loop carries the provider's changing part; its fixed part (the host store) stays outside
-    experts, fixed = experts.split() if experts is not None else (None, None)
+    # experts, fixed: the provider's changing and fixed parts (core.experts.split_provider); the loop
+    # carries only the changing part, as the step donates only it
 
     def step(carry):
         i, st, kv, experts, out = carry
-        experts = experts.join(fixed) if experts is not None else None
+        experts = join_provider(experts, fixed)
         logits_BV, kv, experts, routed_MNk = forward(
             params, experts, kv, st.tok_B[:, None], st.pos_B, jnp.ones_like(st.pos_B), cfg=cfg, dtype=dtype,
             kernels=kernels, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
-        experts = experts.split()[0] if experts is not None else None
+        experts = split_provider(experts)[0]
         k_step = jax.random.fold_in(key, st.step)
         tok_B, pen, lp = next_token(logits_BV, lambda l: sample(l, k_step, sp, mode), sp, st.pen, mode.logprobs,
                                     mode=mode)
@@ -104,7 +105,7 @@ def decode_chunk(params, experts, kv, state: DecodeState, key, sp, stop_S, limit
         out1 = ChunkOut(jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.zeros((1, M, K), jnp.int32),
                         None if not mode.logprobs else _stacked_logprobs(1, B, cfg))
         _, state, kv, experts, out = step((jnp.int32(0), state, kv, experts, out1))
-        return out, kv, experts.join(fixed) if experts is not None else None, state
+        return out, kv, experts, state
 
     def more(carry):
         i, st = carry[0], carry[1]
@@ -114,4 +115,4 @@ def decode_chunk(params, experts, kv, state: DecodeState, key, sp, stop_S, limit
     out0 = ChunkOut(jnp.zeros((n_max,), jnp.int32), jnp.int32(0), jnp.zeros((n_max, M, K), jnp.int32), lp0)
     carry = (jnp.int32(0), state, kv, experts, out0)
     _, state, kv, experts, out = jax.lax.while_loop(more, step, carry)
-    return out, kv, experts.join(fixed) if experts is not None else None, state
+    return out, kv, experts, state

@@ -22,6 +22,7 @@ import numpy as np
 
 from strata_jax import runtime
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
 from strata_jax.model.forward import KVCache, forward
@@ -64,11 +65,12 @@ def default_decode_chunk(platform: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
-def _prefill(params, experts, kv, tokens_BT, start_B, n_valid_B, *, cfg, dtype, kernels, attn_len, all_logits,
+def _prefill(params, experts, fixed, kv, tokens_BT, start_B, n_valid_B, *, cfg, dtype, kernels, attn_len, all_logits,
              forced=None):
-    logits, kv, experts, routed = forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
-                                          kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced)
-    return logits, kv, experts, routed
+    logits, kv, experts, routed = forward(params, join_provider(experts, fixed), kv, tokens_BT, start_B, n_valid_B,
+                                          cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
+                                          attn_len=attn_len, forced_MNk=forced)
+    return logits, kv, split_provider(experts)[0], routed
 
 
 @jax.jit
@@ -255,12 +257,12 @@ class Model:
         if kv is None:
             kv = KVCache.zeros(self.config, 1, self.ctx, self.dtype, self.device)
         e = self.experts
-        experts = e.take() if e is not None else None
+        experts, fixed = split_provider(e.take() if e is not None else None)  # only `experts` is donated
         self._kv_tokens = []  # until the step returns, the cache's contents are not known
-        out, self._kv, experts, extra = fn(self.params, experts, kv, *args, cfg=self.config, dtype=self.dtype,
+        out, self._kv, experts, extra = fn(self.params, experts, fixed, kv, *args, cfg=self.config, dtype=self.dtype,
                                            kernels=self.kernels, attn_len=attn_bucket(end, self.ctx), **static)
         if e is not None:
-            e.put(experts)
+            e.put(join_provider(experts, fixed))
         return out, extra
 
     # -- tokens ---------------------------------------------------------------------------------
