@@ -28,11 +28,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import forward
 from strata_jax.model.sampling import TOP_LOGPROBS, Logprobs, PenaltyState, SamplingMode, next_token, sample
-from flax import struct
 
 STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len")  # the jitted steps' static arguments
 STEP_DONATE = ("kv", "experts")  # and their donated state, updated in place

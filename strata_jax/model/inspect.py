@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 from strata_jax.model.config import ModelConfig
-from strata_jax.gguf.reader import GGUFFile
 from strata_jax.core.units import fmt_bytes
+from strata_jax.gguf.reader import GGUFFile
 
 _KINDS = [
     (r"^token_embd\.", "embedding"),

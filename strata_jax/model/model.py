@@ -23,16 +23,16 @@ import numpy as np
 from strata_jax import runtime
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import join_provider, split_provider
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.decode import STEP_DONATE, STEP_STATIC, DecodeState, decode_chunk, stop_array
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.sampling import (TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams, next_token,
                                       sample, validate_sampling)
 from strata_jax.model.streaming import (Generation, GenerationChunk, TextStream, TokenLogprob,  # noqa: F401
                                         request_timings, token_logprob)
-from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.kernels import Kernels
+from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager
 from strata_jax.offload.policies import Policy

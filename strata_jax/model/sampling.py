@@ -22,9 +22,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from strata_jax.core.errors import ConfigError
-from flax import struct
 
 REPEAT_WINDOW = 256  # the longest repeat_last_n; llama.cpp's default is 64
 TOP_LOGPROBS = 20  # alternatives computed per token (OpenAI's maximum); requests slice them on the host
