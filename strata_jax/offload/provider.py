@@ -31,6 +31,10 @@ class SlotExperts:
     counters: ExpertCounters
     policy: Policy | None = struct.field(pytree_node=False)  # offloading only
     prefetch_depth: int = struct.field(pytree_node=False, default=0)
+    # counts of this step not yet in `counters`, ((moe_idx, counter), ...) and their int32 values: folded
+    # in once by `finish`, one stack and add per counter rather than a scatter per layer and counter
+    pending_keys: tuple[tuple[int, str], ...] = struct.field(pytree_node=False, default=())
+    pending: tuple[jax.Array, ...] = ()
 
     @property
     def resident(self) -> bool:
@@ -43,8 +47,8 @@ class SlotExperts:
         if self.resident:  # expert e is in slot e of its layer's pool (resident_slot_table): no lookup
             return self, self.table.pool(moe_idx), ids_Nk
         table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(ids_Nk, self.table.n_experts))
-        counters = self.counters.add(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
-        return self.replace(table=table, counters=counters), table.pool(moe_idx), table.slot_map(moe_idx)[ids_Nk]
+        me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
+        return me, table.pool(moe_idx), table.slot_map(moe_idx)[ids_Nk]
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["SlotExperts", jax.Array]:
@@ -58,12 +62,12 @@ class SlotExperts:
         for next_idx, pred_Nk in predicted:
             table, plan = self._access_and_fetch(table, next_idx, unique_ids(pred_Nk, self.table.n_experts))
             prefetched = prefetched + plan.n_misses.astype(jnp.int32)
-        return self.replace(table=table, counters=self.counters.add(moe_idx, prefetched=prefetched)), after
+        return self.replace(table=table).count(moe_idx, prefetched=prefetched), after
 
     def stream(self, moe_idx: int) -> "SlotExperts":
         if self.resident:
             return self
-        return self.replace(counters=self.counters.add(moe_idx, streamed=self.table.n_experts))
+        return self.count(moe_idx, streamed=self.table.n_experts)
 
     def group(self, moe_idx: int, first_expert: jax.Array, n: int) -> ExpertRows:
         if self.resident:
@@ -77,14 +81,32 @@ class SlotExperts:
         return stream_layer(self.store.layers[moe_idx])
 
     def count(self, moe_idx: int, **values: jax.Array) -> "SlotExperts":
-        return self.replace(counters=self.counters.add(moe_idx, **values))
+        keys = tuple((moe_idx, k) for k in values)
+        vals = tuple(jnp.asarray(v).astype(jnp.int32) for v in values.values())
+        return self.replace(pending_keys=self.pending_keys + keys, pending=self.pending + vals)
 
     def finish(self, routed_MNk: jax.Array) -> "SlotExperts":
-        if not self.resident or not routed_MNk.shape[0] or not self.few_path(0, routed_MNk[0].size):
-            return self
+        me = self._fold()
+        if not me.resident or not routed_MNk.shape[0] or not me.few_path(0, routed_MNk[0].size):
+            return me
         # every lookup of a resident cache hits: distinct experts per layer, as the offloaded path counts
         hits_M = jax.vmap(n_distinct)(routed_MNk)
-        return self.replace(counters=self.counters.replace(hits=self.counters.hits + hits_M))
+        return me.replace(counters=me.counters.replace(hits=me.counters.hits + hits_M))
+
+    def _fold(self) -> "SlotExperts":
+        """The pending counts added to the counters: per counter, one [M] vector."""
+        if not self.pending_keys:
+            return self
+        M = self.counters.hits.shape[0]
+        zero = jnp.zeros((), jnp.int32)
+        updates = {}
+        for name in dict.fromkeys(k for _, k in self.pending_keys):
+            per_layer = [zero] * M
+            for (mi, k), v in zip(self.pending_keys, self.pending):
+                if k == name:
+                    per_layer[mi] = per_layer[mi] + v
+            updates[name] = getattr(self.counters, name) + jnp.stack(per_layer)
+        return self.replace(counters=self.counters.replace(**updates), pending_keys=(), pending=())
 
     def split(self) -> tuple["SlotExperts", Any]:
         return self.replace(store=None), self.store
