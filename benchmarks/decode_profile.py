@@ -139,7 +139,7 @@ def _expert_pool(rng, S, F, D, qt=Q.Q4_K):
 
 def part_kernels(sweep):
     """Device time (profiler kernel events) of the kernel against today's path per problem."""
-    from strata_jax.model.quant import dequantize
+    from strata_jax.gguf.quant import dequantize
 
     rng = np.random.default_rng(1)
     res = RESULT.setdefault("kernels", {})

@@ -11,7 +11,7 @@ from strata_jax.runtime import configure_xla  # noqa: E402
 
 configure_xla()  # before anything imports jax's backend
 
-from strata_jax.errors import StrataError  # noqa: E402
+from strata_jax.core.errors import StrataError  # noqa: E402
 from strata_jax.engine.model import Generation, GenerationChunk, Model, load  # noqa: E402
 from strata_jax.engine.session import Session  # noqa: E402
 

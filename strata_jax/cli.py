@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 
 log = logging.getLogger("strata_jax")
 
@@ -75,7 +75,7 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "
 
 def check_generate_flags(args) -> None:
     """generate's sampling and length flags, checked before the model loads."""
-    from strata_jax.errors import ConfigError
+    from strata_jax.core.errors import ConfigError
     from strata_jax.model.sampling import validate_sampling
 
     validate_sampling(names=SAMPLING_FLAGS, **{k: getattr(args, k) for k in SAMPLING_FLAGS})
@@ -120,8 +120,8 @@ def _cmd_generate(args) -> int:
 
 def _cmd_inspect(args) -> int:
     from strata_jax.engine.inspect import format_report, report
-    from strata_jax.model.gguf_file import GGUFFile
-    from strata_jax.units import parse_size
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.core.units import parse_size
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None

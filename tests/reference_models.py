@@ -41,7 +41,7 @@ import numpy as np
 
 from strata_jax.core.paths import cache_dir, file_lock
 from strata_jax.dev.default_model import DEFAULT_MODEL_SHA256, default_model_path
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 
 # The converter ships in this sdist (vendor/llama.cpp). Bump both together; the sha is what pip served.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

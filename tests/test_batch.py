@@ -9,7 +9,7 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.engine.session import Session
 from strata_jax.model import decode as programs
 

@@ -110,7 +110,7 @@ def test_failures_are_rows(tmp_path, monkeypatch):
 
 def _gguf_cfg(path):
     from strata_jax.model.config import ModelConfig
-    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile
 
     g = GGUFFile(path)
     return g, ModelConfig.from_gguf(g)

@@ -14,7 +14,7 @@ import pytest
 import strata_jax
 from strata_jax.cli import main
 from strata_jax.engine.config import FLAGS, OPTIONS, EngineConfig
-from strata_jax.errors import ConfigError, GGUFFormatError
+from strata_jax.core.errors import ConfigError, GGUFFormatError
 from strata_jax.model.kernels import Kernels
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 

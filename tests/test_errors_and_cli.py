@@ -12,10 +12,10 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import strata_jax
-from strata_jax.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
+from strata_jax.core.errors import (ConfigError, GGUFFormatError, MissingTensorError, TensorShapeError,
                                UnsupportedArchitectureError, UnsupportedQuantTypeError)
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.engine.model import Model
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,

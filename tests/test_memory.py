@@ -14,11 +14,11 @@ import strata_jax
 from strata_jax.bench.shapes import SHAPES
 from strata_jax.dev.synthetic import write_synthetic_gguf
 from strata_jax.engine.inspect import report
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.forward import KVCache
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.offload.sizing import DEFAULT_RESERVE, plan_cache
 
 # Q4_K down projections in odd layers (as Q4_K_M mixes types): experts differ in size by layer, and

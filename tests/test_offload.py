@@ -13,7 +13,7 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.offload.policies import POLICIES
 
 # 4 MoE layers x 8 experts, top-2; odd layers' down projections in another type -> two slot pools
@@ -288,29 +288,31 @@ def test_forced_routing_replays_the_trace_and_keeps_offloading_exact(moe_path, r
         res.force_routing(trace[:, :3])
 
 
-def test_grouped_prefill_equals_dense(moe_path, monkeypatch):
+def test_grouped_prefill_equals_dense(moe_path):
     """The GPU prefill formulation (tokens grouped by expert, ragged_dot) computes what the dense masked
     product computes, on the real slot pool of a loaded model."""
     import jax.numpy as jnp
 
     from strata_jax.model import moe
+    from strata_jax.model.kernels import Kernels
 
     m = strata_jax.load(moe_path, ctx=128)
-    cfg, slots = m.config, m.experts.slots
-    for layer in (0, 1):  # the two pools (odd layers' down projections are Q4_0)
-        rng = np.random.default_rng(layer)
-        x_ND = jnp.asarray(rng.normal(size=(40, cfg.d_model)), jnp.float32)
-        w_NK, ids_NK = moe.route(x_ND, m.params.layers[cfg.moe_layers[layer]].moe.router_ED, cfg)
-        args = (x_ND, w_NK, ids_NK, slots.slot_map(layer), slots.pools[slots.layer_pool[layer]], jnp.float32,
-                cfg.n_experts)
-        np.testing.assert_allclose(moe._experts_grouped(*args), moe._experts_dense(*args), rtol=2e-5, atol=2e-5)
-    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "grouped")
-    assert moe._many_token_impl() is moe._experts_grouped
-    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "dense")
-    assert moe._many_token_impl() is moe._experts_dense
-    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "sparse")
-    with pytest.raises(ValueError, match="'grouped' or 'dense'"):
-        moe._many_token_impl()
+    cfg, experts = m.config, m.experts.take()
+    try:
+        for layer in (0, 1):  # the two pools (odd layers' down projections are Q4_0)
+            rng = np.random.default_rng(layer)
+            x_ND = jnp.asarray(rng.normal(size=(40, cfg.d_model)), jnp.float32)
+            w_Nk, ids_Nk = moe.route(x_ND, m.params.layers[cfg.moe_layers[layer]].moe.router_ED, cfg)
+            grouped = moe._experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(layer), jnp.float32, cfg.n_experts)
+            dense = moe._experts_dense(x_ND, w_Nk, ids_Nk, experts, layer, jnp.float32, cfg.n_experts,
+                                       cfg.expert_ffn_dim)
+            np.testing.assert_allclose(grouped, dense, rtol=2e-5, atol=2e-5)
+    finally:
+        m.experts.put(experts)
+    assert moe._many_token_impl(Kernels(moe_prefill="grouped")) is moe._experts_grouped
+    assert moe._many_token_impl(Kernels()) is moe._experts_dense
+    with pytest.raises(ValueError, match="moe_prefill='sparse'"):
+        Kernels(moe_prefill="sparse")
 
 
 def test_short_prompt_routing_more_experts_than_a_pool_holds(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.offload import (LFU, LRFU, LRU, POLICIES, belady_policy, get_policy, load_trace, lrfu_policy,
                                 simulate, static_policy, usage_profile)
 from strata_jax.offload.policies import DISABLED, FREE, NEVER, CacheState, admit, belady_next_use

@@ -16,6 +16,8 @@ from gguf.quants import dequantize as gguf_dequantize
 import strata_jax
 from strata_jax.dev.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
 from strata_jax.model import qmatvec as qm
+from strata_jax.dev.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
+from strata_jax.model.kernels import Kernels
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BLOCK_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
@@ -77,24 +79,43 @@ def test_stacks_between_2_and_4_gib_are_refused():
                           parts=(qm.dense_part(Q.Q4_K, 4, 256),))
 
 
-def test_modes(monkeypatch):
+def test_modes():
     k4 = (qm.dense_part(Q.Q4_K, 4096, 2048),)
     small = (qm.dense_part(Q.Q4_K, 512, 2048),)
     q8 = (qm.dense_part(Q.Q8_0, 4096, 2048),)
-    monkeypatch.setenv("STRATA_JAX_QMATVEC", "0")
-    assert not qm.use_kernel(k4, 1)
+    assert not qm.use_kernel(k4, 1, Kernels(qmatvec="off", platform="gpu"))
+    on = Kernels(qmatvec="on")
+    assert qm.use_kernel(k4, 1, on) and qm.use_kernel(q8, 1, on) and qm.use_kernel(small, 1, on)
+    assert not qm.use_kernel((qm.Part(Q.F16, 8, 512, 0, 256),), 1, on)  # no decoder for float types
+    with pytest.raises(ValueError, match="qmatvec='yes'"):
+        Kernels(qmatvec="yes")
+    assert not qm.use_kernel(k4, 1, Kernels(platform="cpu"))  # auto: GPU only
+    gpu = Kernels(platform="gpu")
+    assert qm.use_kernel(k4, 1, gpu)  # 256 programs of 16 rows
+    assert not qm.use_kernel(small, 1, gpu) and qm.use_kernel(small, 8, gpu)  # 32 programs; 8 experts x 32
+    assert not qm.use_kernel(q8, 1, gpu)  # auto takes only the K-quants measured faster
+
+
+def test_kernels_from_environment(monkeypatch):
+    """Until the engine config builds it, Model reads its Kernels from the environment at load."""
+    from strata_jax.core.errors import ConfigError
+    from strata_jax.model.model import _kernels_from_env
+
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
-    assert qm.use_kernel(k4, 1) and qm.use_kernel(q8, 1) and qm.use_kernel(small, 1)
-    assert not qm.use_kernel((qm.Part(Q.F16, 8, 512, 0, 256),), 1)  # no decoder for float types
-    monkeypatch.setenv("STRATA_JAX_QMATVEC", "yes")
-    with pytest.raises(ValueError, match="STRATA_JAX_QMATVEC='yes'"):
-        qm.use_kernel(k4, 1)
+    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "grouped")
+    assert _kernels_from_env("cpu") == Kernels(qmatvec="on", moe_prefill="grouped", platform="cpu")
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "0")
+    monkeypatch.delenv("STRATA_JAX_MOE_PREFILL")
+    assert _kernels_from_env("gpu") == Kernels(qmatvec="off", moe_prefill="dense", platform="gpu")
     monkeypatch.delenv("STRATA_JAX_QMATVEC")
-    assert not qm.use_kernel(k4, 1)  # auto: GPU only
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert qm.use_kernel(k4, 1)  # 256 programs of 16 rows
-    assert not qm.use_kernel(small, 1) and qm.use_kernel(small, 8)  # 32 programs; 8 experts x 32
-    assert not qm.use_kernel(q8, 1)  # auto takes only the K-quants measured faster
+    assert _kernels_from_env("gpu").qmatvec == "auto"
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "yes")
+    with pytest.raises(ConfigError, match="STRATA_JAX_QMATVEC='yes'"):
+        _kernels_from_env("cpu")
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
+    monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "sparse")
+    with pytest.raises(ConfigError, match="'grouped' or 'dense'"):
+        _kernels_from_env("cpu")
 
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,

@@ -8,8 +8,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gq
 
-from strata_jax.errors import UnsupportedQuantTypeError
-from strata_jax.model.quant import SUPPORTED_TYPES, check_supported, dequantize, row_bytes
+from strata_jax.core.errors import UnsupportedQuantTypeError
+from strata_jax.gguf.quant import SUPPORTED_TYPES, check_supported, dequantize, row_bytes
 
 ALL = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOATS = {T.F32: np.float32, T.F16: np.float16}
@@ -126,7 +126,7 @@ def test_check_supported():
 
 @pytest.mark.slow
 def test_real_gguf_tensors(qwen_gguf_path):
-    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile
 
     f = GGUFFile(qwen_gguf_path)
     one_per_type = {}

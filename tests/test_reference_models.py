@@ -14,8 +14,8 @@ import pytest
 import reference_models as rm
 from strata_jax.core.paths import cache_dir
 from strata_jax.dev import default_model as dm
-from strata_jax.errors import StrataError
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.core.errors import StrataError
+from strata_jax.gguf.reader import GGUFFile
 
 # -- default model: assembly machinery, on small fake parts ------------------------------------------
 

@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 import strata_jax
 from strata_jax.cli import build_parser, main
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 from strata_jax.engine.streaming import GenerationChunk
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_jax.errors import ConfigError, StrataError
+from strata_jax.core.errors import ConfigError, StrataError
 from strata_jax.model import tokenizer as tkz
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.tokenizer import GGUFTokenizer
 
 CORPUS = [

@@ -141,7 +141,7 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
 
 
 def run(args, argv: list[str]) -> dict:
-    from strata_jax.units import parse_size
+    from strata_jax.core.units import parse_size
 
     t_start = time.perf_counter()
     path = str(args.model or synthetic_model_path(args.shape))
@@ -157,7 +157,7 @@ def run(args, argv: list[str]) -> dict:
     doc["vram"] = cap
     from strata_jax.bench.limits import ModelBytes, measure_bandwidths, resident_estimate
     from strata_jax.model.config import ModelConfig
-    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile
 
     gguf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gguf)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args.prefetch_depth = args.prefetch_depth or [0]
     logging.basicConfig(level=logging.INFO, format="strata-jax: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
-    from strata_jax.errors import StrataError
+    from strata_jax.core.errors import StrataError
 
     try:
         check_engine_options(args)

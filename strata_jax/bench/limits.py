@@ -29,7 +29,7 @@ import numpy as np
 
 from strata_jax.model import memory
 from strata_jax.offload.sizing import DEFAULT_RESERVE
-from strata_jax.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_jax.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from strata_jax.bench.limits import ModelBytes, limit_figures
-from strata_jax.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, NamedTuple
 
 from strata_jax.core.paths import cache_dir, file_lock
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 
 log = logging.getLogger("strata_jax")
 

@@ -17,9 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.kernels import Kernels
-from strata_jax.units import parse_size
+from strata_jax.core.units import parse_size
 
 log = logging.getLogger("strata_jax")
 

@@ -9,13 +9,14 @@ import collections
 import re
 from typing import Any
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
+from strata_jax.model.weights import WeightLoader, expert_spec
 from strata_jax.offload.manager import plan_model_cache
 from strata_jax.offload.sizing import DEFAULT_RESERVE
-from strata_jax.units import fmt_bytes, parse_size
+from strata_jax.core.units import fmt_bytes, parse_size
 
 _KINDS = [
     (r"^token_embd\.", "embedding"),
@@ -80,7 +81,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096
         out["fits_dense"] = budget >= out["fixed_bytes"] + out["reserve_bytes"]
         return out
     try:
-        plan = plan_model_cache(gguf, cfg, fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
+        plan = plan_model_cache(expert_spec(WeightLoader(gguf, cfg)), fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
                                 batch_rows=rows, vram_budget=budget, vram_reserve=vram_reserve)
     except ConfigError as e:  # what load would refuse with
         out["fits_dense"], out["too_small"] = False, str(e)

@@ -22,12 +22,12 @@ from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.gguf_file import GGUFFile
+from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.memory import fixed_device_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
-from strata_jax.model.weights import WeightLoader, load_params
+from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager
 
 log = logging.getLogger("strata_jax")
@@ -58,10 +58,12 @@ class Model:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
             fixed = fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
                                        rows=config.parallel, prefill_chunk=config.prefill_chunk)
-            self.experts = OffloadManager(loader, fixed_bytes=fixed, expert_slots=config.expert_slots,
-                                          vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
-                                          policy=config.policy, prefetch=config.prefetch,
-                                          expert_pools=config.expert_pools, batch_rows=config.parallel)
+            self.experts = OffloadManager(gguf, expert_spec(loader), self.device, fixed_bytes=fixed,
+                                          expert_slots=config.expert_slots, vram_budget=config.vram_budget,
+                                          vram_reserve=config.vram_reserve, policy=config.policy,
+                                          prefetch=config.prefetch, expert_pools=config.expert_pools,
+                                          batch_rows=config.parallel)
+            loader.bytes_loaded += self.experts.device_bytes
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "

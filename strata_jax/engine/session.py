@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -32,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import join_provider, split_provider
+from strata_jax.core.units import fmt_bytes
 from strata_jax.model import decode as programs
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
-from strata_jax.model.moe import N_STATS
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                       SamplingParams, validate_sampling)
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
-from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
@@ -327,7 +326,7 @@ class Session:
 
     # -- internals ------------------------------------------------------------------------------------
     @property
-    def _stop_P(self) -> jax.Array:
+    def _stop_I(self) -> jax.Array:
         """The tokenizer's stop ids on the device (made again if they were changed)."""
         ids = frozenset(self.model.tokenizer.stop_ids)
         if self._stops is None or self._stops[0] != ids:
@@ -362,7 +361,7 @@ class Session:
         end = max(pos[r] for r, _ in live) + n
         t_d = time.perf_counter()
         try:
-            out, _ = self._call(programs.decode, alive, self._stop_P, np.int32(n), end=end, mode=mode,
+            out, _ = self._call(programs.decode, alive, self._stop_I, np.int32(n), end=end, mode=mode,
                                 n_max=self.decode_chunk, **self._forced_decode(pos))
         except BaseException:
             for r, _ in live:  # the call did not happen: every request it was to serve ends here
@@ -389,7 +388,7 @@ class Session:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
-                                     np.array([len(chunk)], np.int32), req, self._stop_P, end=pos + T,
+                                     np.array([len(chunk)], np.int32), req, self._stop_I, end=pos + T,
                                      mode=mode, all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
@@ -419,16 +418,16 @@ class Session:
         rows, self._rows = self._rows, None
         if rows is None:  # committed like the state the programs return, or the second call compiles again
             rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
-        slots, stats = e.take() if e is not None else (None, jnp.zeros((0, N_STATS), jnp.int32))
+        provider = e.take() if e is not None else None
+        experts, fixed = split_provider(provider)  # only the changing part is donated
         try:
-            out, kv_out, slots_out, routed, stats_out, rows_out = fn(
-                m.params, slots, e.store if e is not None else None, kv, stats, rows, *args, cfg=m.config,
-                dtype=m.dtype, policy=e.policy if e is not None else None, prefetch=e.prefetch if e is not None else 0,
+            out, kv_out, experts_out, routed, rows_out = fn(
+                m.params, experts, fixed, kv, rows, *args, cfg=m.config, dtype=m.dtype, kernels=m.kernels,
                 attn_len=attn_bucket(end, m.ctx), **static)
         except BaseException:
             # a call that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:
-                e.put(slots, stats)
+                e.put(provider)
             deleted = any(a.is_deleted() for a in jax.tree.leaves((kv, rows)))
             if not deleted:
                 self._kv, self._rows = kv, rows
@@ -438,7 +437,7 @@ class Session:
                 self._pending.clear()
             raise
         if e is not None:
-            e.put(slots_out, stats_out)
+            e.put(join_provider(experts_out, fixed))
         self._kv, self._rows = kv_out, rows_out
         return out, routed
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from strata_jax.errors import UnsupportedArchitectureError
-from strata_jax.model.gguf_file import GGUFFile, metadata_view
+from strata_jax.core.errors import UnsupportedArchitectureError
+from strata_jax.gguf.reader import GGUFFile, metadata_view
 
 # arch -> (rope layout, renormalise top-k expert weights). llama.cpp hard-codes both per architecture
 # (llama_model_rope_type, the `norm_w` argument of build_moe_ffn); "llama" covers Mixtral-style MoE.

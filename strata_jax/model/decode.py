@@ -13,8 +13,11 @@ when it samples a stop id or runs out of tokens; a row that is not live computes
 position (its cache writes are dropped) and keeps its state. Stop strings are text, found by the host,
 which then marks the row dead in the next call's `alive_B` and drops what a queued call produced.
 
-Shape legend: B rows, T tokens of a prefill chunk, C steps of a decode chunk (n_max), V vocab,
-W repeat window, M MoE layers, k experts per token, P stop ids.
+The expert provider (core/experts.py) travels split: its changing part (slot pools, cache state,
+counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
+its own, never donated.
+
+Shape legend: strata_jax/core/shapes.py (here C: steps of a decode chunk, n_max; I: stop ids).
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
-from strata_jax.model.weights import pytree_dataclass
 
-STEP_STATIC = ("cfg", "dtype", "policy", "prefetch", "attn_len", "mode")  # both programs' static arguments
-STEP_DONATE = ("kv", "slots", "stats_MS", "rows")  # and their donated state, updated in place
+STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "mode")  # both programs' static arguments
+STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
 
 
-@pytree_dataclass
+@struct.dataclass
 class RowState:
     """Every row's decode state, on the device (donated: updated in place)."""
 
@@ -54,7 +58,7 @@ class RowState:
                    PenaltyState(jnp.zeros((B, V), jnp.int32), jnp.full((B, W), -1, jnp.int32)))
 
 
-@pytree_dataclass
+@struct.dataclass
 class RowStart:
     """What a new request brings to its row (batch 1, built on the host)."""
 
@@ -64,14 +68,14 @@ class RowStart:
     max_tokens: jax.Array  # int32: tokens to generate at most, the first included (0: prefill only)
 
 
-@pytree_dataclass
+@struct.dataclass
 class PrefillOut:
     logits: jax.Array  # float32 [1, T, V] with all_logits, else [1, V]: the chunk's last valid token
     tok_1: jax.Array  # int32: the first token, sampled from the last logits
     logprobs: Logprobs  # its logprobs (zeros unless mode.logprobs)
 
 
-@pytree_dataclass
+@struct.dataclass
 class ChunkOut:
     tokens_CB: jax.Array  # int32: each step's sampled token per row; row b's first n_B[b] are valid
     n_B: jax.Array  # int32: tokens each row produced in this call
@@ -80,14 +84,14 @@ class ChunkOut:
 
 
 def stop_array(stop_ids) -> jax.Array:
-    """int32 [P]: the stop ids padded with -1 to a power of two (>= 4), so their count rarely recompiles."""
+    """int32 [I]: the stop ids padded with -1 to a power of two (>= 4), so their count rarely recompiles."""
     ids = sorted(int(t) for t in stop_ids)
     n = max(4, 1 << max(len(ids) - 1, 0).bit_length())
     return jnp.asarray(ids + [-1] * (n - len(ids)), jnp.int32)
 
 
-def _is_stop(tok_B, stop_P):
-    return jnp.any(tok_B[:, None] == stop_P[None, :], axis=1)
+def _is_stop(tok_B, stop_I):
+    return jnp.any(tok_B[:, None] == stop_I[None, :], axis=1)
 
 
 def _set_row(tree, row, value):
@@ -97,22 +101,22 @@ def _set_row(tree, row, value):
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
-def prefill(params, slots, store, kv: KVCache, stats_MS, rows: RowState, row, tokens_1T, start_1, n_valid_1,
-            req: RowStart, stop_P, *, cfg, dtype, policy, prefetch, attn_len, mode: SamplingMode, all_logits: bool,
-            forced=None):
+def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
+            stop_I, *, cfg, dtype, kernels, attn_len, mode: SamplingMode, all_logits: bool, forced=None):
     """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
-    routed experts to replay (see forward). Returns (PrefillOut, kv, slots, routed [M, T, k], stats, rows)."""
+    routed experts to replay (see forward). Returns (PrefillOut, kv, experts, routed [M, T, k], rows)."""
     B = rows.tok_B.shape[0]
     if B == 1:
         row_kv = kv
     else:  # the row is sliced out of the donated cache, run at batch 1 and written back in place
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
         row_kv = KVCache(take(kv.k_LBSKDh), take(kv.v_LBSKDh))
-    logits, row_kv, slots, routed, st = forward(params, slots, store, row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg,
-                                                dtype=dtype, policy=policy, prefetch=prefetch, all_logits=all_logits,
-                                                attn_len=attn_len, forced_MNk=forced)
+    logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
+                                              n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
+                                              attn_len=attn_len, forced_MNk=forced)
+    experts = split_provider(experts)[0]
     if B == 1:
         kv = row_kv
     else:
@@ -123,50 +127,51 @@ def prefill(params, slots, store, kv: KVCache, stats_MS, rows: RowState, row, to
     tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
     left_1 = req.max_tokens.reshape(1) - 1
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
-                     ~_is_stop(tok_1, stop_P) & (left_1 > 0), req.key_2[None], req.sp, pen)
+                     ~_is_stop(tok_1, stop_I) & (left_1 > 0), req.key_2[None], req.sp, pen)
     rows = _set_row(rows, row, state)
-    return PrefillOut(logits, tok_1, lp), kv, slots, routed, stats_MS + st, rows
+    return PrefillOut(logits, tok_1, lp), kv, experts, routed, rows
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max",), donate_argnames=STEP_DONATE)
-def decode(params, slots, store, kv: KVCache, stats_MS, rows: RowState, alive_B, stop_P, limit, *, cfg, dtype,
-           policy, prefetch, attn_len, mode: SamplingMode, n_max: int, forced=None):
+def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I, limit, *, cfg, dtype, kernels,
+           attn_len, mode: SamplingMode, n_max: int, forced=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [C, M, B, k]): step i replays
-    forced[i] as the routed experts. Returns (ChunkOut, kv, slots, routed, stats, rows), the order of
-    prefill's outputs (routed is in the ChunkOut; its slot holds None)."""
+    forced[i] as the routed experts. Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
+    outputs (routed is in the ChunkOut; its place holds None)."""
     B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
     ctx = kv.length
     rows = dataclasses.replace(rows, live_B=rows.live_B & alive_B)
 
     def step(carry):
-        i, r, kv, slots, stats, out = carry
+        i, r, kv, experts, out = carry
         live = r.live_B
         pos_B = jnp.where(live, r.pos_B, ctx)  # a row that is not live writes past the cache: dropped
-        logits_BV, kv, slots, routed_MBk, st = forward(
-            params, slots, store, kv, r.tok_B[:, None], pos_B, jnp.ones_like(pos_B), cfg=cfg, dtype=dtype,
-            policy=policy, prefetch=prefetch, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
+        logits_BV, kv, experts, routed_MBk = forward(
+            params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, jnp.ones_like(pos_B), cfg=cfg,
+            dtype=dtype, kernels=kernels, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
+        experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live)
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
-        r = RowState(tok_B, r.pos_B + inc, r.step_B + inc, left, live & ~_is_stop(tok_B, stop_P) & (left > 0),
+        r = RowState(tok_B, r.pos_B + inc, r.step_B + inc, left, live & ~_is_stop(tok_B, stop_I) & (left > 0),
                      r.key_B2, r.sp, pen)
         out = ChunkOut(out.tokens_CB.at[i].set(tok_B), out.n_B + inc, out.routed_CMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
-        return i + 1, r, kv, slots, stats + st, out
+        return i + 1, r, kv, experts, out
 
     lp0 = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), no_logprobs(B, cfg.vocab_size)) \
         if mode.logprobs else None
     out0 = ChunkOut(jnp.zeros((n_max, B), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((n_max, M, B, K), jnp.int32),
                     lp0)
-    carry = (jnp.int32(0), rows, kv, slots, stats_MS, out0)
+    carry = (jnp.int32(0), rows, kv, experts, out0)
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
         carry = step(carry)
     else:
         carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(c[1].live_B), step, carry)
-    _, rows, kv, slots, stats_MS, out = carry
-    return out, kv, slots, None, stats_MS, rows
+    _, rows, kv, experts, out = carry
+    return out, kv, experts, None, rows

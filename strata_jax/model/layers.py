@@ -1,7 +1,6 @@
 """Transformer blocks as pure functions: RMSNorm, RoPE, GQA attention over a KV cache, SwiGLU MLP.
 
-Shape legend: B batch, T new tokens, S cache length, D model dim, H query heads, K kv heads,
-G = H // K query heads per kv head, Dh head dim, F ffn dim.
+Shape legend: strata_jax/core/shapes.py
 Norms, RoPE angles, attention scores and softmax run in float32 whatever the compute dtype.
 """
 
@@ -12,9 +11,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.weights import AttnParams, MLPParams, Projections, QTensor
+from strata_jax.model.kernels import Kernels
+from strata_jax.model.weights import AttnParams, MLPParams, Projections
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -23,24 +25,24 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: QTensor, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: QTensor, kernels: Kernels, bias: jax.Array | None = None) -> jax.Array:
     """x @ W.T with W dequantized inside the jitted program (W is [out, in] GGML blocks): for a few token
     rows (decode) by the fused kernel that reads the blocks once (qmatvec), else dequantize + matmul."""
     n_rows = math.prod(x.shape[:-1])
-    if qmatvec.linear_ok(w, n_rows):
-        y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+    if qmatvec.linear_ok(w, n_rows, kernels):
+        y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w, kernels).reshape(*x.shape[:-1], -1)
     else:
-        y = jnp.einsum("...d,fd->...f", x, w.dequant(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.einsum("...d,fd->...f", x, dequant(w, x.dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias
     return y.astype(x.dtype)
 
 
-def project(x: jax.Array, p: Projections) -> list[jax.Array]:
+def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
     """Each projection of x (see Projections): one product per stacked group, then split."""
     outs = []
     for w, b, sizes in zip(p.mats, p.biases, p.sizes):
-        y = linear(x, w, b)
+        y = linear(x, w, kernels, b)
         at = [sum(sizes[:i]) for i in range(1, len(sizes))]
         outs += jnp.split(y, at, axis=-1) if at else [y]
     return outs
@@ -73,6 +75,7 @@ def attention(
     v_LBSKDh: jax.Array,
     layer: int,
     cfg: ModelConfig,
+    kernels: Kernels,
     attn_len: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal GQA attention for `layer`. The new keys/values are scattered straight into the whole
@@ -82,7 +85,7 @@ def attention(
     the furthest position, so a short sequence does not pay for the whole context."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q, k, v = project(x_BTD, p.qkv)
+    q, k, v = project(x_BTD, p.qkv, kernels)
     if cfg.qk_norm == "full":  # olmoe: one norm over all heads
         q = rms_norm(q, p.q_norm, cfg.rms_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
@@ -109,10 +112,10 @@ def attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_att, preferred_element_type=jnp.float32)
     out = out.reshape(B, T, H * Dh).astype(x_BTD.dtype)
-    return linear(out, p.wo), k_LBSKDh, v_LBSKDh
+    return linear(out, p.wo, kernels), k_LBSKDh, v_LBSKDh
 
 
-def swiglu(x: jax.Array, p: MLPParams) -> jax.Array:
-    g, u = project(x, p.gate_up)
+def swiglu(x: jax.Array, p: MLPParams, kernels: Kernels) -> jax.Array:
+    g, u = project(x, p.gate_up, kernels)
     h = jax.nn.silu(g) * u
-    return linear(h, p.w_down)
+    return linear(h, p.w_down, kernels)

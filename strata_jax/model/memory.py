@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from strata_jax.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from strata_jax.model.gguf_file import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile
 
 # Tensors whose names contain this are routed experts (the expert cache's); everything else is dense.
 ROUTED_EXPERT_MARK = "_exps."

@@ -5,9 +5,9 @@ re-reads 2 bytes per weight in bf16 for the ~0.56 a Q4_K weight takes; this kern
 bytes once, decodes them in registers and accumulates the dot products in float32, so a step reads
 each routed expert's and each dense matrix's quantized bytes once and writes only the outputs.
 
-One kernel serves both uses, as "pair m multiplies matrix slot_M[m] of a stack by its T token rows":
-- dense weights: a stack of one matrix, M = 1 pair, T = the tokens of the step;
-- routed experts: the slot pool is the stack, M = tokens x experts-per-token pairs, T = 1, and each
+One kernel serves both uses, as "pair m multiplies matrix slot_I[m] of a stack by its T token rows":
+- dense weights: a stack of one matrix, I = 1 pair, T = the tokens of the step;
+- routed experts: the slot pool is the stack, I = tokens x experts-per-token pairs, T = 1, and each
   pair's matrix is read straight from its slot: no gather copy of the routed experts.
 The routed experts' gate and up projections run in one call that produces silu(g) * u directly.
 
@@ -17,32 +17,36 @@ pair, walking the row a unit at a time (a 256-value K-quant super-block, or up t
 type). Within a unit every field is loaded as a [rows, groups, values] tensor through index arithmetic:
 Triton tensors need power-of-two shapes and cannot be sliced in registers.
 
-Where the model uses it (`use_kernel`): STRATA_JAX_QMATVEC unset = auto (on a GPU, K-quant matrices
-with enough rows to fill the chip: what measured faster on the H200), 1 = every supported matrix (on
-CPU through Pallas' interpreter, for tests), 0 = never. Read at trace time.
+Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
+"auto" (on a GPU, K-quant matrices with enough rows to fill the chip: what measured faster on the
+H200), "on" (every supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
 
 Numerics: float32 dot products of the decoded integers with x, scaled per sub-block (llama.cpp's
 formulation); the summation order differs from dequantize-then-matmul, so results agree to float32
 rounding, not bit for bit.
 
-Shape legend: M pairs, T token rows per pair, D input columns, F output rows, S stack rows (slots),
-B bytes per stack row, R rows of one program, G sub-block groups of a super-block, L values per group.
+Shape legend: strata_jax/core/shapes.py (here: I pairs, T token rows per pair, D input columns, F output
+rows, X stack rows (slots), P bytes per stack row, O rows of one program, A sub-block groups of a
+super-block, Q values per group).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
+
+from strata_jax.gguf.layout import QK_K, is_k_quant, layout, row_bytes
+from strata_jax.gguf.quant import dequantize
+from strata_jax.model.kernels import Kernels
 
 Q = GGMLQuantizationType
 
 MAX_T = 8  # token rows a pair multiplies in registers; more go through dequantize + matmul
-SUPER = 256  # values per K-quant super-block
+SUPER = QK_K  # values per K-quant super-block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +61,10 @@ class Part:
 
 
 # ---- in-kernel field decoding --------------------------------------------------------------------
-# `ld(idx)` loads the bytes at offsets idx (int32 [G] or [G, L], relative to the current super-block)
-# of every row of the program: uint8[R, G] or [R, G, L]. Each decoder returns terms
-# (q[R, G, L] float32, scale[R, G], bias[R, G] | None, x_idx[G, L]); a super-block contributes
-# sum_G(scale * sum_L(q * x[x_idx]) + bias * sum_L(x[x_idx])). Index grids are iotas of their final
+# `ld(idx)` loads the bytes at offsets idx (int32 [A] or [A, Q], relative to the current super-block)
+# of every row of the program: uint8[O, A] or [O, A, Q]. Each decoder returns terms
+# (q[O, A, Q] float32, scale[O, A], bias[O, A] | None, x_idx[A, Q]); a super-block contributes
+# sum_A(scale * sum_Q(q * x[x_idx]) + bias * sum_Q(x[x_idx])). Index grids are iotas of their final
 # shapes.
 
 
@@ -90,15 +94,15 @@ def _int8(u):
     return jnp.where(u >= 128, u - 256, u)
 
 
-def _k4_scale_min(ld, s_G):
-    """Q4_K/Q5_K six-bit scales and mins of sub-blocks s_G (int32 [G], values 0-7) as float32 [R, G].
+def _k4_scale_min(ld, s_A):
+    """Q4_K/Q5_K six-bit scales and mins of sub-blocks s_A (int32 [A], values 0-7) as float32 [O, A].
     Packing (quant._scale_min_k4): scale bytes 0-3 hold scales 0-3 and the top bits of scales 4-7, bytes
     4-7 the same for mins, bytes 8-11 the low nibbles of scales 4-7 and mins 4-7."""
-    hi_G = s_G >= 4
-    p = _u(ld(4 + jnp.where(hi_G, s_G + 4, s_G)))
-    q = _u(ld(4 + jnp.where(hi_G, s_G - 4, s_G + 4)))
-    r = _u(ld(4 + s_G))
-    hi = hi_G[None, :]
+    hi_A = s_A >= 4
+    p = _u(ld(4 + jnp.where(hi_A, s_A + 4, s_A)))
+    q = _u(ld(4 + jnp.where(hi_A, s_A - 4, s_A + 4)))
+    r = _u(ld(4 + s_A))
+    hi = hi_A[None, :]
     sc = jnp.where(hi, (p & 0x0F) | ((q >> 6) << 4), p & 0x3F)
     mn = jnp.where(hi, (p >> 4) | ((r >> 6) << 4), q & 0x3F)
     return sc.astype(jnp.float32), mn.astype(jnp.float32)
@@ -206,7 +210,7 @@ def _group(qtype, n_cols: int) -> tuple[int, int, int] | None:
     """(values, bytes, G) of the unit a program decodes at a time along a row: one 256-value super-block
     of a K-quant, or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
     if the row cannot be walked so."""
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = layout(qtype).block_size, layout(qtype).type_size
     if n_cols % block:
         return None
     if block == SUPER:
@@ -226,35 +230,35 @@ def supported(qtype, n_cols: int) -> bool:
 # ---- the kernel ------------------------------------------------------------------------------------
 
 
-def _row_dot(w_ref, x_ref, slot, m, rows_R, ok_R, part: Part, T: int, unroll: bool):
-    """[T] list of float32[R]: the program's rows of `part` dotted with each of the pair's T rows."""
+def _row_dot(w_ref, x_ref, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bool):
+    """[T] list of float32[O]: the program's rows of `part` dotted with each of the pair's T rows."""
     from jax.experimental.pallas import triton as plgpu
 
     values, nbytes, G = _group(part.qtype, part.n_cols)
-    k_quant = GGML_QUANT_SIZES[part.qtype][0] == SUPER
+    k_quant = is_k_quant(part.qtype)
     terms = _TERMS[part.qtype] if k_quant else functools.partial(_TERMS[part.qtype], G=G)
 
     def unit(b, acc):
-        base_R = part.offset + rows_R * part.row_bytes + b * nbytes
+        base_O = part.offset + rows_O * part.row_bytes + b * nbytes
 
         def ld(idx):
             expand = (slice(None),) + (None,) * idx.ndim
-            at = base_R[expand] + idx[None]
-            if ok_R is None:
+            at = base_O[expand] + idx[None]
+            if ok_O is None:
                 return w_ref[slot, at]
-            return plgpu.load(w_ref.at[slot, at], mask=jnp.broadcast_to(ok_R[expand], at.shape), other=0)
+            return plgpu.load(w_ref.at[slot, at], mask=jnp.broadcast_to(ok_O[expand], at.shape), other=0)
 
         acc = list(acc)
-        for q_RGL, scale_RG, bias_RG, xi_GL in terms(ld):
+        for q_OAQ, scale_OA, bias_OA, xi_AQ in terms(ld):
             for t in range(T):
-                x_GL = x_ref[m, t, b * values + xi_GL].astype(jnp.float32)
-                term_RG = scale_RG * jnp.sum(q_RGL * x_GL[None], axis=2)
-                if bias_RG is not None:
-                    term_RG = term_RG + bias_RG * jnp.sum(x_GL, axis=1)[None]
-                acc[t] = acc[t] + jnp.sum(term_RG, axis=1)
+                x_AQ = x_ref[m, t, b * values + xi_AQ].astype(jnp.float32)
+                term_OA = scale_OA * jnp.sum(q_OAQ * x_AQ[None], axis=2)
+                if bias_OA is not None:
+                    term_OA = term_OA + bias_OA * jnp.sum(x_AQ, axis=1)[None]
+                acc[t] = acc[t] + jnp.sum(term_OA, axis=1)
         return tuple(acc)
 
-    acc = tuple(jnp.zeros(rows_R.shape, jnp.float32) for _ in range(T))
+    acc = tuple(jnp.zeros(rows_O.shape, jnp.float32) for _ in range(T))
     n_units = part.n_cols // values
     if unroll:
         for b in range(n_units):
@@ -268,39 +272,39 @@ def _kernel(slot_ref, x_ref, w_ref, o_ref, *, parts, T, block_rows, swiglu, unro
     from jax.experimental.pallas import triton as plgpu
 
     m = pl.program_id(0)
-    rows_R = pl.program_id(1) * block_rows + _iota(block_rows)
-    ok_R = rows_R < parts[0].n_rows if parts[0].n_rows % block_rows else None
+    rows_O = pl.program_id(1) * block_rows + _iota(block_rows)
+    ok_O = rows_O < parts[0].n_rows if parts[0].n_rows % block_rows else None
     slot = slot_ref[m]
-    ys = [_row_dot(w_ref, x_ref, slot, m, rows_R, ok_R, p, T, unroll) for p in parts]
+    ys = [_row_dot(w_ref, x_ref, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
     for t in range(T):
         y = jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t]
-        plgpu.store(o_ref.at[m, t, rows_R], y.astype(o_ref.dtype), mask=ok_R)
+        plgpu.store(o_ref.at[m, t, rows_O], y.astype(o_ref.dtype), mask=ok_O)
 
 
-def stack_ok(w_SB) -> bool:
+def stack_ok(w_XP) -> bool:
     """Pallas' Triton lowering indexes a buffer of up to 4 GiB with 32-bit offsets, which the pointer
     arithmetic takes as signed: past 2 GiB they go negative (an illegal address, seen on the H200 with a
     2.7 GB resident pool). Stacks of 2-4 GiB therefore stay on dequantize + matmul."""
-    return not (2**31 <= w_SB.size * w_SB.dtype.itemsize <= 2**32)
+    return not (2**31 <= w_XP.size * w_XP.dtype.itemsize <= 2**32)
 
 
 @functools.partial(jax.jit, static_argnames=("parts", "swiglu", "block_rows", "num_warps", "out_dtype", "interpret",
                                              "unroll"))
-def stacked_matvec(x_MTD, w_SB, slot_M, *, parts: tuple[Part, ...], swiglu: bool = False, block_rows: int = 32,
+def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool = False, block_rows: int = 32,
                    num_warps: int = 4, out_dtype=jnp.float32, interpret: bool | None = None, unroll: bool = False):
-    """y[m, t] = W_{slot_M[m]} @ x[m, t] for the matrix `parts[0]` of each stack row of w_SB (uint8
-    [S, B]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up). Returns out_dtype[M, T, F].
+    """y[m, t] = W_{slot_I[m]} @ x[m, t] for the matrix `parts[0]` of each stack row of w_XP (uint8
+    [X, P]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up). Returns out_dtype[I, T, F].
     interpret: run in Pallas' interpreter (default: off the GPU). unroll: walk the row in straight-line
     code instead of a loop (Triton compiles took 18-28 s per kernel so, against seconds)."""
     from jax.experimental import pallas as pl
 
-    M, T, D = x_MTD.shape
+    n_pairs, T, D = x_ITD.shape
     F = parts[0].n_rows
     for p in parts:
         if not supported(p.qtype, p.n_cols) or p.n_cols != D or p.n_rows != F:
             raise ValueError(f"stacked_matvec cannot take {p} for x of {D} columns")
-    if not stack_ok(w_SB):
-        raise ValueError(f"a stack of {w_SB.nbytes} bytes is between 2 and 4 GiB: see stack_ok")
+    if not stack_ok(w_XP):
+        raise ValueError(f"a stack of {w_XP.nbytes} bytes is between 2 and 4 GiB: see stack_ok")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_kernel, parts=parts, T=T, block_rows=block_rows, swiglu=swiglu, unroll=unroll)
@@ -311,38 +315,35 @@ def stacked_matvec(x_MTD, w_SB, slot_M, *, parts: tuple[Part, ...], swiglu: bool
         kw["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, T, F), out_dtype),
-        grid=(M, pl.cdiv(F, block_rows)),
+        out_shape=jax.ShapeDtypeStruct((n_pairs, T, F), out_dtype),
+        grid=(n_pairs, pl.cdiv(F, block_rows)),
         interpret=interpret,
         name=f"qmatvec_{parts[0].qtype.name.lower()}{'_swiglu' if swiglu else ''}_r{block_rows}w{num_warps}",
         **kw,
-    )(slot_M.astype(jnp.int32), x_MTD, w_SB)
+    )(slot_I.astype(jnp.int32), x_ITD, w_XP)
 
 
 def dense_part(qtype, n_rows: int, n_cols: int) -> Part:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return Part(Q(qtype), n_rows, n_cols // block * size, 0, n_cols)
+    return Part(Q(qtype), n_rows, row_bytes(qtype, n_cols), 0, n_cols)
 
 
 def dense_matvec(x_TD, data_FR, qtype, n_cols: int, **kw):
     """x @ W.T for a dense GGML matrix uint8[F, R] and T <= MAX_T token rows: float32[T, F]."""
     F, R = data_FR.shape
-    w_1B = data_FR.reshape(1, F * R)
-    return stacked_matvec(x_TD[None], w_1B, jnp.zeros((1,), jnp.int32), parts=(dense_part(qtype, F, n_cols),),
+    w_1P = data_FR.reshape(1, F * R)
+    return stacked_matvec(x_TD[None], w_1P, jnp.zeros((1,), jnp.int32), parts=(dense_part(qtype, F, n_cols),),
                           **kw)[0]
 
 
-def reference_matvec(x_MTD, w_SB, slot_M, parts, swiglu=False):
+def reference_matvec(x_ITD, w_XP, slot_I, parts, swiglu=False):
     """The same product by dequantize-then-matmul in float32 (tests)."""
-    from strata_jax.model.quant import dequantize
-
     def mat(p, slot):
-        rows = jax.lax.dynamic_slice_in_dim(w_SB[slot], p.offset, p.n_rows * p.row_bytes)
+        rows = jax.lax.dynamic_slice_in_dim(w_XP[slot], p.offset, p.n_rows * p.row_bytes)
         return dequantize(rows.reshape(p.n_rows, p.row_bytes), p.qtype, p.n_cols)
 
     outs = []
-    for m in range(x_MTD.shape[0]):
-        ys = [jnp.matmul(x_MTD[m].astype(jnp.float32), mat(p, slot_M[m]).T, precision="highest") for p in parts]
+    for m in range(x_ITD.shape[0]):
+        ys = [jnp.matmul(x_ITD[m].astype(jnp.float32), mat(p, slot_I[m]).T, precision="highest") for p in parts]
         outs.append(jax.nn.silu(ys[0]) * ys[1] if swiglu else ys[0])
     return jnp.stack(outs)
 
@@ -350,16 +351,6 @@ def reference_matvec(x_MTD, w_SB, slot_M, parts, swiglu=False):
 # ---- where the model uses it -----------------------------------------------------------------------
 
 MIN_PROGRAMS = 256  # auto mode: fewer programs than ~2 per SM of an H200 (132) leave it latency-bound
-
-
-def mode() -> str:
-    """STRATA_JAX_QMATVEC: unset = "auto" (GPU, K-quant types, enough parallel work: see use_kernel);
-    1 = "on" wherever the kernel takes the type (on CPU through Pallas' interpreter: slow, for tests);
-    0 = "off" (dequantize + matmul everywhere). Read at trace time."""
-    choice = os.environ.get("STRATA_JAX_QMATVEC", "")
-    if choice not in ("", "0", "1"):
-        raise ValueError(f"STRATA_JAX_QMATVEC={choice!r}: use 1 (on), 0 (off) or leave it unset (auto)")
-    return {"": "auto", "0": "off", "1": "on"}[choice]
 
 
 def block_config(part: Part, n_pairs: int) -> dict:
@@ -370,59 +361,60 @@ def block_config(part: Part, n_pairs: int) -> dict:
     return {"block_rows": 16, "num_warps": 2}
 
 
-def use_kernel(parts: tuple[Part, ...], n_pairs: int) -> bool:
+def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels) -> bool:
     """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only what was
     measured faster on the H200: K-quant matrices (the routed experts of the B30 shape ran 2.1x faster
     than gather + dequantize + einsum, and the 8-layer B30 model decoded at 313 tok/s against 186) with
     at least MIN_PROGRAMS programs; a 512-row projection (32 programs) took 12.4 us against XLA's 1.9, and
     Qwen2.5-0.5B, whose 896-column rows are Q5_0/Q8_0 blocks, decoded at 116 tok/s against 207 with every
     matrix on the kernel."""
-    m = mode()
-    if m == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
+    if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
-    if m == "on":
+    if kernels.qmatvec == "on":
         return True
-    if jax.default_backend() != "gpu" or any(GGML_QUANT_SIZES[p.qtype][0] != SUPER for p in parts):
+    if kernels.platform != "gpu" or not all(is_k_quant(p.qtype) for p in parts):
         return False
     rows = block_config(parts[0], n_pairs)["block_rows"]
     return n_pairs * -(-parts[0].n_rows // rows) >= MIN_PROGRAMS
 
 
-def expert_parts(pool, n_pairs: int) -> tuple[Part, ...] | None:
-    """qmatvec Parts (gate, up, down) of a pool of expert rows (store.ExpertRows) when n_pairs routed
-    products with them go through the kernel, else None."""
+def expert_parts(pool, n_pairs: int, kernels: Kernels) -> tuple[Part, ...] | None:
+    """qmatvec Parts (gate, up, down) of a pool of expert rows (core.experts.ExpertRows) when n_pairs
+    routed products with them go through the kernel, else None."""
     if not stack_ok(pool.data):
         return None
-    out, offset = [], 0
-    for qtype, n, row_bytes, n_cols in pool.parts:
-        out.append(Part(Q(qtype), n, row_bytes, offset, n_cols))
-        offset += n * row_bytes
-    if not (use_kernel(tuple(out[:2]), n_pairs) and use_kernel(tuple(out[2:]), n_pairs)):
+    out = tuple(Part(Q(p.qtype), p.n_rows, p.row_bytes, at, p.n_cols) for p, at in zip(pool.parts, pool.offsets()))
+    if not (use_kernel(out[:2], n_pairs, kernels) and use_kernel(out[2:], n_pairs, kernels)):
         return None
-    return tuple(out)
+    return out
 
 
-def experts_swiglu(x_ND, w_NK, slot_NK, pool_data_SB, parts, dtype):
-    """The routed experts of N tokens read straight from their slots: sum_k w[n, k] * down(silu(gate x) *
-    up x) for the expert in slot slot_NK[n, k]. float32 [N, D]."""
-    N, K = slot_NK.shape
+def _interpret(kernels: Kernels) -> bool:
+    return kernels.platform != "gpu"  # Pallas' interpreter off the GPU (tests)
+
+
+def experts_swiglu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Kernels):
+    """The routed experts of N tokens read straight from their slots: sum_j w[n, j] * down(silu(gate x) *
+    up x) for the expert in slot slot_Nk[n, j]. float32 [N, D]."""
+    N, k = slot_Nk.shape
     gate, up, down = parts
-    slot_M = slot_NK.reshape(N * K)
-    x_M1D = jnp.repeat(x_ND, K, axis=0)[:, None, :]
-    h_M1F = stacked_matvec(x_M1D, pool_data_SB, slot_M, parts=(gate, up), swiglu=True, out_dtype=dtype,
-                           **block_config(gate, N * K))
-    y_M1D = stacked_matvec(h_M1F, pool_data_SB, slot_M, parts=(down,), **block_config(down, N * K))
-    return jnp.einsum("nkd,nk->nd", y_M1D.reshape(N, K, -1), w_NK)
+    slot_I = slot_Nk.reshape(N * k)
+    x_I1D = jnp.repeat(x_ND, k, axis=0)[:, None, :]
+    h_I1F = stacked_matvec(x_I1D, pool_data_XP, slot_I, parts=(gate, up), swiglu=True, out_dtype=dtype,
+                           interpret=_interpret(kernels), **block_config(gate, N * k))
+    y_I1D = stacked_matvec(h_I1F, pool_data_XP, slot_I, parts=(down,), interpret=_interpret(kernels),
+                           **block_config(down, N * k))
+    return jnp.einsum("nkd,nk->nd", y_I1D.reshape(N, k, -1), w_Nk)
 
 
-def linear_ok(w, n_rows: int) -> bool:
+def linear_ok(w, n_rows: int, kernels: Kernels) -> bool:
     """Whether x @ W.T for n_rows token rows takes the kernel (W a 2-D QTensor)."""
     if w.qtype is None or n_rows > MAX_T or w.data.ndim != 2 or not stack_ok(w.data):
         return False
-    return use_kernel((dense_part(w.qtype, w.data.shape[0], w.n_cols),), 1)
+    return use_kernel((dense_part(w.qtype, w.data.shape[0], w.n_cols),), 1, kernels)
 
 
-def linear(x_TD, w):
+def linear(x_TD, w, kernels: Kernels):
     """x @ W.T, float32 [T, F], for a QTensor W ([F, R] GGML rows) and T <= MAX_T."""
     part = dense_part(w.qtype, w.data.shape[0], w.n_cols)
-    return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, **block_config(part, 1))
+    return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, interpret=_interpret(kernels), **block_config(part, 1))

@@ -22,15 +22,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from strata_jax.errors import ConfigError
-from strata_jax.model.weights import pytree_dataclass
+from strata_jax.core.errors import ConfigError
 
 REPEAT_WINDOW = 256  # the longest repeat_last_n; llama.cpp's default is 64
 TOP_LOGPROBS = 20  # alternatives computed per token (OpenAI's maximum); requests slice them on the host
 
 
-@pytree_dataclass
+@struct.dataclass
 class SamplingParams:
     temperature_B: jax.Array
     top_p_B: jax.Array
@@ -80,7 +80,7 @@ def validate_sampling(*, temperature=None, top_p=None, top_k=None, min_p=None, p
 
 # -- penalties ----------------------------------------------------------------------------------------
 
-@pytree_dataclass
+@struct.dataclass
 class PenaltyState:
     """What the penalties need to know of a request's tokens, one row per request."""
 
@@ -128,7 +128,7 @@ def penalize(logits_BV: jax.Array, sp: SamplingParams, pen: PenaltyState) -> jax
 
 # -- logprobs ----------------------------------------------------------------------------------------
 
-@pytree_dataclass
+@struct.dataclass
 class Logprobs:
     token_B: jax.Array  # float32: the sampled token's log-probability
     top_ids_BN: jax.Array  # int32: the N most likely tokens, most likely first

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from strata_jax.errors import ConfigError, GGUFFormatError
+from strata_jax.core.errors import ConfigError, GGUFFormatError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -1,16 +1,15 @@
 """Parameter pytrees and their loading from a GGUF file.
 
 Matrices stay in their GGML block bytes (`QTensor`) on the device and are dequantized inside jit;
-small vectors (norms, biases) and routers are made float32 at load. Routed experts live in a
-`SlotTable` (see strata_jax/model/slots.py), not in the layer params.
+small vectors (norms, biases) and routers are made float32 at load. Routed experts are not in the
+layer params: the MoE block reaches them through an ExpertProvider (core/experts.py), whose byte
+layout `expert_spec` describes from the file.
 
-Shape legend: D model dim, F ffn dim, E experts, V vocab, H heads, K kv heads, Dh head dim,
-R row bytes (the quantized last axis), S slots.
+Shape legend: strata_jax/core/shapes.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from typing import Any
@@ -18,57 +17,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from gguf import GGMLQuantizationType
 
-from strata_jax.errors import TensorShapeError
-from strata_jax.model import quant
+from strata_jax.core.errors import TensorShapeError
+from strata_jax.core.experts import EXPERT_TENSORS, ExpertSpec, expert_parts, expert_shapes
+from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf import quant
+from strata_jax.gguf.reader import GGUFFile, TensorInfo
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.gguf_file import GGUFFile, TensorInfo
 
 log = logging.getLogger("strata_jax")
 
 
-def pytree_dataclass(cls=None, *, meta=()):
-    """Register a dataclass as a pytree; fields named in `meta` are static (part of the treedef)."""
-
-    def wrap(c):
-        c = dataclasses.dataclass(frozen=True)(c)
-        names = [f.name for f in dataclasses.fields(c)]
-        jax.tree_util.register_dataclass(
-            c, data_fields=[n for n in names if n not in meta], meta_fields=[n for n in names if n in meta]
-        )
-        return c
-
-    return wrap if cls is None else wrap(cls)
-
-
-@pytree_dataclass(meta=("qtype", "n_cols"))
-class QTensor:
-    """GGML block bytes `uint8[..., rows, R]` of a logical `[..., rows, n_cols]` matrix, or, with
-    qtype None, that matrix already dequantized (CPU default: see WeightLoader.dequantize_dense)."""
-
-    data: jax.Array
-    qtype: GGMLQuantizationType | None
-    n_cols: int
-
-    def dequant(self, dtype=jnp.float32) -> jax.Array:
-        if self.qtype is None:
-            return self.data.astype(dtype)
-        return quant.dequantize(self.data, self.qtype, self.n_cols, dtype)
-
-    def take_rows(self, idx: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Dequantize only the rows `idx` (embedding lookup) instead of the whole table."""
-        rows = jnp.take(self.data, idx, axis=-2)
-        if self.qtype is None:
-            return rows.astype(dtype)
-        return quant.dequantize(rows, self.qtype, self.n_cols, dtype)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.data.shape[:-1], self.n_cols)
-
-
-@pytree_dataclass(meta=("sizes",))
+@struct.dataclass
 class Projections:
     """Several projections of one input. Matrices of one GGML type that follow each other are stacked
     row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
@@ -78,10 +40,10 @@ class Projections:
 
     mats: tuple[QTensor, ...]
     biases: tuple[jax.Array | None, ...]
-    sizes: tuple[tuple[int, ...], ...]
+    sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
 
 
-@pytree_dataclass
+@struct.dataclass
 class AttnParams:
     norm_D: jax.Array
     qkv: Projections  # q [H*Dh, D], k [K*Dh, D], v [K*Dh, D]
@@ -90,7 +52,7 @@ class AttnParams:
     k_norm: jax.Array | None
 
 
-@pytree_dataclass
+@struct.dataclass
 class MLPParams:
     """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
 
@@ -98,14 +60,14 @@ class MLPParams:
     w_down: QTensor  # [D, F]
 
 
-@pytree_dataclass
+@struct.dataclass
 class MoEParams:
     router_ED: jax.Array  # float32
     shared: MLPParams | None
     shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
 
 
-@pytree_dataclass
+@struct.dataclass
 class LayerParams:
     attn: AttnParams
     ffn_norm_D: jax.Array
@@ -113,7 +75,7 @@ class LayerParams:
     moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
 
 
-@pytree_dataclass
+@struct.dataclass
 class Params:
     embed: QTensor  # [V, D]
     layers: tuple[LayerParams, ...]
@@ -198,6 +160,21 @@ class WeightLoader:
 
     def optional_f32(self, name: str, shape: tuple[int, ...]) -> jax.Array | None:
         return self.f32(name, shape) if self.gguf.has(name) else None
+
+
+def expert_infos(loader: WeightLoader, moe_idx: int) -> list[TensorInfo]:
+    """The gate, up and down tensors of MoE layer moe_idx, shape- and type-checked."""
+    cfg = loader.cfg
+    shapes = expert_shapes(cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model)
+    return [loader.info(f"blk.{cfg.moe_layers[moe_idx]}.{name}.weight", shape)
+            for name, shape in zip(EXPERT_TENSORS, shapes)]
+
+
+def expert_spec(loader: WeightLoader) -> ExpertSpec:
+    """The routed experts' layout (checked against the config) as plain values, for offloading."""
+    cfg = loader.cfg
+    return ExpertSpec(tuple(cfg.moe_layers), cfg.n_experts, cfg.n_experts_used,
+                      tuple(expert_parts(expert_infos(loader, i)) for i in range(len(cfg.moe_layers))))
 
 
 def load_params(loader: WeightLoader) -> Params:

@@ -3,10 +3,10 @@
 `fetch_misses` copies only the experts the policy marked as misses, one DMA per expert, in a
 loop whose trip count is the (traced) number of misses: at a high hit rate a step moves few bytes and
 pays no per-expert branch. Writes go into the donated slot pool, in place. `stream_layer` brings a
-whole layer's experts over at once (the grouped prefill; the dense prefill copies a group of experts
-per step of its scan, model/moe.py).
+whole layer's experts over at once (the grouped prefill); `stream_group` a group of consecutive
+experts (the dense prefill, one group per step of its scan: model/moe.py).
 
-Shape legend: S slots, E experts of the layer, U requested experts.
+Shape legend: strata_jax/core/shapes.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.offload.policies import Plan
-from strata_jax.offload.store import ExpertRows
+from strata_jax.core.experts import ExpertRows
 
 
 def to_device(x: jax.Array) -> jax.Array:
@@ -25,10 +25,10 @@ def to_device(x: jax.Array) -> jax.Array:
 def fetch_misses(pool: ExpertRows, layer: ExpertRows, plan: Plan) -> ExpertRows:
     order_U = jnp.argsort(~plan.miss_U, stable=True)  # misses first
 
-    def body(i, data_SB):
+    def body(i, data_XP):
         j = order_U[i]
-        row_B = to_device(jax.lax.dynamic_index_in_dim(layer.data, plan.ids_U[j], 0, keepdims=False))
-        return jax.lax.dynamic_update_index_in_dim(data_SB, row_B, plan.slot_U[j], 0)
+        row_P = to_device(jax.lax.dynamic_index_in_dim(layer.data, plan.ids_U[j], 0, keepdims=False))
+        return jax.lax.dynamic_update_index_in_dim(data_XP, row_P, plan.slot_U[j], 0)
 
     return ExpertRows(jax.lax.fori_loop(0, plan.n_misses, body, pool.data), pool.parts)
 
@@ -36,6 +36,11 @@ def fetch_misses(pool: ExpertRows, layer: ExpertRows, plan: Plan) -> ExpertRows:
 def stream_layer(layer: ExpertRows) -> ExpertRows:
     """All E experts of one layer on the device (one copy), as a temporary pool indexed by expert id."""
     return ExpertRows(to_device(layer.data), layer.parts)
+
+
+def stream_group(layer: ExpertRows, first: jax.Array, n: int) -> ExpertRows:
+    """Experts first .. first + n - 1 of one layer on the device (one copy), indexed from 0."""
+    return ExpertRows(to_device(jax.lax.dynamic_slice_in_dim(layer.data, first, n, axis=0)), layer.parts)
 
 
 def calibrate_fetch(layer: ExpertRows, device, n: int = 8, reps: int = 3) -> tuple[float, float]:

@@ -1,10 +1,10 @@
 """OffloadManager: the host-side owner of a MoE model's expert cache.
 
 It decides the cache size (sizing.plan_cache), builds the slot table and, when not every expert fits,
-the pinned-host ExpertStore; between jitted steps it hands the donated device state (slot table and
-counters) to the step and takes the updated state back; it turns the device counters into telemetry.
-Inside a step the policy, miss fetches and prefetch run in jit (see model/moe.py), so a token costs
-one dispatch and no host round trip per layer.
+the pinned-host ExpertStore; between jitted steps it hands the donated expert provider (SlotExperts:
+slot table, store and counters) to the step and takes the updated one back; it turns the device
+counters into telemetry. Inside a step the policy, miss fetches and prefetch run in jit (see
+offload/provider.py), so a token costs one dispatch and no host round trip per layer.
 """
 
 from __future__ import annotations
@@ -13,46 +13,47 @@ import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.model.moe import N_STATS
-from strata_jax.model.weights import WeightLoader
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import ExpertCounters, ExpertSpec
+from strata_jax.core.units import fmt_bytes
 from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
+from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, plan_cache
-from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, gguf_expert_layout,
-                                          resident_slot_table)
+from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
 from strata_jax.offload.store import ExpertStore, load_expert_store
-from strata_jax.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
 LOW_FREE_VRAM = 512 << 20
 
 
-def plan_model_cache(gguf, cfg, *, fixed_bytes: int, expert_pools: str = "per-layer", batch_rows: int = 1,
+def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = "per-layer", batch_rows: int = 1,
                      expert_slots: int | None = None, vram_budget: int | str | None = None,
                      vram_reserve: int | str | None = None, free_bytes: int | None = None) -> CachePlan:
-    """The expert-cache plan of a model as OffloadManager makes it, from the file's tensor table alone,
-    so a report without a device (`strata-jax inspect`) gets the slot count a load would."""
-    layout = gguf_expert_layout(gguf, cfg, expert_pools)
+    """The expert-cache plan of a model as OffloadManager makes it, from its experts' layout alone, so a
+    report without a device (`strata-jax inspect`) gets the slot count a load would."""
+    layout = expert_layout(spec, expert_pools)
     return plan_cache(
-        pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(cfg, t) for t in layout.pool_types),
+        pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(t) for t in layout.pool_types),
         # one access (a layer of a decode step) may route batch_rows * k distinct experts
-        n_experts=cfg.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * cfg.n_experts_used, cfg.n_experts),
+        n_experts=spec.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * spec.n_experts_used, spec.n_experts),
         fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
         free_bytes=free_bytes)
 
 
 class OffloadManager:
-    def __init__(self, loader: WeightLoader, *, fixed_bytes: int, expert_slots: int | None = None,
+    """gguf: the model's GGUFFile (strata_jax.gguf.reader); spec: its experts' layout, checked against the
+    file (strata_jax.model.weights.expert_spec); device: where the slot pools go."""
+
+    def __init__(self, gguf, spec: ExpertSpec, device, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
                  batch_rows: int = 1):
-        cfg = loader.cfg
-        self.device = loader.device
+        self.device = device if device is not None else jax.devices()[0]
+        self.spec = spec
         self.policy = get_policy(policy)
         if isinstance(prefetch, bool) or prefetch is None:
             prefetch = int(bool(prefetch))
@@ -64,9 +65,9 @@ class OffloadManager:
             log.warning("prefetch depth %d: on an H200 greedy tokens were seen to differ from the all-resident "
                         "run at depth 2 (exact at depths 0 and 1, and on CPU at any depth), and depth 2 was "
                         "slower; use --prefetch-depth 1 for exact results", prefetch)
-        layout = expert_layout(loader, expert_pools)
+        layout = expert_layout(spec, expert_pools)
         self.plan: CachePlan = plan_model_cache(
-            loader.gguf, cfg, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,
+            spec, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,
             expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
             free_bytes=device_free_bytes(self.device))
         log.info(describe(self.plan))
@@ -77,22 +78,25 @@ class OffloadManager:
                      "s" if len(self.plan.slots_per_pool) > 1 else "", "/".join(f"{n:,}" for n in sizes),
                      "; LRU hit rates measured higher with a cache per layer, see docs/benchmarks.md"
                      if expert_pools == "per-layer" else "")
-        self.store: ExpertStore | None = None
+        store: ExpertStore | None = None
         # measured seconds per expert of an in-step miss fetch and of a whole-layer stream (0: resident)
         self.fetch_s = self.stream_s = 0.0
         if self.plan.resident:
-            slots = resident_slot_table(loader)
+            slots = resident_slot_table(gguf, spec, self.device)
         else:
-            self.store = load_expert_store(loader)
-            slots = empty_slot_table(loader, list(self.plan.slots_per_pool), self.policy, layout)
-            self.fetch_s, self.stream_s = calibrate_fetch(self.store.layers[0], self.device)
+            store = load_expert_store(gguf, spec, self.device)
+            slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device)
+            self.fetch_s, self.stream_s = calibrate_fetch(store.layers[0], self.device)
             log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
-                     fmt_bytes(self.store.layers[0].bytes_per_expert),
-                     self.store.layers[0].bytes_per_expert / self.fetch_s / 1e9)
+                     fmt_bytes(store.layers[0].bytes_per_expert), store.layers[0].bytes_per_expert / self.fetch_s / 1e9)
+        self.store_memory_kind = store.memory_kind if store is not None else None
+        self.device_bytes = sum(p.data.nbytes for p in slots.pools)  # what the slot pools take on the device
+        self._n_layers = len(spec.moe_layers)
         # Step inputs are committed to the device up front: jit's cache key includes committedness and
         # step outputs are committed, so uncommitted initial state would recompile the second step.
-        self.slots: SlotTable | None = jax.device_put(slots, self.device)
-        self._n_layers = len(cfg.moe_layers)
+        self._experts: SlotExperts | None = SlotExperts(
+            jax.device_put(slots, self.device), store, self._zero_counters(), None if self.plan.resident else self.policy,
+            0 if self.plan.resident else self.prefetch)
         self.reset_stats()
         free = device_free_bytes(self.device)
         if free is not None and free < LOW_FREE_VRAM:
@@ -101,21 +105,33 @@ class OffloadManager:
 
     @property
     def bytes_per_expert_M(self) -> np.ndarray:
-        if self.store is None:
+        if self.store_memory_kind is None:
             return np.zeros(self._n_layers, np.int64)
-        return np.array([layer.bytes_per_expert for layer in self.store.layers], np.int64)
+        return np.array([self.spec.bytes_per_expert(i) for i in range(self._n_layers)], np.int64)
 
-    def take(self) -> tuple[SlotTable, jax.Array]:
-        """The donated state for one jitted step; the manager holds nothing until `put`."""
-        slots, stats = self.slots, self._stats_MS
-        self.slots = self._stats_MS = None
-        return slots, stats
+    @property
+    def slots(self) -> SlotTable | None:
+        """The slot table (None while a step holds the provider)."""
+        return self._experts.table if self._experts is not None else None
 
-    def put(self, slots: SlotTable, stats_MS: jax.Array) -> None:
-        self.slots, self._stats_MS = slots, stats_MS
+    @property
+    def store(self) -> ExpertStore | None:
+        return self._experts.store if self._experts is not None else None
+
+    def take(self) -> SlotExperts:
+        """The donated expert provider for one jitted step; the manager holds nothing until `put`."""
+        experts, self._experts = self._experts, None
+        return experts
+
+    def put(self, experts: SlotExperts) -> None:
+        self._experts = experts
+
+    def _zero_counters(self) -> ExpertCounters:
+        return jax.device_put(ExpertCounters.zeros(self._n_layers), self.device)
 
     def reset_stats(self) -> None:
-        self._stats_MS = jax.device_put(jnp.zeros((self._n_layers, N_STATS), jnp.int32), self.device)
+        if self._experts is not None:
+            self._experts = self._experts.replace(counters=self._zero_counters())
         self.step_s = 0.0  # wall time of the steps run since the reset (Model reports it via note_steps)
         self.steps = 0
 
@@ -124,8 +140,9 @@ class OffloadManager:
         self.steps += n
 
     def counters(self) -> np.ndarray:
-        """int64 [MoE layers, N_STATS]: hits, misses, streamed, prefetched, predicted-and-routed, predicted."""
-        return np.asarray(self._stats_MS, np.int64)
+        """int64 [MoE layers, 6]: hits, misses, streamed, prefetched, predicted-and-routed, predicted
+        (core.experts.COUNTERS)."""
+        return self._experts.counters.as_array()
 
     def stats(self) -> dict[str, Any]:
         """Counters since load or reset_stats: decode lookups, hits, misses, hit rate, bytes moved
@@ -162,5 +179,5 @@ class OffloadManager:
             "policy": None if self.plan.resident else self.policy.name,
             "expert_pools": None if self.plan.resident else self.expert_pools,
             "prefetch": 0 if self.plan.resident else self.prefetch,
-            "store_memory": self.store.memory_kind if self.store is not None else None,
+            "store_memory": self.store_memory_kind,
         }

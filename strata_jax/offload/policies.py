@@ -34,14 +34,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from strata_jax.model.weights import pytree_dataclass
+from flax import struct
 
 
 FREE, DISABLED = -1, -2  # owner_S of an empty slot / of a slot that must stay unused
 
 
-@pytree_dataclass
+@struct.dataclass
 class CacheState:
     slot_map_LE: jax.Array  # int32: slot holding (layer, expert), -1 if absent
     owner_S: jax.Array  # int32: global expert id in each slot, FREE (-1) or DISABLED (-2)
@@ -58,7 +57,7 @@ class CacheState:
         return self.slot_map_LE.shape[1]
 
 
-@pytree_dataclass
+@struct.dataclass
 class Plan:
     ids_U: jax.Array  # int32: the requested experts (-1 padding)
     slot_U: jax.Array  # int32: slot of each requested expert after this access (-1 for padding)
@@ -271,7 +270,7 @@ def lrfu_policy(lam: float) -> Policy:
     expert used at most once per token. Cached so one lam gives one access function (one jit entry)."""
     lam = float(lam)
     if not (lam >= 0.0 and math.isfinite(lam)):
-        from strata_jax.errors import ConfigError
+        from strata_jax.core.errors import ConfigError
 
         raise ConfigError(f"LRFU lambda must be a finite number >= 0, got {lam!r}")
     name = f"lrfu({lam:g})"
@@ -405,7 +404,7 @@ _LRFU_NAME = re.compile(r"^\s*lrfu\s*\(\s*([0-9.eE+-]+)\s*\)\s*$")
 def _static_from_file(path: str) -> Policy:
     """static_policy from a .npy file: a usage profile [layers, experts] or a routing trace
     [tokens, layers, k] (Model.routing_trace(), saved with np.save), counted into a profile."""
-    from strata_jax.errors import ConfigError
+    from strata_jax.core.errors import ConfigError
 
     try:
         arr = np.load(path)
@@ -436,7 +435,7 @@ def get_policy(policy: str | Policy) -> Policy:
                 return lrfu_policy(float(m.group(1)))
             except ValueError:
                 pass
-    from strata_jax.errors import ConfigError
+    from strata_jax.core.errors import ConfigError
 
     hint = ""
     if isinstance(policy, str) and policy.split("(")[0].strip() in ("belady", "static"):

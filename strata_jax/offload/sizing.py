@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from strata_jax.errors import ConfigError
-from strata_jax.units import fmt_bytes, parse_size
+from strata_jax.core.errors import ConfigError
+from strata_jax.core.units import fmt_bytes, parse_size
 
 log = logging.getLogger("strata_jax")
 

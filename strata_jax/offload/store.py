@@ -1,14 +1,13 @@
 """ExpertStore: every routed expert of every MoE layer in host memory, in GGML block format.
 
-Each MoE layer is one host array in JAX's `pinned_host` memory, `[E, B]` bytes, where a row holds one
-expert's gate, up and down blocks back to back (`ExpertRows`). The jitted step DMAs one expert with a
-single copy (`lax.dynamic_index_in_dim` with a traced index), or a whole layer, straight into device
+Each MoE layer is one host array in JAX's `pinned_host` memory, `uint8[E, P]`, where a row holds one
+expert's gate, up and down blocks back to back (core/experts.py's `ExpertRows`). The jitted step
+DMAs one expert with a single copy (`lax.dynamic_index_in_dim` with a traced index), or a whole layer, straight into device
 memory with no host round trip. The device slot pools use the same row layout, so a miss is one copy.
 If pinned memory cannot be had we fall back to pageable host memory, which works the same but copies
 at a fraction of the speed.
 
-Shape legend: E experts per layer, S slots, B bytes per expert, F expert ffn dim, D model dim,
-R row bytes of one matrix.
+Shape legend: strata_jax/core/shapes.py
 """
 
 from __future__ import annotations
@@ -18,74 +17,23 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
+from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax.model.weights import QTensor, WeightLoader, pytree_dataclass
-from strata_jax.units import fmt_bytes
+from strata_jax.core.experts import ExpertRows, ExpertSpec, fused_rows
+from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
-
-Part = tuple  # (GGML type, rows, row bytes, columns) of one of an expert's three matrices
-
-
-@pytree_dataclass(meta=("parts",))
-class ExpertRows:
-    """Whole experts as byte rows `uint8[X, B]`: gate, up and down blocks back to back."""
-
-    data: jax.Array
-    parts: tuple[Part, Part, Part]
-
-    @property
-    def bytes_per_expert(self) -> int:
-        return self.data.shape[-1]
-
-    @property
-    def n_rows(self) -> int:
-        return self.data.shape[0]
-
-    def split(self, rows: jax.Array) -> tuple[QTensor, QTensor, QTensor]:
-        """The gate, up and down matrices of gathered rows `[..., B]`, as quantized tensors."""
-        out, offset = [], 0
-        for qtype, n, row_bytes, n_cols in self.parts:
-            size = n * row_bytes
-            block = rows[..., offset : offset + size].reshape(*rows.shape[:-1], n, row_bytes)
-            out.append(QTensor(block, qtype, n_cols))
-            offset += size
-        return tuple(out)
-
-    def take(self, idx: jax.Array) -> tuple[QTensor, QTensor, QTensor]:
-        return self.split(jnp.take(self.data, idx, axis=0))
-
-
-@pytree_dataclass(meta=("memory_kind",))
+@struct.dataclass
 class ExpertStore:
     layers: tuple[ExpertRows, ...]  # one per MoE layer
-    memory_kind: str
+    memory_kind: str = struct.field(pytree_node=False)
 
     @property
     def nbytes(self) -> int:
         return sum(layer.data.nbytes for layer in self.layers)
-
-
-def expert_parts(infos) -> tuple[Part, Part, Part]:
-    """Row layout of one expert from the three TensorInfos (gate, up, down) of a layer."""
-    return tuple((t.ggml_type, t.data.shape[1], t.data.shape[2], t.shape[-1]) for t in infos)
-
-
-def fused_rows(infos) -> np.ndarray:
-    """uint8 [E, B]: each expert's gate, up and down bytes back to back, from the memory-mapped tensors."""
-    E = infos[0].data.shape[0]
-    return np.concatenate([np.asarray(t.data).reshape(E, -1) for t in infos], axis=1)
-
-
-def expert_shapes(cfg) -> tuple[tuple[int, ...], ...]:
-    E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model
-    return (E, F, D), (E, F, D), (E, D, F)
 
 
 class _Progress:
@@ -115,12 +63,12 @@ def _host_sharding(device, memory_kind: str) -> SingleDeviceSharding:
     return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
-def load_expert_store(loader: WeightLoader, memory_kind: str = "pinned_host") -> ExpertStore:
-    """Copy every routed expert from the memory-mapped GGUF into host memory of `memory_kind`,
-    falling back to pageable memory (with a warning naming the cost) if pinned memory fails."""
-    cfg, device = loader.cfg, loader.device or jax.devices()[0]
-    infos = [[loader.info(f"blk.{layer}.{name}.weight", shape) for name, shape in zip(EXPERT_TENSORS, expert_shapes(cfg))]
-             for layer in cfg.moe_layers]
+def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "pinned_host") -> ExpertStore:
+    """Copy every routed expert from the memory-mapped GGUF file (strata_jax.gguf.reader.GGUFFile) into
+    host memory of `memory_kind`, falling back to pageable memory (with a warning naming the cost) if
+    pinned memory fails. spec: the experts' layout, already checked against the file."""
+    device = device or jax.devices()[0]
+    infos = [[gguf.tensor(name) for name in spec.tensor_names(i)] for i in range(len(spec.moe_layers))]
     total = sum(t.nbytes for layer in infos for t in layer)
     progress = _Progress(total, "experts")
     kinds = [memory_kind] + (["unpinned_host"] if memory_kind == "pinned_host" else [])
@@ -130,12 +78,12 @@ def load_expert_store(loader: WeightLoader, memory_kind: str = "pinned_host") ->
             sharding = _host_sharding(device, kind)
             layers = []
             for layer in infos:
-                layers.append(ExpertRows(jax.device_put(fused_rows(layer), sharding), expert_parts(layer)))
+                layers.append(ExpertRows(jax.device_put(fused_rows(layer), sharding), spec.layer_parts[len(layers)]))
                 progress.add(sum(t.nbytes for t in layer))
             jax.block_until_ready(layers)
             dt = time.perf_counter() - t0
             log.info("experts loaded: %s in %s host memory at %s/s (%d layers x %d experts)", fmt_bytes(total), kind,
-                     fmt_bytes(total / max(dt, 1e-9)), len(infos), cfg.n_experts)
+                     fmt_bytes(total / max(dt, 1e-9)), len(infos), spec.n_experts)
             return ExpertStore(tuple(layers), kind)
         except (RuntimeError, ValueError, MemoryError) as e:  # XLA reports allocation failure as RuntimeError
             if i + 1 == len(kinds):

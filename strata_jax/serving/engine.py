@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strata_jax.errors import ConfigError, StrataError
+from strata_jax.core.errors import ConfigError, StrataError
 from strata_jax.serving.protocol import APIError, GenRequest, bad
 
 log = logging.getLogger("strata_jax")

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata_jax.errors import StrataError
+from strata_jax.core.errors import StrataError
 
 if TYPE_CHECKING:
     from strata_jax.engine.config import EngineConfig
@@ -41,7 +41,7 @@ def check_options(args: Any) -> str | None:
     if not 0 < args.port < 65536:
         raise StrataError(f"--port {args.port} is not a TCP port; give 1-65535.")
     if args.model is not None:
-        from strata_jax.model.gguf_file import GGUFFile
+        from strata_jax.gguf.reader import GGUFFile
 
         GGUFFile(args.model)  # a missing or non-GGUF file fails now, not after the server is up
     return api_key

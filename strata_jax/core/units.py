@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from strata_jax.errors import ConfigError
+from strata_jax.core.errors import ConfigError
 
 _UNITS = {
     "": 1, "b": 1,

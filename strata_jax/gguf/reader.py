@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
-from strata_jax.errors import GGUFFormatError, MissingTensorError
+from strata_jax.core.errors import GGUFFormatError, MissingTensorError
+from strata_jax.gguf.layout import layout, row_bytes as _row_bytes
 
 GGUF_MAGIC = b"GGUF"
 
@@ -149,13 +150,13 @@ class GGUFFile:
 
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
+            block = layout(ggml_type).block_size
             if shape[-1] % block:
                 raise GGUFFormatError(
                     f"{self.path}: tensor {name!r} has {shape[-1]} columns, not a multiple of the "
                     f"{ggml_type.name} block ({block}); the file is corrupt."
                 )
-            row_bytes = shape[-1] // block * type_size
+            row_bytes = _row_bytes(ggml_type, shape[-1])
             n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
             begin = data_start + offset
             if begin + n_bytes > self.file_size:

@@ -1,0 +1,37 @@
+"""The shape-suffix legend: one meaning per letter across strata_jax.
+
+Array names end in `_` + one letter per axis, e.g. `k_LBSKDh` is [layers, batch rows, cache positions,
+kv heads, head dim]. `1` is an axis of size one kept for broadcasting. Arbitrary leading axes (`...`)
+are never named.
+
+Model and serving:
+  B   batch rows (sequences in one step)
+  T   tokens per row in one step (a power-of-two bucket)
+  N   tokens of a step flattened (B * T), or steps of a decode chunk
+  S   cache positions (what attention reads)
+  L   layers (of the model, or those sharing one expert pool's cache)
+  M   MoE layers
+  E   experts of a MoE layer
+  X   expert slots (rows of a device pool)
+  k   experts routed per token
+  U   distinct experts requested in one access (the policy's lookups), -1 padded
+  C   groups of the dense prefill's scan, J experts per group
+  K   kv heads
+  H   query heads
+  G   query heads per kv head (H // K)
+  Dh  head dim
+  D   model dim
+  F   ffn dim (dense, shared or routed expert)
+  V   vocab
+  W   repeat-penalty window
+  R   row bytes of one GGML matrix (its quantized last axis)
+  P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
+
+Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
+  Y   blocks in a row (n_cols // block size)
+  A   sub-blocks (or groups of them) of a K-quant super-block
+  Q   values in one block or sub-block
+  Z   bytes of one field (the axis a field's bytes are unpacked or bitcast along)
+  I   (matrix, token rows) pairs of one qmatvec call
+  O   output rows of one kernel program
+"""

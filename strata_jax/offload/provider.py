@@ -1,0 +1,127 @@
+"""SlotExperts: the ExpertProvider (core/experts.py) over a slot table, resident or offloaded.
+
+Resident (every expert has a slot, slot = expert id): a lookup is the identity and runs no kernel;
+its hits are counted once per step for all layers (`finish`), not with a few kernels per layer.
+Offloaded: a lookup runs the policy and DMAs the misses from the pinned-host store into their slots,
+all inside the jitted step; prefill streams each layer's experts from the store.
+
+Shape legend: strata_jax/core/shapes.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
+from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
+from strata_jax.offload.policies import Policy
+from strata_jax.offload.slot_table import SlotTable
+from strata_jax.offload.store import ExpertStore
+
+
+@struct.dataclass
+class SlotExperts:
+    table: SlotTable
+    store: ExpertStore | None  # offloading only: every expert, in host memory
+    counters: ExpertCounters
+    policy: Policy | None = struct.field(pytree_node=False)  # offloading only
+    prefetch_depth: int = struct.field(pytree_node=False, default=0)
+    # counts of this step not yet in `counters`, ((moe_idx, counter), ...) and their int32 values: folded
+    # in once by `finish`, one stack and add per counter rather than a scatter per layer and counter
+    pending_keys: tuple[tuple[int, str], ...] = struct.field(pytree_node=False, default=())
+    pending: tuple[jax.Array, ...] = ()
+
+    @property
+    def resident(self) -> bool:
+        return self.table.resident
+
+    def few_path(self, moe_idx: int, n_lookups: int) -> bool:
+        return self.table.few_path(moe_idx, n_lookups, self.table.n_experts)
+
+    def lookup(self, moe_idx: int, ids_Nk: jax.Array) -> tuple["SlotExperts", ExpertRows, jax.Array]:
+        if self.resident:  # expert e is in slot e of its layer's pool (resident_slot_table): no lookup
+            return self, self.table.pool(moe_idx), ids_Nk
+        table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(ids_Nk, self.table.n_experts))
+        me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
+        return me, table.pool(moe_idx), table.slot_map(moe_idx)[ids_Nk]
+
+    def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
+                 after: jax.Array) -> tuple["SlotExperts", jax.Array]:
+        if not predicted or self.resident:
+            return self, after
+        # Prefetching overwrites slots in place, possibly ones this layer just read. The barrier makes
+        # the output (so the read) come first: without one XLA:GPU was seen reading a slot after its
+        # overwrite (greedy tokens drifted from the resident run on the B30 shape; exact without prefetch).
+        after, table = jax.lax.optimization_barrier((after, self.table))
+        prefetched = jnp.zeros((), jnp.int32)
+        for next_idx, pred_Nk in predicted:
+            table, plan = self._access_and_fetch(table, next_idx, unique_ids(pred_Nk, self.table.n_experts))
+            prefetched = prefetched + plan.n_misses.astype(jnp.int32)
+        return self.replace(table=table).count(moe_idx, prefetched=prefetched), after
+
+    def stream(self, moe_idx: int) -> "SlotExperts":
+        if self.resident:
+            return self
+        return self.count(moe_idx, streamed=self.table.n_experts)
+
+    def group(self, moe_idx: int, first_expert: jax.Array, n: int) -> ExpertRows:
+        if self.resident:
+            pool = self.table.pool(moe_idx)
+            return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, first_expert, n, axis=0), pool.parts)
+        return stream_group(self.store.layers[moe_idx], first_expert, n)
+
+    def layer(self, moe_idx: int) -> ExpertRows:
+        if self.resident:
+            return self.table.pool(moe_idx)
+        return stream_layer(self.store.layers[moe_idx])
+
+    def count(self, moe_idx: int, **values: jax.Array) -> "SlotExperts":
+        keys = tuple((moe_idx, k) for k in values)
+        vals = tuple(jnp.asarray(v).astype(jnp.int32) for v in values.values())
+        return self.replace(pending_keys=self.pending_keys + keys, pending=self.pending + vals)
+
+    def finish(self, routed_MNk: jax.Array) -> "SlotExperts":
+        me = self._fold()
+        if not me.resident or not routed_MNk.shape[0] or not me.few_path(0, routed_MNk[0].size):
+            return me
+        # every lookup of a resident cache hits: distinct experts per layer, as the offloaded path counts
+        hits_M = jax.vmap(n_distinct)(routed_MNk)
+        return me.replace(counters=me.counters.replace(hits=me.counters.hits + hits_M))
+
+    def _fold(self) -> "SlotExperts":
+        """The pending counts added to the counters: per counter, one [M] vector."""
+        if not self.pending_keys:
+            return self
+        M = self.counters.hits.shape[0]
+        zero = jnp.zeros((), jnp.int32)
+        updates = {}
+        for name in dict.fromkeys(k for _, k in self.pending_keys):
+            per_layer = [zero] * M
+            for (mi, k), v in zip(self.pending_keys, self.pending):
+                if k == name:
+                    per_layer[mi] = per_layer[mi] + v
+            updates[name] = getattr(self.counters, name) + jnp.stack(per_layer)
+        return self.replace(counters=self.counters.replace(**updates), pending_keys=(), pending=())
+
+    def split(self) -> tuple["SlotExperts", Any]:
+        return self.replace(store=None), self.store
+
+    def join(self, fixed: Any) -> "SlotExperts":
+        return self.replace(store=fixed)
+
+    def _access_and_fetch(self, table: SlotTable, moe_idx: int, ids_U: jax.Array):
+        """Run the policy for MoE layer `moe_idx` and DMA its misses into their slots."""
+        pool_i, local = table.layer_pool[moe_idx], table.layer_local[moe_idx]
+        cache, plan = self.policy.access(table.caches[pool_i], local, ids_U)
+        pool = fetch_misses(table.pools[pool_i], self.store.layers[moe_idx], plan)
+        table = dataclasses.replace(
+            table,
+            pools=tuple(pool if i == pool_i else q for i, q in enumerate(table.pools)),
+            caches=tuple(cache if i == pool_i else c for i, c in enumerate(table.caches)),
+        )
+        return table, plan
