@@ -88,13 +88,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def prefill_mode(mode: SamplingMode) -> SamplingMode:
-    """The mode a prefill samples its row's first token in: penalties and logprobs always (once per
-    prompt they cost little, and penalties that are off leave the logits bit for bit), so the prefill,
-    a whole forward pass per token bucket, is compiled twice (greedy, sampled), not once per mode."""
-    return SamplingMode(mode.sample, True, True)
-
-
 class HostTiming:
     """Where the host spends decode time: inside the jitted calls (tracing aside, the launch: argument
     handling and XLA's kernel or CUDA-graph submission) and blocked on the sampled tokens, per decode
@@ -245,10 +238,10 @@ class Session:
         seed = seed if seed is not None else time.time_ns() % (2**31)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties))
         start = programs.RowStart(np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))), sp,
-                                  PenaltyState.window(ids), np.int32(max_tokens))
+                                  PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool))
         self._touch(row)
         t0 = time.perf_counter()
-        out = self._prefill(row, ids, n_cached, start, prefill_mode(mode), all_logits=False)
+        out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(), n_top is not None)
@@ -320,8 +313,9 @@ class Session:
             raise ConfigError(f"all {self.n_rows} rows are busy: take logits after a request finishes.")
         row = self._pick_row(ids, cache_prompt=False)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1))
-        start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0))
-        outs = self._prefill(row, ids, 0, start, prefill_mode(GREEDY), all_logits=True, keep=True)
+        start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0),
+                                  np.zeros(3, bool))
+        outs = self._prefill(row, ids, 0, start, all_logits=True, keep=True)
         return np.concatenate(outs, axis=0)
 
     # -- internals ------------------------------------------------------------------------------------
@@ -376,8 +370,8 @@ class Session:
         self._pending.append(_Pending(out, owners))
         return True
 
-    def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, mode: SamplingMode,
-                 all_logits: bool, keep: bool = False):
+    def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, all_logits: bool,
+                 keep: bool = False):
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
         last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
         m, pos, out, outs = self.model, start, None, []
@@ -389,7 +383,7 @@ class Session:
             toks[0, : len(chunk)] = chunk
             out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
                                      np.array([len(chunk)], np.int32), req, self._stop_I, end=pos + T,
-                                     mode=mode, all_logits=all_logits, **m.forced_prefill(pos, T))
+                                     all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
             if all_logits:

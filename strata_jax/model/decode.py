@@ -33,7 +33,7 @@ from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
 
-STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "mode")  # both programs' static arguments
+STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
 
 
@@ -66,6 +66,7 @@ class RowStart:
     sp: SamplingParams  # its sampling parameters, batch 1
     recent_1W: jax.Array  # int32: the prompt's tail, for the repeat penalty
     max_tokens: jax.Array  # int32: tokens to generate at most, the first included (0: prefill only)
+    mode_3: jax.Array  # bool: its SamplingMode (sample, penalties, logprobs), chosen by conditionals here
 
 
 @struct.dataclass
@@ -102,7 +103,7 @@ def _set_row(tree, row, value):
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
-            stop_I, *, cfg, dtype, kernels, attn_len, mode: SamplingMode, all_logits: bool, forced=None):
+            stop_I, *, cfg, dtype, kernels, attn_len, all_logits: bool, forced=None):
     """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
@@ -124,6 +125,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
         kv = KVCache(put(kv.k_LBSKDh, row_kv.k_LBSKDh), put(kv.v_LBSKDh, row_kv.v_LBSKDh))
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
+    mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
     tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
     left_1 = req.max_tokens.reshape(1) - 1
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
@@ -132,7 +134,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     return PrefillOut(logits, tok_1, lp), kv, experts, routed, rows
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n_max",), donate_argnames=STEP_DONATE)
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I, limit, *, cfg, dtype, kernels,
            attn_len, mode: SamplingMode, n_max: int, forced=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a

@@ -150,10 +150,12 @@ def no_logprobs(B: int, V: int) -> Logprobs:
 
 
 class SamplingMode(NamedTuple):
-    """Which sampling work a program does, fixed when it is traced: the union over the rows it serves.
-    Rows' parameters stay traced values (a greedy row in a sampling program is a select, not a branch);
-    the mode only prunes work no row needs, so no conditional sits in the device-side decode loop (one
-    that XLA cannot capture keeps the loop out of a CUDA graph and copies its predicate to the host)."""
+    """Which sampling work a program does: the union over the rows it serves. Rows' parameters stay
+    traced values (a greedy row in a sampling program is a select, not a branch); the mode only prunes
+    work no row needs. Python bools decide when the program is traced, so no conditional sits in the
+    device-side decode loop (one that XLA cannot capture keeps the loop out of a CUDA graph and copies
+    its predicate to the host); traced bools (the prefill's first token) choose with a conditional, so
+    one program serves every request."""
 
     sample: bool  # some row has temperature > 0 (else greedy: argmax only, no vocabulary sort)
     penalties: bool  # some row has a presence, frequency or repeat penalty on
@@ -174,16 +176,25 @@ class SamplingMode(NamedTuple):
 GREEDY = SamplingMode(False, False, False)
 
 
+def _choose(flag, on, off):
+    """on() if flag else off(): at trace time for a Python bool, by a conditional for a traced one."""
+    if isinstance(flag, (bool, np.bool_)):
+        return on() if flag else off()
+    return jax.lax.cond(flag, on, off)
+
+
 def next_token(logits_BV: jax.Array, keys_B2: jax.Array, sp: SamplingParams, pen: PenaltyState, mode: SamplingMode,
                active_B: jax.Array | None = None) -> tuple[jax.Array, PenaltyState, Logprobs]:
     """One sampling step for every row: penalties, then each row drawn with its own key (uint32 [B, 2],
     already folded with the row's step), then the penalty state takes in the token (rows with active_B
-    False keep theirs). Returns (tokens int32 [B], new state, logprobs: zeros unless mode.logprobs)."""
+    False keep theirs). Without mode.penalties the state is left as it is: no row served reads it (a
+    row's penalties are on for its whole request, and then so is the mode of every call serving it).
+    Returns (tokens int32 [B], new state, logprobs: zeros unless mode.logprobs)."""
     logits_BV = logits_BV.astype(jnp.float32)
-    penalized_BV = penalize(logits_BV, sp, pen) if mode.penalties else logits_BV
+    penalized_BV = _choose(mode.penalties, lambda: penalize(logits_BV, sp, pen), lambda: logits_BV)
     tok_B = sample(penalized_BV, keys_B2, sp, mode)
-    lp = token_logprobs(logits_BV, tok_B) if mode.logprobs else no_logprobs(*logits_BV.shape)
-    return tok_B, pen.push(tok_B, active_B), lp
+    lp = _choose(mode.logprobs, lambda: token_logprobs(logits_BV, tok_B), lambda: no_logprobs(*logits_BV.shape))
+    return tok_B, _choose(mode.penalties, lambda: pen.push(tok_B, active_B), lambda: pen), lp
 
 
 # -- drawing ---------------------------------------------------------------------------------------
@@ -193,13 +204,12 @@ def sample(logits_BV: jax.Array, keys_B2: jax.Array, sp: SamplingParams, mode: S
     or batched with others; greedy rows (temperature <= 0) take the argmax."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    if not mode.sample:
-        return greedy_B
 
     def one(logits_V, key, sp_row):
         return _draw(logits_V[None], key, jax.tree.map(lambda a: a[None], sp_row))[0]
 
-    return jnp.where(sp.temperature_B <= 0, greedy_B, jax.vmap(one)(logits_BV, keys_B2, sp))
+    return _choose(mode.sample, lambda: jnp.where(sp.temperature_B <= 0, greedy_B, jax.vmap(one)(logits_BV, keys_B2, sp)),
+                   lambda: greedy_B)
 
 
 def _draw(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array:
