@@ -51,7 +51,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "[layers, experts] or routing trace [tokens, layers, k])")
     c.add_argument("--prefetch-depth", default=0,
                    help="prefetch: each MoE layer fetches the experts that the next N layers' routers predict "
-                        "(default 0 = off: without copy/compute overlap it measured slower on an H200)")
+                        "(default 0 = off: without copy/compute overlap it is slower, docs/benchmarks.md)")
     c.add_argument("--expert-pools", choices=POOLS, default="per-layer",
                    help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,

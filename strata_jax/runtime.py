@@ -1,10 +1,9 @@
 """Process-wide XLA settings the engine relies on, applied before JAX starts its GPU backend.
 
 The expert-miss loop in each jitted step has a trip count known only on the device. By default XLA:GPU
-runs such a loop from the host and copies its predicate back after every iteration; measured on an
-H200 (benchmarks/fetch_probe.py, 48 layers) that costs ~39 us per loop plus ~10 us per fetched expert.
-With while loops and conditionals captured in CUDA graphs (conditional nodes evaluated on the device)
-the same loop costs ~13 us and a 2.6 MB expert moves at 40 GB/s instead of 25-30.
+runs such a loop from the host and copies its predicate back after every iteration, a host round trip
+per loop and per fetched expert. Capturing while loops and conditionals in CUDA graphs (conditional
+nodes evaluated on the device) removes the round trips (figures: docs/benchmarks.md, fetch_probe).
 
 Set STRATA_JAX_XLA_DEFAULTS=0 to leave XLA_FLAGS alone; flags the user already set always win.
 """

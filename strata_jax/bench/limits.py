@@ -17,6 +17,8 @@ Per decode token of a run (batch 1):
   limit ratio   = limit s/token / measured s/token (1 / steady-state decode tok/s); 1.0 is the limit,
                   higher is impossible, and the issue-5 target for miss-bound decode is >= 0.8.
 Sizes are the GGUF's own (quantized) bytes: what the engine keeps on the device and moves.
+
+Shape legend: strata_jax/core/shapes.py; the letter that differs here: S counter columns (hits, misses, ...).
 """
 
 from __future__ import annotations

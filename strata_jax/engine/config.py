@@ -69,7 +69,7 @@ class EngineConfig:
     # MoE: the cache policy: lru, lfu, lrfu, lrfu(L), static:FILE.npy (a saved profile or trace), or a Policy
     policy: Any = "lru"
     # MoE: MoE layers ahead whose predicted experts each layer prefetches (0 = off: fetches are not yet
-    # overlapped with compute, and the mispredicted traffic measured slower than the misses it saved)
+    # overlapped with compute, so the mispredicted traffic costs more than the misses it saves)
     prefetch: int = 0
     # MoE: a slot pool per MoE layer (an equal share each) or one shared by layers of the same expert types
     expert_pools: str = "per-layer"

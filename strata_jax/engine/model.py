@@ -3,6 +3,8 @@
 A Model owns what does not change between requests: the weights, the tokenizer, the expert cache
 (offload manager) and the telemetry. Generation runs in a Session (engine/session.py): `generate` and
 `generate_stream` use a one-row session the model keeps; `serve --parallel N` one of N rows.
+
+Shape legend: strata_jax/core/shapes.py.
 """
 
 from __future__ import annotations

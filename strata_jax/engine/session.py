@@ -17,6 +17,8 @@ tokens alone or batched. Rows without a request are computed too (fixed shapes) 
 position; with an offloaded MoE their routing also counts as expert lookups. MoE layers see B tokens
 per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
 the batch routes to once, shared by all rows.
+
+Shape legend: strata_jax/core/shapes.py; the letter that differs here: C steps of a decode chunk (N there).
 """
 
 from __future__ import annotations

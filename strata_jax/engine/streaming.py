@@ -4,6 +4,8 @@ they may still become a stop string or are part of a UTF-8 character, and llama.
 `TextStream` is the text side of one request, fed one sampled token at a time:
 a Session feeds one per row, so stop ids, stop strings, held-back text, logprob offsets and
 max_tokens behave the same alone and batched.
+
+Shape legend: strata_jax/core/shapes.py; the letter that differs here: N top logprobs.
 """
 
 from __future__ import annotations

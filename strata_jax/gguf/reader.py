@@ -1,8 +1,8 @@
 """Memory-mapped GGUF access with clear errors.
 
-A thin layer over `gguf.GGUFReader`: the reader maps the file once (zero-copy); we expose metadata as
-plain Python values and every tensor as its raw GGML bytes, `uint8[..., row_bytes]`, whatever its type
-(F32 and F16 tensors too), so one code path moves every tensor to the device and dequantizes it there.
+The file is memory-mapped once (zero-copy) and its header parsed here (gguf-py supplies the type
+enums; its GGUFReader is slow on large vocabularies); we expose metadata as plain Python values and
+every tensor as its raw GGML bytes, `uint8[..., row_bytes]`, whatever its type (F32 and F16 tensors too), so one code path moves every tensor to the device and dequantizes it there.
 
 Shapes follow numpy order (the reverse of GGUF's `ne`): a matrix stored with ne = [in, out] has logical
 shape (out, in) and bytes (out, row_bytes), row_bytes = in / block_size * type_size.
@@ -50,8 +50,8 @@ _SCALAR = {
 
 
 class _Cursor:
-    """Sequential little-endian reads over the mapped header. GGUFReader builds a numpy array per
-    vocabulary string (11 s for a 151k-token vocabulary); reading the header directly takes ~0.3 s."""
+    """Sequential little-endian reads over the mapped header (gguf.GGUFReader builds a numpy array per
+    vocabulary string, seconds for a large vocabulary: docs/benchmarks.md)."""
 
     def __init__(self, buf: np.ndarray):
         self.buf = buf

@@ -14,9 +14,9 @@ MOE_PREFILL = ("dense", "grouped")
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    # the fused dequantize + mat-vec Pallas kernel (model/qmatvec.py): "auto" takes it where it measured
-    # faster (GPU, K-quants, enough programs), "on" wherever it supports the type (on CPU through Pallas'
-    # interpreter: tests), "off" never
+    # the fused dequantize + mat-vec Pallas kernel (model/qmatvec.py): "auto" takes it where it is faster
+    # (GPU, K-quants, enough programs: qmatvec.use_kernel), "on" wherever it supports the type (on CPU
+    # through Pallas' interpreter: tests), "off" never
     qmatvec: str = "auto"
     # the prefill MoE formulation (model/moe.py): "dense" (every token through every expert, a scan over
     # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)

@@ -88,14 +88,12 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
     E/k times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
     weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
     dequantizes one group at a time, and the weight is applied before the down projection so no
-    [tokens, experts, D] tensor exists. (ragged_dot on the H200 was expanded by XLA into padded dense
-    operands: a 512-token BSEED chunk asked for 10 GiB under a 32 GiB cap; its scatter-add of the rows
-    also made prefill non-deterministic.)
+    [tokens, experts, D] tensor exists. (XLA:GPU may expand ragged_dot into padded dense operands, and
+    its scatter-add of the rows sums in no fixed order: docs/benchmarks.md.)
 
     Each scan step asks the provider for its group's rows (`group`): offloaded, they are copied from
     the host store in that step, so the device holds one group's bytes, never the layer's (a whole
-    streamed layer, 0.86 GiB for BSEED, could be copied early for every layer at once: the 48-layer
-    BSEED prefill asked for 5.7 GiB of temporaries under a 32 GiB cap and ran out of memory)."""
+    streamed layer per MoE layer could be copied early for every layer at once and exhaust memory)."""
     N = x_ND.shape[0]
     f32 = jnp.float32
     combine_NE = jnp.zeros((N, n_experts), f32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk)
@@ -136,9 +134,8 @@ def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: i
 def _many_token_impl(kernels: Kernels):
     """The prefill MoE formulation, Kernels.moe_prefill: dense (_experts_dense) by default; grouped (tokens
     sorted by expert, ragged_dot) on request. Grouped does E/k times fewer multiply-adds, but ragged_dot
-    has only a slow reference lowering on CPU (512 tokens, 64 experts top-8: 45 tok/s against 330 dense)
-    and XLA:GPU expanded it into padded dense operands on the H200 (B30 prefill 1,305 tok/s; BSEED ran
-    out of memory under a 32 GiB cap)."""
+    has only a slow reference lowering on CPU and XLA:GPU may expand it into padded dense operands (slower,
+    and out of memory under a budget): figures in docs/benchmarks.md."""
     return _experts_grouped if kernels.moe_prefill == "grouped" else _experts_dense
 
 

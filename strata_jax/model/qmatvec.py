@@ -18,8 +18,8 @@ type). Within a unit every field is loaded as a [rows, groups, values] tensor th
 Triton tensors need power-of-two shapes and cannot be sliced in registers.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
-"auto" (on a GPU, K-quant matrices with enough rows to fill the chip: what measured faster on the
-H200), "on" (every supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
+"auto" (on a GPU, K-quant matrices with enough rows to fill the chip: where it is faster,
+docs/benchmarks.md), "on" (every supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
 
 Numerics: float32 dot products of the decoded integers with x, scaled per sub-block (llama.cpp's
 formulation); the summation order differs from dequantize-then-matmul, so results agree to float32
@@ -283,8 +283,8 @@ def _kernel(slot_ref, x_ref, w_ref, o_ref, *, parts, T, block_rows, swiglu, unro
 
 def stack_ok(w_XP) -> bool:
     """Pallas' Triton lowering indexes a buffer of up to 4 GiB with 32-bit offsets, which the pointer
-    arithmetic takes as signed: past 2 GiB they go negative (an illegal address, seen on the H200 with a
-    2.7 GB resident pool). Stacks of 2-4 GiB therefore stay on dequantize + matmul."""
+    arithmetic takes as signed: past 2 GiB they go negative (an illegal address). Stacks of 2-4 GiB
+    therefore stay on dequantize + matmul."""
     return not (2**31 <= w_XP.size * w_XP.dtype.itemsize <= 2**32)
 
 
@@ -295,7 +295,7 @@ def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool
     """y[m, t] = W_{slot_I[m]} @ x[m, t] for the matrix `parts[0]` of each stack row of w_XP (uint8
     [X, P]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up). Returns out_dtype[I, T, F].
     interpret: run in Pallas' interpreter (default: off the GPU). unroll: walk the row in straight-line
-    code instead of a loop (Triton compiles took 18-28 s per kernel so, against seconds)."""
+    code instead of a loop (much slower to compile: docs/benchmarks.md)."""
     from jax.experimental import pallas as pl
 
     n_pairs, T, D = x_ITD.shape
@@ -350,24 +350,21 @@ def reference_matvec(x_ITD, w_XP, slot_I, parts, swiglu=False):
 
 # ---- where the model uses it -----------------------------------------------------------------------
 
-MIN_PROGRAMS = 256  # auto mode: fewer programs than ~2 per SM of an H200 (132) leave it latency-bound
+MIN_PROGRAMS = 256  # auto mode: fewer programs than ~2 per SM of a large GPU leave it latency-bound
 
 
 def block_config(part: Part, n_pairs: int) -> dict:
-    """Tile shape. On an H200 (benchmarks/decode_profile.py), 16-row programs of 2 warps were the fastest
-    for the B30 experts' gate+up (19 us against 21-90 us for 32-128 rows, 744 GB/s) and as fast as any
-    for their down projection (6.4 us, 1.1 TB/s)."""
+    """Tile shape: 16-row programs of 2 warps, the fastest tile for the routed experts' gate+up and as
+    fast as any for their down projection (benchmarks/decode_profile.py; figures in docs/benchmarks.md)."""
     del part, n_pairs
     return {"block_rows": 16, "num_warps": 2}
 
 
 def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels) -> bool:
-    """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only what was
-    measured faster on the H200: K-quant matrices (the routed experts of the B30 shape ran 2.1x faster
-    than gather + dequantize + einsum, and the 8-layer B30 model decoded at 313 tok/s against 186) with
-    at least MIN_PROGRAMS programs; a 512-row projection (32 programs) took 12.4 us against XLA's 1.9, and
-    Qwen2.5-0.5B, whose 896-column rows are Q5_0/Q8_0 blocks, decoded at 116 tok/s against 207 with every
-    matrix on the kernel."""
+    """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only where
+    it is faster than dequantize + matmul: K-quant matrices with at least MIN_PROGRAMS programs. Small
+    projections (few programs) and 32-value block types (Q5_0/Q8_0 rows) are slower on the kernel
+    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel")."""
     if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
     if kernels.qmatvec == "on":

@@ -11,7 +11,7 @@ Zero penalties (repeat_penalty 1) leave the logits bit for bit as they were.
 Logprobs are OpenAI's: log_softmax of the raw logits, the model's own distribution, before penalties,
 temperature and filtering (llama.cpp's n_probs reports the sampling chain's output instead).
 
-Shape legend: B batch, V vocab, W repeat window, N top logprobs.
+Shape legend: strata_jax/core/shapes.py; the letter that differs here: N top logprobs (not tokens of a step).
 """
 
 from __future__ import annotations

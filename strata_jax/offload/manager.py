@@ -79,7 +79,7 @@ class OffloadManager:
                      "; LRU hit rates measured higher with a cache per layer, see docs/benchmarks.md"
                      if expert_pools == "per-layer" else "")
         store: ExpertStore | None = None
-        # measured seconds per expert of an in-step miss fetch and of a whole-layer stream (0: resident)
+        # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
         if self.plan.resident:
             slots = resident_slot_table(gguf, spec, self.device)

@@ -16,8 +16,9 @@ recency-frequency hybrid of Lee et al.; static_policy(profile), seeded from a sa
 belady_policy(trace), the offline optimum, for the simulator only (strata_jax.offload.simulate).
 Recency enters as an int32 difference to the clock, so LRU order stays exact over long runs.
 
-Shape legend: S slots, L layers (of this cache), E experts per layer, U unique experts in a request,
-T tokens, K routed experts per token (trace width), A accesses (one per token and layer, a = t * L + l).
+Shape legend: strata_jax/core/shapes.py (L layers of this cache, E experts per layer, U unique experts in a
+request, T tokens); letters that differ here: S slots (X there), K routed experts per token (trace width; k
+there), A accesses (one per token and layer, a = t * L + l).
 Expert ids are global within a cache: g = layer * E + expert.
 """
 

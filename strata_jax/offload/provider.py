@@ -55,8 +55,8 @@ class SlotExperts:
         if not predicted or self.resident:
             return self, after
         # Prefetching overwrites slots in place, possibly ones this layer just read. The barrier makes
-        # the output (so the read) come first: without one XLA:GPU was seen reading a slot after its
-        # overwrite (greedy tokens drifted from the resident run on the B30 shape; exact without prefetch).
+        # the output (so the read) come before the overwrite; without it XLA may reorder them
+        # (docs/benchmarks.md, "Prefetch correctness").
         after, table = jax.lax.optimization_barrier((after, self.table))
         prefetched = jnp.zeros((), jnp.int32)
         for next_idx, pred_Nk in predicted:

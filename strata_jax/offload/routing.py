@@ -14,39 +14,13 @@ What the generator models, each layer on its own:
   - the router: score = log p + hot_boost * hot + Gumbel noise, top-k of it (top-k of log-weights plus
     Gumbel noise is sampling without replacement) after the forced repeats, in descending score.
 
-Fitted to Qwen3-30B-A3B (B30 shape: 48 layers, 128 experts, top-8, one LRU cache per layer, rates
-after warm-up), then measured with simulate() on 2,048 tokens after 64 warm-up tokens, seed 1 (the
-fit saw seed 0):
+Fitted to Qwen3-30B-A3B's published per-layer LRU reuse curve (B30 shape: 48 layers, 128 experts,
+top-8) and checked against the recorded granite-3.0-1b-a400m trace; the fitted and published tables,
+and why two published figures (LRU and Belady at k slots per layer) cannot hold in the engine's access
+model, are in docs/routing.md. Belady is reported, not fitted.
 
-    slots per layer      8     16     32     64
-    LRU published       42     65     81     92
-    LRU generator     41.0   64.2   81.9   91.0
-    Belady published    61     78     89     93
-    Belady generator  41.0   77.3   89.5   95.9
-    repeat rate: published 39, generator 41.0
-
-Two published figures cannot hold in the engine's access model, whatever the routing: with k slots
-per layer and k distinct experts per token, the cache after each token holds exactly that token's
-experts, so LRU at 8 slots *is* the repeat rate (42 vs 39: the fit lands between), and so is Belady
-at 8 slots (published 61: that figure must come from a cache that may decline to admit a miss, or
-from another way of counting). Belady is reported, not fitted.
-
-The recorded granite-3.0-1b-a400m trace (24 layers, 32 experts, top-8, 304 tokens of three prompts
-back to back, from an empty cache) against generator traces of its shape: the Qwen parameters give
-4-7 points more reuse than granite shows (their hot set, 2.34 k = 19 of 32 experts, is a larger
-share of a smaller pool); the same model fitted to granite (GRANITE_3_0_1B_A400M) matches its LRU
-curve and, not fitted, its Belady curve within 1.5 points:
-
-    slots per layer              8     12     16     24
-    LRU granite               41.8   57.0   72.2   90.3
-    LRU gen. Qwen params      46.1   63.9   78.7   94.6
-    LRU gen. granite params   41.0   57.1   71.3   90.5
-    Belady granite            41.8   69.4   83.4   95.3
-    Belady gen. granite       41.0   70.9   83.8   95.1
-    repeat rate: granite 41.9, Qwen params 46.2, granite params 41.1
-
-Shape legend: T tokens, L layers, E experts per layer, K routed experts per token, C tokens of
-pre-drawn noise, N cache sizes, P fitted (unconstrained) coordinates.
+Shape legend: strata_jax/core/shapes.py; letters that differ here: K routed experts per token (k
+there), C tokens of pre-drawn noise, N cache sizes, P fitted (unconstrained) coordinates.
 """
 
 from __future__ import annotations

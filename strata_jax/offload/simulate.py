@@ -6,8 +6,8 @@ unique routed experts. By default one cache of `n_slots` serves every layer (as 
 `expert_slots` does within a pool); `per_layer=True` gives each layer its own cache of n_slots // L slots,
 the setting of published per-layer reuse curves.
 
-Shape legend: T tokens, L layers, K routed experts per token (trace width), U unique ids per access
-(K, -1 padded), A accesses (T * L, a = t * L + l), S slots.
+Shape legend: strata_jax/core/shapes.py; letters that differ here: K routed experts per token (trace
+width; k there), A accesses (T * L, a = t * L + l), S slots (X there); U is unique ids per access (K, -1 padded).
 """
 
 from __future__ import annotations
