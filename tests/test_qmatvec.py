@@ -97,25 +97,26 @@ def test_modes():
 
 
 def test_kernels_from_environment(monkeypatch):
-    """Until the engine config builds it, Model reads its Kernels from the environment at load."""
+    """The kernel switches come from the environment once, when the engine config is built, and the
+    device platform is filled in when it is resolved; a bad value is a ConfigError naming the variable."""
     from strata_jax.core.errors import ConfigError
-    from strata_jax.model.model import _kernels_from_env
+    from strata_jax.engine.config import EngineConfig
 
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
     monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "grouped")
-    assert _kernels_from_env("cpu") == Kernels(qmatvec="on", moe_prefill="grouped", platform="cpu")
+    assert EngineConfig.create().resolved("cpu").kernels == Kernels(qmatvec="on", moe_prefill="grouped", platform="cpu")
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "0")
     monkeypatch.delenv("STRATA_JAX_MOE_PREFILL")
-    assert _kernels_from_env("gpu") == Kernels(qmatvec="off", moe_prefill="dense", platform="gpu")
+    assert EngineConfig.create().resolved("gpu").kernels == Kernels(qmatvec="off", moe_prefill="dense", platform="gpu")
     monkeypatch.delenv("STRATA_JAX_QMATVEC")
-    assert _kernels_from_env("gpu").qmatvec == "auto"
+    assert EngineConfig.create().kernels.qmatvec == "auto"
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "yes")
     with pytest.raises(ConfigError, match="STRATA_JAX_QMATVEC='yes'"):
-        _kernels_from_env("cpu")
+        EngineConfig.create()
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
     monkeypatch.setenv("STRATA_JAX_MOE_PREFILL", "sparse")
-    with pytest.raises(ConfigError, match="'grouped' or 'dense'"):
-        _kernels_from_env("cpu")
+    with pytest.raises(ConfigError, match="STRATA_JAX_MOE_PREFILL='sparse'.*dense.*grouped"):
+        EngineConfig.create()
 
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
