@@ -25,7 +25,7 @@ log = logging.getLogger("strata_jax")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLS = ("per-layer", "shared")  # strata_jax.offload.slot_table.POOLS
-MIN_PREFILL_CHUNK = 16  # model.py's smallest prefill bucket (MIN_BUCKET)
+MIN_PREFILL_CHUNK = 16  # the smallest prefill bucket (engine/session.py's bucket())
 DEFAULT_CTX_CAP = 4096  # ctx=None: the trained context, capped here to keep the KV cache modest
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one

@@ -41,12 +41,12 @@ from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                       SamplingParams, validate_sampling)
+from strata_jax.engine.config import MIN_PREFILL_CHUNK
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
 
 SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
-MIN_BUCKET = 16
 MIN_ATTN_BUCKET = 256  # attention spans are powers of two from here up to the context length
 QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
 
@@ -58,7 +58,7 @@ def attn_bucket(end: int, ctx: int) -> int:
 
 def bucket(n: int, max_chunk: int) -> int:
     """Power-of-two token bucket for a chunk of n tokens, so prefill compiles O(log n) shapes."""
-    return min(max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
+    return min(max(MIN_PREFILL_CHUNK, 1 << (max(n, 1) - 1).bit_length()), max_chunk)
 
 
 def check_request(max_tokens, stop, **sampling) -> list[str]:
