@@ -145,8 +145,10 @@ _CHAT_TEMPLATE = (
 )
 
 
-def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
-    """Write a random model of `spec` to `path` (GGUF v3, readable by llama.cpp)."""
+def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, split_max_tensors: int = 0) -> Path:
+    """Write a random model of `spec` to `path` (GGUF v3, readable by llama.cpp); returns the path written.
+    split_max_tensors > 0: split it as llama.cpp does, at most that many tensors a shard, into
+    `STEM-00001-of-0000N.gguf` ... beside `path` (the same tensors and bytes), and return the first shard."""
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     qt = Q[spec.qtype]
@@ -203,7 +205,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
             ]
     tensors += [("output_norm.weight", Q.F32, (D,), -1.0), ("output.weight", qt, (spec.vocab_size, D), std_in)]
 
-    w = GGUFWriter(path, spec.arch)
+    w = GGUFWriter(path, spec.arch, split_max_tensors=split_max_tensors)
     a = spec.arch
     w.add_name(f"synthetic-{a}")
     w.add_block_count(spec.n_layers)
@@ -241,6 +243,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
         block, type_size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * type_size)
         w.add_tensor_info(name, _byte_shape(shape, qtype), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    first = w.format_shard_names(path)[0]  # path itself unless the tensors were split
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -253,7 +256,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
                 data = gguf_quants.dequantize(data, qtype).astype(np.float32).view(np.uint8)
         w.write_tensor_data(data.reshape(-1))
     w.close()
-    return path
+    return first
 
 
 def _byte_shape(shape: tuple[int, ...], qtype: Q) -> tuple[int, ...]:
