@@ -3,6 +3,7 @@
 # --parts steps, a B30-shaped model with fewer layers, resident) and the decode program's optimized HLO,
 # for OLD (.sitting/old, exported by `engine_sitting.sh prep`) and NEW (this tree). On the device:
 #   bash benchmarks/decode_diff.sh [LAYERS] [TREES]      (defaults: 16, "old new")
+# EXTRA_XLA_FLAGS: more XLA flags (--xla_gpu_enable_command_buffer= profiles every kernel on its own).
 # $OUT/<tree>/decode_profile.json, $OUT/<tree>/hlo/*after_optimizations.txt, $OUT/<tree>.log
 set -uo pipefail
 LAYERS=${1:-16}; TREES=${2:-old new}
@@ -15,7 +16,7 @@ for t in $TREES; do
   mkdir -p "$OUT/$t/hlo"
   dump=$OUT/$t/hlo
   (cd "$d" && PYTHONPATH="$d:$SITE" OUT="$OUT/$t" \
-    XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.* ${EXTRA_XLA_FLAGS:-}" \
     timeout 400 "$PY" benchmarks/decode_profile.py --parts steps --layers "$LAYERS" --confs resident:1 --tokens "${TOKENS:-64}") \
     > "$OUT/$t.log" 2>&1
   echo "$t rc=$?"; tail -3 "$OUT/$t.log"
