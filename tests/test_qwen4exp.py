@@ -46,3 +46,58 @@ def test_sparse_selection_changes_the_reference():
     dense, sparse = hf_logits(qwen4exp_model("dense"), ids), hf_logits(qwen4exp_model("sparse"), ids)
     np.testing.assert_allclose(dense[:11], sparse[:11], rtol=1e-5, atol=1e-5)
     assert np.abs(dense[16:] - sparse[16:]).max() > 1e-2 * np.abs(dense).max()
+
+
+def _load(tm):
+    from strata_jax.model.config import ModelConfig
+    from strata_jax.model.weights import WeightLoader, expert_spec, load_params
+
+    g = GGUFFile(tm.gguf_path)
+    cfg = ModelConfig.from_gguf(g)
+    loader = WeightLoader(g, cfg)
+    params = load_params(loader)
+    return g, cfg, loader, params, expert_spec(loader)
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_every_tensor_is_consumed(variant, outtype):
+    """Config and weights take every tensor of the file (a tensor nobody reads is a part of the model
+    the forward pass would silently skip); the routed experts' bytes rows match the file's tensors."""
+    g, cfg, loader, params, spec = _load(qwen4exp_model(variant, outtype))
+    assert sorted(set(g.tensors) - loader.consumed) == []
+    assert cfg.layer_kinds == ("linear", "attention", "linear", "attention")
+    assert cfg.attention_layers == (1, 3) and cfg.n_kv_layers == 2
+    assert (cfg.ple is not None) == (variant == "ple")
+    assert spec.moe_layers == (0, 1, 2, 3)
+    for i in range(4):
+        assert spec.bytes_per_expert(i) == sum(g.tensor(n).nbytes for n in spec.tensor_names(i)) // cfg.n_experts
+
+
+def test_gated_attention_matches_transformers():
+    """One full-attention layer (dense QSA: every block selected) against transformers' attention
+    module on the same input, with the GGUF's tensors (q+gate interleaved per head, (1 + w) norms)."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from strata_jax.model.kernels import Kernels
+    from strata_jax.model.layers import gated_attention
+
+    tm = qwen4exp_model("dense")
+    g, cfg, loader, params, spec = _load(tm)
+    hf = AutoModelForCausalLM.from_pretrained(str(tm.hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    B, T, layer = 2, 20, 3
+    x = np.random.default_rng(1).standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    pos = np.arange(T)
+    with torch.no_grad():
+        xt = torch.from_numpy(x)
+        pe = hf.model.rotary_emb(xt, torch.from_numpy(pos)[None, None].expand(3, B, T))
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
+        ref = hf.model.layers[layer].self_attn(xt, pe, attention_mask=mask)[0].numpy()
+    kv = jnp.zeros((cfg.n_kv_layers, B, 32, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+    ours, k_cache, _ = gated_attention(params.layers[layer].attn, jnp.asarray(x), jnp.asarray(np.tile(pos, (B, 1))),
+                                       kv, kv, 1, cfg, Kernels())
+    np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    k_cache = np.asarray(k_cache)  # written to KV layer 1 only, at positions 0..T-1 only
+    assert not k_cache[0].any() and not k_cache[1, :, T:].any() and np.abs(k_cache[1, :, :T]).min(axis=-1).all()
