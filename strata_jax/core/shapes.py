@@ -27,6 +27,14 @@ Model and serving:
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 
+qwen4exp:
+  Hc  hyper-connection residual streams (hc_count)
+  r   hyper-connection low rank
+  Sb  QSA compressed key blocks (compress_ratio cache positions each)
+  Rc  positions of one QSA block (compress_ratio): the indexer's ring of its latest raw keys
+  Hi  QSA indexer query heads
+  Di  QSA indexer head dim
+
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
   A   sub-blocks (or groups of them) of a K-quant super-block
