@@ -257,7 +257,10 @@ def _raw(loader: WeightLoader, prefix: str) -> dict[str, Any]:
 
 
 def load_qwen4exp_params(loader: WeightLoader) -> Q4Params:
+    from strata_jax.model import hyper  # noqa: PLC0415 - hyper imports layers, which imports this module
+
     cfg = loader.cfg
+    hd = hyper.HyperDims(cfg.hc_count, cfg.hc_rank, cfg.d_model, cfg.rms_eps)
     D, V, H, K, Dh = cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     layers = []
     for i in range(cfg.n_layers):
@@ -278,7 +281,7 @@ def load_qwen4exp_params(loader: WeightLoader) -> Q4Params:
                 "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")}
         if cfg.ple is not None and i in cfg.ple.layers:
             ple = _raw(loader, p + "ple_")
-        hc = _raw(loader, p + "hc_")
+        hc = hyper.LayerHyper.from_gguf(loader.get, i, hd)
         layers.append(Q4LayerParams(attn=attn, linear=linear, ple=ple, hc=hc, moe=_moe_params(loader, p)))
     if not loader.gguf.has("output.weight"):
         raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
@@ -286,7 +289,7 @@ def load_qwen4exp_params(loader: WeightLoader) -> Q4Params:
     if cfg.ple is not None:
         ple_embed = loader.get("per_layer_token_embd.weight")
     return Q4Params(embed=loader.qtensor("token_embd.weight", (V, D)), layers=tuple(layers),
-                    hc_head=_raw(loader, "output_hc_"), lm_head=loader.qtensor("output.weight", (V, D)),
+                    hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)),
                     ple_embed=ple_embed)
 
 
