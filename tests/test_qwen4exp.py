@@ -3,6 +3,8 @@ models converted by llama.cpp's converter (tests/reference_models.py, qwen4exp s
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,85 @@ def test_gated_attention_matches_transformers():
     np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     k_cache = np.asarray(k_cache)  # written to KV layer 1 only, at positions 0..T-1 only
     assert not k_cache[0].any() and not k_cache[1, :, T:].any() and np.abs(k_cache[1, :, :T]).min(axis=-1).all()
+
+
+def _rewrite(src, dst, *, tensors=None, extra_kv=()):
+    """A copy of GGUF `src` at `dst` with its tensors replaced by tensors(reader) -> [(name, data, type)]
+    and extra (key, value, GGUFValueType) pairs added (gguf-py's reader and writer)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for key, value, vtype in extra_kv:
+        w.add_key_value(key, value, vtype)
+    items = tensors(r) if tensors else [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+    for name, data, qtype in items:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_fused_gate_up_experts_make_the_same_rows(tmp_path):
+    """A file storing ffn_gate_up_exps ([E, 2F, D]: each expert's gate rows then its up rows) gives the
+    same expert byte rows (what the store, the slot pools and the kernels read) as gate and up apart."""
+    from strata_jax.core.experts import fused_rows
+
+    tm = qwen4exp_model("dense", "q8_0")
+
+    def fuse(r):
+        by = {t.name: t for t in r.tensors}
+        out = []
+        for t in r.tensors:
+            if t.name.endswith("ffn_up_exps.weight"):
+                continue
+            if t.name.endswith("ffn_gate_exps.weight"):
+                up = by[t.name.replace("gate_exps", "up_exps")]
+                out.append((t.name.replace("gate_exps", "gate_up_exps"),
+                            np.concatenate([np.asarray(t.data), np.asarray(up.data)], axis=1), t.tensor_type))
+            else:
+                out.append((t.name, np.asarray(t.data), t.tensor_type))
+        return out
+
+    fused_path = _rewrite(tm.gguf_path, tmp_path / "fused.gguf", tensors=fuse)
+    g0, cfg0, _, _, spec0 = _load(tm)
+    g1, cfg1, loader1, _, spec1 = _load(dataclasses.replace(tm, gguf_path=fused_path))
+    assert "blk.0.ffn_gate_up_exps.weight" in g1.tensors and "blk.0.ffn_gate_exps.weight" not in g1.tensors
+    assert cfg1 == cfg0 and spec1.layer_parts == spec0.layer_parts
+    assert sorted(set(g1.tensors) - loader1.consumed) == []
+    for i in range(len(spec0.moe_layers)):
+        assert spec1.tensor_names(i) == (f"blk.{i}.ffn_gate_up_exps.weight", f"blk.{i}.ffn_down_exps.weight")
+        a = fused_rows([g0.tensor(n) for n in spec0.tensor_names(i)])
+        b = fused_rows([g1.tensor(n) for n in spec1.tensor_names(i)])
+        assert a.shape == (cfg0.n_experts, spec0.bytes_per_expert(i)) and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("what, kv, extra_tensor", [
+    ("nextn_predict_layers", ("qwen4exp.nextn_predict_layers", 1), None),
+    ("vision tower", None, "v.patch_embd.weight"),
+])
+def test_unsupported_parts_are_refused_by_name(tmp_path, what, kv, extra_tensor):
+    from gguf import GGMLQuantizationType, GGUFValueType
+
+    from strata_jax.core.errors import UnsupportedArchitectureError
+    from strata_jax.model.config import ModelConfig
+
+    tm = qwen4exp_model("dense")
+
+    def tensors(r):
+        out = [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+        if extra_tensor:
+            out.append((extra_tensor, np.zeros((4, 4), np.float32), GGMLQuantizationType.F32))
+        return out
+
+    path = _rewrite(tm.gguf_path, tmp_path / "x.gguf", tensors=tensors,
+                    extra_kv=[(kv[0], kv[1], GGUFValueType.UINT32)] if kv else ())
+    with pytest.raises(UnsupportedArchitectureError, match=what):
+        ModelConfig.from_gguf(GGUFFile(path))
