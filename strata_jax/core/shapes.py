@@ -27,6 +27,12 @@ Model and serving:
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 
+Linear attention (qwen4exp's gated DeltaNet: model/deltanet.py):
+  Hk  key heads                      Hv  value heads (value head h reads key head h % Hk)
+  Dk  key head dim                   Dv  value head dim
+  Kc  taps of a short (causal depthwise) convolution, or its state length (Kc - 1 inputs)
+  Cc  channels of a short convolution
+
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
   A   sub-blocks (or groups of them) of a K-quant super-block
