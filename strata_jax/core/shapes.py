@@ -27,6 +27,12 @@ Model and serving:
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 
+qwen4exp:
+  Hc  hyper-connection residual streams (hc_count)
+  Kc  taps of a short (causal depthwise) convolution / its state length (past inputs it keeps)
+  Cc  channels of a short convolution
+  Gp  PLE n-gram hash heads (table rows gathered per token)
+
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
   A   sub-blocks (or groups of them) of a K-quant super-block
