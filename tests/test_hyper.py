@@ -19,6 +19,7 @@ from transformers.models.qwen4_exp.modular_qwen4_exp import (Qwen4ExpTextConfig,
 
 from strata_jax.core.errors import TensorShapeError
 from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf.reader import metadata_view
 from strata_jax.model import hyper
 from strata_jax.model.hyper import HyperDims, HyperParams, LayerHyper
 from strata_jax.model.kernels import Kernels
@@ -191,8 +192,8 @@ def test_shape_mismatch_is_refused(residual):
 
 
 @pytest.mark.slow
-def test_names_are_the_converters(llama_cpp_converter):
-    """The names the builders read are qwen4exp tensors in the pinned converter's gguf-py."""
+def test_names_and_keys_are_the_converters(llama_cpp_converter):
+    """The tensor names and KV keys the builders read are the pinned converter's gguf-py qwen4exp ones."""
     c = runpy.run_path(str(llama_cpp_converter.parent / "gguf-py" / "gguf" / "constants.py"))
     arch = c["MODEL_ARCH"].QWEN4EXP
     names = {c["TENSOR_NAMES"][t].format(bid=0) for t in c["MODEL_TENSORS"][arch]}
@@ -201,6 +202,10 @@ def test_names_are_the_converters(llama_cpp_converter):
     hyper.head_mixer_from_gguf(lambda n: seen.append(n) or _fake(n), DIMS)
     assert len(seen) == 11
     assert {n.removesuffix(".weight") for n in seen} <= names
+    keys, a = c["Keys"], c["MODEL_ARCH_NAMES"][arch]
+    md = {keys.HyperConnection.COUNT: HC, keys.HyperConnection.LOW_RANK: RANK, keys.LLM.EMBEDDING_LENGTH: D,
+          keys.Attention.LAYERNORM_RMS_EPS: 1e-6}
+    assert HyperDims.from_metadata(metadata_view({k.format(arch=a): v for k, v in md.items()}, a)) == DIMS
 
 
 def _fake(name: str):
