@@ -151,6 +151,9 @@ _QWEN4EXP = dict(
     num_experts_per_tok=2, norm_topk_prob=True, hc_count=3, hc_lowrank=8,
     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_compress_ratio=4,
     indexer_budget=256,  # dense: more tokens than any test sequence, so every block is selected
+    # no GGUF key carries the DeltaNet output gate's activation and llama.cpp's graph hard-codes sigmoid
+    # (transformers' default would be hidden_act, silu): the checkpoint says sigmoid, as the GGUF means
+    output_gate_type="sigmoid",
 )
 # sparse: 2 blocks of 4 tokens per query, so selection matters from the 13th token on; ple: PLE on the
 # first (linear-attention) layer with tiny hashed n-gram tables (2 heads per n-gram order, primes

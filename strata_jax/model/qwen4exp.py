@@ -78,6 +78,7 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> Q4State:
 def deltanet_dims(cfg: ModelConfig):
     deltanet, _, _ = _modules()
     d = cfg.linear
+    # output_gate: the module's default, sigmoid, which llama.cpp's graph hard-codes (no GGUF key says)
     return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
                                  k_head_dim=d.k_head_dim, v_head_dim=d.v_head_dim, conv_kernel=d.conv_kernel,
                                  rms_eps=cfg.rms_eps)
@@ -94,10 +95,10 @@ def qsa_dims(cfg: ModelConfig, layer: int):
 def ple_dims(cfg: ModelConfig):
     _, _, ple = _modules()
     p = cfg.ple
-    return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, ngram_size=p.ngram_size,
-                       heads_per_ngram=p.heads_per_ngram, head_dim=p.head_dim, conv_kernel=p.conv_kernel,
-                       eos_token_id=p.eos_token_id, multipliers=p.multipliers, head_offsets=p.head_offsets,
-                       head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps)
+    return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, row_dim=p.head_dim, ngram_size=p.ngram_size,
+                       heads_per_ngram=p.heads_per_ngram, conv_kernel=p.conv_kernel, eos_token_id=p.eos_token_id,
+                       layer_multipliers=p.multipliers, head_offsets=p.head_offsets,
+                       head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps, layers=p.layers)
 
 
 def _fresh(state, fresh_B: jax.Array, zeros):
@@ -120,6 +121,7 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
     kv_idx = {layer: j for j, layer in enumerate(cfg.attention_layers)}
     qsa_idx = {layer: j for j, layer in enumerate(qsa_layers(cfg))}
     ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
+    moe_idx = {layer: j for j, layer in enumerate(cfg.moe_layers)}
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
 
     xs = hyper.streams(take_rows(params.embed, tokens_BT, dtype), hd)  # [B, T, Hc, D]
@@ -151,8 +153,9 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
             xs = hyper.combine(xs, out, w)
             with jax.named_scope("moe"):
                 h, w = hyper.mix(layer.hc.ffn, xs, hd, kernels)
-                out, ids, experts = moe_block(layer.moe, experts, i, h, cfg, kernels, (), None,
-                                              None if forced_MNk is None else forced_MNk[i])
+                mi = moe_idx[i]
+                out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
+                                              None if forced_MNk is None else forced_MNk[mi])
                 routed.append(ids)
                 xs = hyper.combine(xs, out, w)
     with jax.named_scope("head"):

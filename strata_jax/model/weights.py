@@ -92,7 +92,7 @@ class GatedAttnParams:
     wo: QTensor  # [D, H*Dh]
     q_norm: jax.Array  # [Dh], (1 + w) folded in by the converter
     k_norm: jax.Array
-    indexer: Any  # QSA indexer (model/qsa.py), or None where the layer's compress ratio is 0
+    indexer: Any  # model/qsa.py's QSAParams, or None where the layer's compress ratio is 0
 
 
 @struct.dataclass
@@ -101,8 +101,8 @@ class Q4LayerParams:
     the hyper-connections around both blocks, and the MoE block."""
 
     attn: GatedAttnParams | None
-    linear: Any  # model/deltanet.py's params on linear layers, else None
-    ple: Any  # model/ple.py's layer params on PLE layers, else None
+    linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
+    ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
     hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*)
     moe: MoEParams
 
@@ -113,7 +113,6 @@ class Q4Params:
     layers: tuple[Q4LayerParams, ...]
     hc_head: Any  # the final hyper-connection mixer (output_hc_*), in place of the output norm
     lm_head: QTensor  # [V, D]
-    ple_embed: QTensor | None  # per_layer_token_embd [n-gram rows, PLE head dim], shared by the PLE layers
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -250,24 +249,24 @@ def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
                      shared_gate_D=shared_gate)
 
 
-def _raw(loader: WeightLoader, prefix: str) -> dict[str, Any]:
-    """Every tensor whose name starts with prefix, by the rest of its name (loader.get's types): the
-    parameters of a layer module that is not wired in yet."""
-    return {n[len(prefix):]: loader.get(n) for n in sorted(loader.gguf.tensors) if n.startswith(prefix)}
-
-
-def load_qwen4exp_params(loader: WeightLoader) -> Q4Params:
-    from strata_jax.model import hyper  # noqa: PLC0415 - hyper imports layers, which imports this module
+def load_qwen4exp_params(loader: WeightLoader, ple_table_memory: str = "device") -> Q4Params:
+    """qwen4exp's params; the layer modules build their own (model/deltanet.py, qsa.py, ple.py, hyper.py).
+    ple_table_memory: where per_layer_token_embd lives ("device", or "pinned_host": gathered on the host)."""
+    # noqa below: these modules import layers, which imports this module
+    from strata_jax.model import deltanet, hyper, ple, qsa, qwen4exp  # noqa: PLC0415
 
     cfg = loader.cfg
-    hd = hyper.HyperDims(cfg.hc_count, cfg.hc_rank, cfg.d_model, cfg.rms_eps)
+    hd = qwen4exp.hyper_dims(cfg)
     D, V, H, K, Dh = cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    dn = qwen4exp.deltanet_dims(cfg)
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        attn = linear = ple = None
+        attn = linear = ple_p = None
         if cfg.kind(i) == ATTENTION:
-            indexer = _raw(loader, p + "indexer.") if cfg.indexer.compress_ratios[i] else None
+            indexer = None
+            if cfg.indexer.compress_ratios[i]:
+                indexer = qsa.QSAParams.from_gguf(loader.get, i, qwen4exp.qsa_dims(cfg, i), D)
             attn = GatedAttnParams(
                 qkv=loader.projections([(p + "attn_q", 2 * H * Dh), (p + "attn_k", K * Dh), (p + "attn_v", K * Dh)], D),
                 wo=loader.qtensor(p + "attn_output.weight", (D, H * Dh)),
@@ -276,21 +275,16 @@ def load_qwen4exp_params(loader: WeightLoader) -> Q4Params:
                 indexer=indexer,
             )
         else:
-            linear = {n: loader.get(p + n) for n in (
-                "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias",
-                "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")}
+            linear = deltanet.load_params(loader.qtensor, loader.f32, i, dn)
         if cfg.ple is not None and i in cfg.ple.layers:
-            ple = _raw(loader, p + "ple_")
+            ple_p = ple.PLEParams.from_gguf(ple.loader_get(loader), i, qwen4exp.ple_dims(cfg),
+                                            table_memory_kind=ple_table_memory, device=loader.device)
         hc = hyper.LayerHyper.from_gguf(loader.get, i, hd)
-        layers.append(Q4LayerParams(attn=attn, linear=linear, ple=ple, hc=hc, moe=_moe_params(loader, p)))
+        layers.append(Q4LayerParams(attn=attn, linear=linear, ple=ple_p, hc=hc, moe=_moe_params(loader, p)))
     if not loader.gguf.has("output.weight"):
         raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
-    ple_embed = None
-    if cfg.ple is not None:
-        ple_embed = loader.get("per_layer_token_embd.weight")
     return Q4Params(embed=loader.qtensor("token_embd.weight", (V, D)), layers=tuple(layers),
-                    hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)),
-                    ple_embed=ple_embed)
+                    hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)))
 
 
 def load_params(loader: WeightLoader) -> Params | Q4Params:
