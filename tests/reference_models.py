@@ -595,6 +595,38 @@ def hf_logits(hf_dir, token_ids: list[int]) -> np.ndarray:
     return out.logits[0].to(torch.float32).numpy()
 
 
+@contextlib.contextmanager
+def qsa_ties_to_lowest_block():
+    """transformers' QSA indexer with equal block scores resolved to the lowest block, as strata_jax's
+    model/qsa.py does. Its relu'd scores are often exactly equal (0, every head negative: common with
+    a tiny indexer), and torch.topk picks among equals as it likes, so without this the reference's
+    selection is arbitrary wherever the budget cuts through a tie. A stable descending sort is that
+    top-k with the tie rule defined; only the indexer's top-k is replaced, and only inside the block."""
+    import torch
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mod
+
+    cls = mod.Qwen4ExpTextQSAIndexer
+    forward, topk = cls.forward, torch.Tensor.topk
+
+    def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+        assert largest and sorted
+        values, indices = torch.sort(self, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    def patched(self, *args, **kwargs):
+        torch.Tensor.topk = stable_topk
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = topk
+
+    cls.forward = patched
+    try:
+        yield
+    finally:
+        cls.forward = forward
+
+
 def hf_greedy(hf_dir, token_ids: list[int], n_new: int) -> list[int]:
     """The `n_new` tokens greedy decoding appends (each step a full forward pass, no cache)."""
     ids = list(token_ids)

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reference_models import QWEN4EXP_VARIANTS, hf_logits, qwen4exp_model
+from reference_models import QWEN4EXP_VARIANTS, hf_logits, qsa_ties_to_lowest_block, qwen4exp_model
 from strata_jax.gguf.reader import GGUFFile
 
 pytestmark = pytest.mark.slow  # converter-made models (~20 s each on a cold cache)
@@ -27,6 +27,10 @@ def test_fixture_carries_what_the_checkpoint_says(variant):
     assert list(md["qwen4exp.attention.recurrent_layers"]) == [i not in full for i in range(4)]
     assert md["qwen4exp.attention.indexer.top_k"] == tm.config["indexer_budget"]
     assert md["tokenizer.ggml.pre"] == "qwen2" and len(md["tokenizer.ggml.tokens"]) == tm.vocab_size
+    # the DeltaNet output gate: no GGUF key, llama.cpp hard-codes sigmoid; the checkpoint must say so too
+    import json
+
+    assert json.loads((tm.hf_dir / "config.json").read_text())["output_gate_type"] == "sigmoid"
     if variant == "ple":
         import torch
         from transformers import AutoModelForCausalLM
@@ -185,3 +189,172 @@ def test_unsupported_parts_are_refused_by_name(tmp_path, what, kv, extra_tensor)
                     extra_kv=[(kv[0], kv[1], GGUFValueType.UINT32)] if kv else ())
     with pytest.raises(UnsupportedArchitectureError, match=what):
         ModelConfig.from_gguf(GGUFFile(path))
+
+
+# -- the whole model: the engine against transformers --------------------------------------------------
+
+N_TOKENS = 37  # past the sparse variant's selection onset (~16) and, in 16-token chunks, a padded last chunk
+REL_TOL = 1e-3  # f32: max |ours - transformers| over max |transformers|, at every position
+CTX = 128
+
+
+def _ids(tm, n=N_TOKENS, seed=0):
+    """Random ids with an EOS inside (PLE's n-grams restart after it)."""
+    ids = np.random.default_rng(seed).integers(0, tm.vocab_size - 3, n)
+    ids[min(9, n // 2)] = tm.config["eos_token_id"]
+    return ids.tolist()
+
+
+def _engine(tm, **kw):
+    import strata_jax
+
+    # 16-token prefill chunks: 37 tokens run as 16 + 16 + 5 (padded to 16), carrying the recurrent state
+    return strata_jax.load(str(tm.gguf_path), ctx=CTX, dtype="float32", prefill_chunk=16, **kw)
+
+
+def _hf(tm, ids):
+    """transformers' logits at every position, QSA score ties going to the lowest block as ours do
+    (reference_models.qsa_ties_to_lowest_block: else the reference's pick among equals is arbitrary)."""
+    with qsa_ties_to_lowest_block():
+        return hf_logits(tm, ids)
+
+
+def _rel_err(ours, ref):
+    """Per position: max |ours - ref| / max |ref|."""
+    return np.abs(np.asarray(ours) - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_dims_are_the_modules_own_readers(variant):
+    """ModelConfig's qwen4exp dims give each layer module the dims its own GGUF reader gives."""
+    from strata_jax.gguf.reader import metadata_view
+    from strata_jax.model import deltanet, ple, qsa, qwen4exp
+    from strata_jax.model.config import ModelConfig
+
+    g = GGUFFile(qwen4exp_model(variant).gguf_path)
+    cfg = ModelConfig.from_gguf(g)
+    assert qwen4exp.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, "qwen4exp")
+    assert qwen4exp.deltanet_dims(cfg).output_gate == "sigmoid"
+    assert qwen4exp.qsa_layers(cfg) == (1, 3)
+    for i in qwen4exp.qsa_layers(cfg):
+        assert qwen4exp.qsa_dims(cfg, i) == qsa.QSADims.from_metadata(metadata_view(g.metadata, "qwen4exp"), i)
+    if variant == "ple":
+        assert qwen4exp.ple_dims(cfg) == ple.PLEDims.from_gguf(g)
+    else:
+        assert cfg.ple is None and ple.PLEDims.from_gguf(g) is None
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_logits_match_transformers(variant):
+    """Every position's logits (a prompt prefilled in chunks, the last one padded) within REL_TOL of
+    transformers' fp32 forward pass."""
+    tm = qwen4exp_model(variant)
+    ids = _ids(tm)
+    ours, ref = _engine(tm).logits(ids), _hf(tm, ids)
+    err = _rel_err(ours, ref)
+    print(f"qwen4exp-{variant}: max relative logit error vs transformers {err.max():.2e}")
+    assert ours.shape == ref.shape and err.max() < REL_TOL, err
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_decode_one_token_at_a_time_equals_full_forward(variant):
+    """Two rows: a prefill chunk, then one token per step. Row 1 sits idle for a few steps (the decode
+    program's dead row: a position past the cache and no valid token) and then goes on; each row's
+    logits at every position equal the one-pass forward of its sequence (and transformers')."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.model.forward import KVCache, forward
+
+    tm = qwen4exp_model(variant)
+    m = _engine(tm)
+    cfg = m.config
+    seqs = [_ids(tm, 24, seed=1), _ids(tm, 24, seed=2)]
+    step = jax.jit(functools.partial(forward, cfg=cfg, dtype=jnp.float32, kernels=m.kernels, all_logits=True,
+                                     attn_len=CTX))
+    experts = m.experts.take()
+    try:
+        kv = KVCache.zeros(cfg, 2, CTX, jnp.float32)
+        n0 = [5, 7]  # prompt tokens each row prefills
+        toks = np.zeros((2, 16), np.int32)
+        for b in range(2):
+            toks[b, :n0[b]] = seqs[b][:n0[b]]
+        logits, kv, experts, _ = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
+                                      jnp.asarray(n0, jnp.int32))
+        got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
+        pos = list(n0)
+        idle_until = 6  # row 1 idles for the first 6 decode steps
+        for s in range(24 - n0[0]):
+            live = [True, s >= idle_until and pos[1] < 24]
+            tok = [seqs[b][pos[b]] if live[b] else 0 for b in range(2)]
+            start = [pos[b] if live[b] else CTX for b in range(2)]
+            logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
+                                               jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
+            for b in range(2):
+                if live[b]:
+                    got[b].append(np.asarray(logits[b, 0]))
+                    pos[b] += 1
+    finally:
+        m.experts.put(experts)
+    assert pos == [24, 24 - idle_until + n0[1] - n0[0]]
+    for b in range(2):
+        n = pos[b]
+        one_pass = m.logits(seqs[b][:n])
+        np.testing.assert_allclose(np.stack(got[b]), one_pass, rtol=0, atol=1e-4 * np.abs(one_pass).max())
+        assert _rel_err(got[b], _hf(tm, seqs[b][:n])).max() < REL_TOL
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_offloaded_equals_resident(variant):
+    """Half the experts in device slots (LRU, misses fetched in the step): logits and greedy tokens
+    are the all-resident run's, bit for bit."""
+    tm = qwen4exp_model(variant)
+    ids = _ids(tm)
+    res = _engine(tm)
+    assert res.cache_plan.resident
+    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
+    off = _engine(tm, expert_slots=4 * 4, expert_pools="per-layer")
+    assert not off.cache_plan.resident
+    np.testing.assert_array_equal(off.logits(ids), ref_logits)
+    assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
+    st = off.stats()
+    assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+
+
+def test_batched_rows_equal_alone_and_transformers_greedy():
+    """A Session of 3 rows, requests admitted at different steps (one waits for a free row): each
+    request's greedy tokens are what it gives alone, and what transformers' greedy decoding gives."""
+    from reference_models import hf_greedy
+    from strata_jax.engine.session import Session
+
+    tm = qwen4exp_model("ple")
+    m = _engine(tm, decode_chunk=4)
+    prompts = [_ids(tm, n, seed=s) for n, s in ((20, 3), (5, 4), (37, 5), (9, 6))]
+    n_new = [10, 6, 8, 5]
+    alone = [m.generate(p, max_tokens=n, temperature=0, cache_prompt=False).token_ids for p, n in zip(prompts, n_new)]
+    with qsa_ties_to_lowest_block():
+        for p, a in zip(prompts, alone):
+            assert a == hf_greedy(tm, p, len(a))
+    s = Session(m, 3)
+    out, owner, todo, step = [[] for _ in prompts], {}, [(0, 0), (1, 1), (1, 2), (3, 3)], 0
+    while todo or s.active_rows:
+        while todo and todo[0][0] <= step and s.free_rows:
+            i = todo.pop(0)[1]
+            row, chunks = s.admit(prompts[i], max_tokens=n_new[i], temperature=0, cache_prompt=False)
+            owner[row] = i
+            out[i] += [t for c in chunks for t in c.token_ids]
+        for row, chunks in s.step().items():
+            out[owner[row]] += [t for c in chunks for t in c.token_ids]
+        step += 1
+        assert step < 200
+    assert out == alone
+
+
+def test_prefetch_is_refused_for_qwen4exp():
+    import strata_jax
+    from strata_jax.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prefetch"):
+        strata_jax.load(str(qwen4exp_model("dense").gguf_path), ctx=CTX, prefetch=1, expert_slots=16)
