@@ -20,7 +20,7 @@
 # logs.tar.gz (the logs' tails): 6 files of the 8 a call may return.
 #
 # Knobs: SITTING_S (pipeline deadline, default 1400 s), SITTING_DIR (default /tmp/esit), PY (python3),
-# SITE (/tmp/site; NO_WHEELS=1 skips the install), B30_SHAPE (a bench shape, tiny for a dry run),
+# SITE (/tmp/site; NO_WHEELS=1 skips the install), B30_SHAPE (a bench shape, tiny for a dry run), BENCH_ORDER,
 # DEFAULT_SPEC ("k=v,..." over the default model's shape), PHASES (names to run, default all),
 # SERVE_BATCH ("p4 p1"), CLIENTS_LIMIT_S. Dry run: see benchmarks/engine_sitting.md.
 set -u
@@ -111,9 +111,13 @@ pipeline() {
   want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
   local t port=8200 par model clients
   if want bench-b30; then
-    for t in old new; do
-      phase "bench-b30-$t" 300 "$t" "$PY" -m strata_jax.cli bench --model "$B30" --label b30 --resident-only \
-        --tokens 128 --prompt-len 32 --routing model --decode-chunk 16 --out "$S/results-b30-$t.json"
+    # BENCH_ORDER: the trees' runs in order, e.g. "old new new old old new" (alternated, so neither tree
+    # always runs first in the lease); run i writes results-b30-<tree>-r<i>.json
+    local i=0
+    for t in ${BENCH_ORDER:-old new}; do
+      i=$((i + 1))
+      phase "bench-b30-$t-r$i" 300 "$t" "$PY" -m strata_jax.cli bench --model "$B30" --label b30 --resident-only \
+        --tokens 128 --prompt-len 32 --routing model --decode-chunk 16 --out "$S/results-b30-$t-r$i.json"
     done
   fi
   for par in ${SERVE_BATCH:-p4 p1}; do

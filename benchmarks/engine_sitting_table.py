@@ -2,7 +2,7 @@
 
     python benchmarks/engine_sitting_table.py FILE_OR_DIR...
 
-Reads results-b30-{old,new}.json (bench: decode tok/s of the resident row), loads.json or load-*.json
+Reads results-b30-{old,new}[-rN].json (bench: decode tok/s of the resident row; the median of the runs), loads.json or load-*.json
 (server_load.py: aggregate tok/s, latency, TTFT, per-request decode) and phases.tsv (why a row is missing:
 a failed phase's rc, a skipped one). Rows are (workload, tree); new/old is the ratio of the tok/s column.
 """
@@ -33,8 +33,8 @@ def load_inputs(args: list[str]) -> tuple[dict, dict, dict]:
             for line in f.read_text().splitlines():
                 name, status, rc, secs = (line.split("\t") + ["", "", ""])[:4]
                 phases[name] = (status, rc, secs)  # the last line of a name wins (a re-run)
-        elif m := re.fullmatch(r"results-(\w+)-(old|new)\.json", f.name):
-            benches[(m[1], m[2])] = json.loads(f.read_text())
+        elif m := re.fullmatch(r"results-(\w+?)-(old|new)(?:-r\d+)?\.json", f.name):
+            benches.setdefault((m[1], m[2]), []).append(json.loads(f.read_text()))  # one per run
         elif f.name == "loads.json":
             loads.update(json.loads(f.read_text()))
         elif re.fullmatch(r"load-.*\.json", f.name):
@@ -66,18 +66,22 @@ def table(benches: dict, loads: dict, phases: dict) -> str:
                            f"| {ratio if t == 'new' else ''} |")
 
     for shape in sorted({s for s, _ in benches} | {"b30"}):
-        cells = {}
+        cells, runs = {}, {}
         for t in ("old", "new"):
-            doc = benches.get((shape, t))
-            rows = [r for r in (doc or {}).get("rows", []) if r.get("engine", "strata-jax") == "strata-jax"
+            docs = benches.get((shape, t), [])
+            rows = [r for doc in docs for r in doc.get("rows", []) if r.get("engine", "strata-jax") == "strata-jax"
                     and r.get("decode_tok_s")]
-            if rows:
-                r = rows[0]
-                cells[t] = (r["decode_tok_s"], None, None, None, "-")
+            if rows:  # several runs: the median, every run listed in the workload
+                tps = sorted(r["decode_tok_s"] for r in rows)
+                runs[t] = " / ".join(_num(x) for x in tps)
+                cells[t] = (tps[len(tps) // 2], None, None, None, "-")
             else:
-                err = next((r.get("error") for r in (doc or {}).get("rows", []) if r.get("error")), None)
-                cells[t] = f"failed: {str(err)[:80]}" if err else _missing(phases, f"bench-{shape}-{t}")
-        emit(f"bench {shape}: resident, batch 1, decode 128 tokens (16-step calls)", cells)
+                err = next((r.get("error") for doc in docs for r in doc.get("rows", []) if r.get("error")), None)
+                missing = [_missing(phases, name) for name in phases if name.startswith(f"bench-{shape}-{t}")]
+                cells[t] = f"failed: {str(err)[:80]}" if err else (missing or [_missing(phases, f"bench-{shape}-{t}")])[0]
+        each = "; ".join(f"{t} runs {v}" for t, v in runs.items() if v.count("/"))
+        emit(f"bench {shape}: resident, batch 1, decode 128 tokens (16-step calls)" + (f" ({each})" if each else ""),
+             cells)
     keys = {}
     for name in loads:
         if m := re.fullmatch(r"load-(old|new)-(\w+)-p(\d+)-c(\d+)", name):

@@ -291,26 +291,53 @@ def llama_cpp_converter() -> Path:
 _QWEN4EXP_WRAPPER = Path(__file__).with_name("qwen4exp_convert.py")
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
-    """Run the converter in a subprocess; `out` appears only when the conversion succeeded. With `pre`,
-    through tests/qwen4exp_convert.py, which names the vocabulary's pre-tokenizer for the converter."""
+def _run_converter(hf_dir: Path, outfile: Path, outtype: str, *extra: str, pre: str | None = None) -> None:
+    """With `pre`, through tests/qwen4exp_convert.py, which names the vocabulary's pre-tokenizer for
+    the converter."""
     script = llama_cpp_converter()
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("NO_LOCAL_GGUF", None)  # use the converter's own gguf-py, matched to it
-    cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp), "--outtype", outtype]
+    cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(outfile), "--outtype", outtype, *extra]
     if pre is not None:
         cmd = [sys.executable, str(_QWEN4EXP_WRAPPER), str(script.parent), "--pre", pre, *cmd[2:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} ({outtype} {' '.join(extra)}), exit "
+                           f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+    """Run the converter in a subprocess; `out` appears only when the conversion succeeded."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode or not tmp.is_file():
-            raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} ({outtype}), exit {proc.returncode}:\n"
-                               f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        _run_converter(hf_dir, tmp, outtype, pre=pre)
+        if not tmp.is_file():
+            raise RuntimeError(f"convert_hf_to_gguf.py wrote no {tmp} for {hf_dir} ({outtype})")
         GGUFFile(tmp)  # readable, or raise now rather than in every test that uses it
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def tiny_model_split(arch: str, outtype: str = "f32", max_tensors: int = 12) -> Path:
+    """The tiny `arch` model converted with `--split-max-tensors max_tensors`: the path of its first shard
+    (`{arch}-00001-of-0000N.gguf`, the others beside it in a directory of their own)."""
+    hf_dir = tiny_hf_dir(arch)
+    key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype, "split-max-tensors", max_tensors)
+    final = artifacts_dir() / "gguf-split" / f"{arch}-{outtype}-{max_tensors}-{key}"
+    if not final.is_dir():
+        llama_cpp_converter()
+        with _lock(f"gguf-split-{arch}-{outtype}-{max_tensors}"):
+            if not final.is_dir():
+                with _building(final) as tmp:
+                    _run_converter(hf_dir, tmp / f"{arch}.gguf", outtype, "--split-max-tensors", str(max_tensors))
+                    firsts = sorted(tmp.glob(f"{arch}-00001-of-*.gguf"))
+                    if len(firsts) != 1:
+                        raise RuntimeError(f"--split-max-tensors {max_tensors} on {hf_dir} wrote "
+                                           f"{sorted(f.name for f in tmp.iterdir())}, not one split model")
+    (first,) = final.glob(f"{arch}-00001-of-*.gguf")
+    return first
 
 
 # -- tokenizers --------------------------------------------------------------------------------------

@@ -41,9 +41,10 @@ class OnePool:
     def few_path(self, moe_idx, n_lookups):
         return n_lookups <= self.few_limit
 
-    def lookup(self, moe_idx, ids_Nk):
-        me = self.replace(looked_up=self.looked_up + ((moe_idx, ids_Nk),),
-                          counters=self.counters.add(moe_idx, hits=jnp.int32(ids_Nk.size)))
+    def lookup(self, moe_idx, ids_Nk, valid_N=None):
+        wanted = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
+        me = self.replace(looked_up=self.looked_up + ((moe_idx, wanted),),
+                          counters=self.counters.add(moe_idx, hits=jnp.sum(wanted >= 0).astype(jnp.int32)))
         return me, self.rows, moe_idx * self.n_experts + ids_Nk
 
     def prefetch(self, moe_idx, predicted, after):
@@ -159,3 +160,29 @@ def test_forward_through_the_provider(model):
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(routed))
     np.testing.assert_allclose(np.asarray(logits[0]), m.logits(prompt)[-1], rtol=1e-4, atol=1e-4)
     assert experts.counters.as_array()[:, 0].sum() == len(prompt) * len(cfg.moe_layers) * cfg.n_experts_used
+
+
+def test_padding_and_idle_rows_look_nothing_up(model):
+    """Bucket padding (tokens past n_valid) and an idle row (start at the cache length) compute, but the
+    provider is not asked for their experts and `routed` marks them -1; the real tokens' lookups and
+    logits are those of the same tokens without the padding."""
+    gguf, cfg, params, rows, _ = model
+    step = jax.jit(forward, static_argnames=("cfg", "dtype", "kernels", "all_logits", "attn_len"))
+    ctx, toks = 64, [[7, 9, 0, 0], [11, 12, 13, 14]]
+
+    def run(tokens, start, n_valid):
+        experts = _provider(cfg, rows, few_limit=cfg.n_experts * 8)
+        kv = KVCache.zeros(cfg, len(tokens), ctx, jnp.float32)
+        return step(params, experts, kv, jnp.array(tokens, jnp.int32), jnp.array(start, jnp.int32),
+                    jnp.array(n_valid, jnp.int32), cfg=cfg, dtype=jnp.float32, kernels=KERNELS)
+
+    logits, _, experts, routed_MNk = run(toks, [0, ctx], [2, 4])  # row 1 idle
+    routed = np.asarray(routed_MNk).reshape(len(cfg.moe_layers), 2, 4, -1)
+    assert (routed[:, 0, 2:] == -1).all() and (routed[:, 1] == -1).all()
+    assert (routed[:, 0, :2] >= 0).all()
+    for mi, looked in experts.looked_up:
+        np.testing.assert_array_equal(np.asarray(looked).reshape(2, 4, -1), routed[mi])
+    alone_logits, _, alone, alone_routed = run([toks[0][:2]], [0], [2])
+    np.testing.assert_array_equal(routed[:, 0, :2], np.asarray(alone_routed).reshape(len(cfg.moe_layers), 2, -1))
+    np.testing.assert_array_equal(experts.counters.as_array(), alone.counters.as_array())
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(alone_logits[0]), rtol=1e-5, atol=1e-5)

@@ -339,7 +339,7 @@ def test_batched_server_logprobs_and_penalties(client, model):
 def test_dense_model_has_no_expert_cache(tmp_path):
     m = strata_jax.load(write_synthetic_gguf(tmp_path / "dense.gguf", DENSE), ctx=64)
     with serving(m) as c:
-        body = chat(c, max_tokens=3).json()
+        body = chat(c, max_tokens=3, temperature=0).json()  # greedy: an unseeded sample may end early
         assert "expert_cache" not in body and body["usage"]["completion_tokens"] == 3
         assert c.get("/health").json()["max_context"] == 64
 

@@ -157,22 +157,23 @@ class ExpertCounters:
 def unique_ids(ids_Nk: jax.Array, n_experts: int) -> jax.Array:
     """The distinct ids in first-occurrence (router) order, -1 padded to min(N*k, E): the order a policy
     sees them in, as offload.simulate's unique_requests gives them (LRU breaks ties within a step by it).
-    Quadratic in N*k, which the few-token path bounds by the expert count."""
+    Negative ids (tokens that are not real: bucket padding, idle rows) are dropped. Quadratic in N*k,
+    which the few-token path bounds by the expert count."""
     flat, first = _first_occurrences(ids_Nk)
     order = jnp.argsort(~first, stable=True)
     return jnp.where(first[order], flat[order], -1)[: min(flat.shape[0], n_experts)]
 
 
 def _first_occurrences(ids_Nk: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The ids flattened, and whether each is the first of its value."""
+    """The ids flattened, and whether each is the first of its value (never for a negative id)."""
     flat = ids_Nk.reshape(-1)
     n = flat.shape[0]
     earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
-    return flat, ~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1)
+    return flat, ~jnp.any((flat[:, None] == flat[None, :]) & earlier, axis=1) & (flat >= 0)
 
 
 def n_distinct(ids_Nk: jax.Array) -> jax.Array:
-    """How many distinct ids (what unique_ids counts, without its sort)."""
+    """How many distinct non-negative ids (what unique_ids keeps, without its sort)."""
     return jnp.sum(_first_occurrences(ids_Nk)[1]).astype(jnp.int32)
 
 
@@ -197,9 +198,12 @@ class ExpertProvider(Protocol):
         """Whether a step routing n_lookups (token, expert) pairs in this layer looks them up (else it
         takes the many-token path). Static."""
 
-    def lookup(self, moe_idx: int, ids_Nk: jax.Array) -> tuple["ExpertProvider", ExpertRows, jax.Array]:
+    def lookup(self, moe_idx: int, ids_Nk: jax.Array,
+               valid_N: jax.Array | None = None) -> tuple["ExpertProvider", ExpertRows, jax.Array]:
         """Make the routed experts readable: (provider, pool, slot_Nk), expert ids_Nk[n, j] being row
-        slot_Nk[n, j] of pool. Counts hits and misses."""
+        slot_Nk[n, j] of pool. Counts hits and misses. valid_N (bool, None: all): the tokens that are
+        real; the others (bucket padding, idle rows) neither fetch nor count, and get some readable
+        slot (their output is never read)."""
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["ExpertProvider", jax.Array]:

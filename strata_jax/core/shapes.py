@@ -45,8 +45,9 @@ PLE: model/ple.py):
 
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
-  A   sub-blocks (or groups of them) of a K-quant super-block
-  Q   values in one block or sub-block
+  A   sub-blocks (or groups of them) of a super-block (K-quant, IQ)
+  e   grid points of an IQ block or sub-block (each a lattice point standing for 4 or 8 values)
+  Q   values in one block, sub-block or grid point
   Z   bytes of one field (the axis a field's bytes are unpacked or bitcast along)
   I   (matrix, token rows) pairs of one qmatvec call
   O   output rows of one kernel program

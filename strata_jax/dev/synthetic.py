@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
 
 Q = GGMLQuantizationType
 
@@ -31,7 +32,27 @@ _SCALES = {
     Q.Q4_K: ((0, 2), 1 / 147.0, 7.5),
     Q.Q5_K: ((0, 2), 1 / 294.0, 15.5),
     Q.Q6_K: ((208,), 1 / 1369.0, None),
+    Q.TQ1_0: ((52,), 1 / 0.82, None),
+    Q.TQ2_0: ((64,), 1 / 1.12, None),
+    Q.IQ1_S: ((0,), 1 / 7.2, None),
+    Q.IQ1_M: ((), 1 / 7.2, None),  # d is spread over the scale words: set_iq1m_d
+    Q.IQ2_XXS: ((0,), 1 / 53.0, None),
+    Q.IQ2_XS: ((0,), 1 / 56.0, None),
+    Q.IQ2_S: ((0,), 1 / 56.0, None),
+    Q.IQ3_XXS: ((0,), 1 / 142.0, None),
+    Q.IQ3_S: ((0,), 1 / 140.0, None),
+    Q.IQ4_NL: ((0,), 1 / 67.0, None),
+    Q.IQ4_XS: ((0,), 1 / 1246.0, None),
 }
+
+
+def set_iq1m_d(blocks_YZ: np.ndarray, d_Y: np.ndarray) -> None:
+    """Write fp16 scales d into IQ1_M blocks (uint8[..., Y, 56], in place): IQ1_M has no fp16 field; d's
+    four nibbles are the top nibbles of its four uint16 scale words (bytes 48-55)."""
+    words = blocks_YZ[..., 48:56].copy().view(np.uint16)
+    nib = (d_Y.astype(np.float16).view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], np.uint16)) & 0xF
+    words = (words & 0x0FFF) | (nib << 12).astype(np.uint16)
+    blocks_YZ[..., 48:56] = words.view(np.uint8)
 
 
 def random_tensor_bytes(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -50,7 +71,10 @@ def random_tensor_bytes(rng: np.random.Generator, qtype: Q, shape: tuple[int, ..
     data = np.frombuffer(rng.bytes(rows * row_bytes), np.uint8).copy().reshape(-1, type_size)
     n_blocks = data.shape[0]
     d = (std * d_mult * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
-    data[:, offsets[0] : offsets[0] + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == Q.IQ1_M:
+        set_iq1m_d(data, d)
+    else:
+        data[:, offsets[0] : offsets[0] + 2] = d.view(np.uint8).reshape(-1, 2)
     if len(offsets) > 1:
         m = (d.astype(np.float32) * m_mult).astype(np.float16)
         data[:, offsets[1] : offsets[1] + 2] = m.view(np.uint8).reshape(-1, 2)
@@ -76,6 +100,9 @@ class SyntheticSpec:
     qtype: str = "Q8_0"  # matrices
     expert_qtype: str | None = None  # routed experts (default: qtype)
     odd_down_qtype: str | None = None  # down projections of odd layers' experts (Q4_K_M mixes types by layer)
+    # routed experts written as F32: the same random blocks, dequantized by gguf-py (the reference
+    # model a quant type's model-level test compares against)
+    dequantize_experts: bool = False
     seed: int = 0
 
     @property
@@ -118,8 +145,10 @@ _CHAT_TEMPLATE = (
 )
 
 
-def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
-    """Write a random model of `spec` to `path` (GGUF v3, readable by llama.cpp)."""
+def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, split_max_tensors: int = 0) -> Path:
+    """Write a random model of `spec` to `path` (GGUF v3, readable by llama.cpp); returns the path written.
+    split_max_tensors > 0: split it as llama.cpp does, at most that many tensors a shard, into
+    `STEM-00001-of-0000N.gguf` ... beside `path` (the same tensors and bytes), and return the first shard."""
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     qt = Q[spec.qtype]
@@ -176,7 +205,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
             ]
     tensors += [("output_norm.weight", Q.F32, (D,), -1.0), ("output.weight", qt, (spec.vocab_size, D), std_in)]
 
-    w = GGUFWriter(path, spec.arch)
+    w = GGUFWriter(path, spec.arch, split_max_tensors=split_max_tensors)
     a = spec.arch
     w.add_name(f"synthetic-{a}")
     w.add_block_count(spec.n_layers)
@@ -205,10 +234,16 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(_CHAT_TEMPLATE)
+
+    def written(name: str, qtype: Q) -> Q:
+        return Q.F32 if spec.dequantize_experts and name.endswith("_exps.weight") else qtype
+
     for name, qtype, shape, _ in tensors:
+        qtype = written(name, qtype)
         block, type_size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * type_size)
         w.add_tensor_info(name, _byte_shape(shape, qtype), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    first = w.format_shard_names(path)[0]  # path itself unless the tensors were split
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -217,9 +252,11 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
             data = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint8)
         else:
             data = random_tensor_bytes(rng, qtype, shape, std)
+            if written(name, qtype) != qtype:
+                data = gguf_quants.dequantize(data, qtype).astype(np.float32).view(np.uint8)
         w.write_tensor_data(data.reshape(-1))
     w.close()
-    return path
+    return first
 
 
 def _byte_shape(shape: tuple[int, ...], qtype: Q) -> tuple[int, ...]:

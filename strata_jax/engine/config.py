@@ -145,6 +145,12 @@ class EngineConfig:
 OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
+def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
+    """One option checked and normalized as EngineConfig checks it, for a caller that takes it on its own
+    (the server's --parallel); flag=True names its command-line flag in the error."""
+    return _check_all({name: value}, FLAGS if flag else {}, text=flag)[name]
+
+
 # -- the environment's defaults ---------------------------------------------------------------------------
 
 def kernels_from_env() -> Kernels:
@@ -301,8 +307,8 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "policy": lambda v: _policy(v, n("policy")),
         "prefetch": lambda v: _prefetch(v, n("prefetch"), text),
         "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
-        "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (KV-cache rows: requests decoded at "
-                                   "once)"),
+        "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
+                                   f"holding a KV-cache row of {n('ctx')} tokens)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),

@@ -56,7 +56,8 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096
     rows = max(parallel, 1)
     out: dict[str, Any] = {
         "path": gguf.path,
-        "file_bytes": gguf.file_size,
+        "file_bytes": gguf.file_size,  # every shard's, for a split model
+        "shards": gguf.n_shards,
         "config": cfg,
         "bytes_by_kind": dict(by_kind),
         "types_by_kind": {k: dict(v) for k, v in types_by_kind.items()},
@@ -95,7 +96,8 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096
 def format_report(r: dict[str, Any]) -> str:
     cfg: ModelConfig = r["config"]
     lines = [
-        f"file          {r['path']} ({fmt_bytes(r['file_bytes'])})",
+        f"file          {r['path']} ({fmt_bytes(r['file_bytes'])}"
+        + (f" in {r['shards']} shards)" if r["shards"] > 1 else ")"),
         f"architecture  {cfg.arch}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
         f"({cfg.n_kv_heads} kv, head dim {cfg.head_dim}), vocab {cfg.vocab_size:,}, context {cfg.context_length:,}",
     ]

@@ -14,7 +14,7 @@ prompt (llama.cpp's --slot-prompt-similarity), else to the least recently used f
 
 Each row samples with its own key folded with its own step count, so a seeded request gives the same
 tokens alone or batched. Rows without a request are computed too (fixed shapes) at an out-of-range
-position; with an offloaded MoE their routing also counts as expert lookups. MoE layers see B tokens
+position, where they neither write the cache nor look experts up (forward). MoE layers see B tokens
 per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
 the batch routes to once, shared by all rows.
 

@@ -4,13 +4,14 @@ Weights stay on the device in their GGUF block format, `uint8[..., row_bytes]`; 
 the rows it needs. Every decoder reproduces `gguf.quants` (`dequantize_blocks`) with the same float32
 operations in the same order, so results are bit-exact against the reference.
 
-Shape legend: strata_jax/core/shapes.py (here: Y blocks in a row, A sub-blocks of a K-quant super-block,
-Q values in one block or sub-block, Z bytes of one field), after the arbitrary leading axes `...`,
-which are never named: e.g. `qs_YQ` is uint8[..., Y, Q]; `d_Y1` is float32[..., Y, 1], ready to
-broadcast over Q.
+Shape legend: strata_jax/core/shapes.py (here: Y blocks in a row, A sub-blocks of a super-block, e grid
+points of an IQ sub-block, Q values in one block, sub-block or grid point, Z bytes of one field), after
+the arbitrary leading axes `...`, which are never named: e.g. `qs_YQ` is uint8[..., Y, Q]; `d_Y1` is
+float32[..., Y, 1], ready to broadcast over Q.
 
-XLA-friendliness: only slices, reshapes, shifts, masks and elementwise float math (no gathers, no
-int64); fields are bitcast from their bytes rather than assembled arithmetically.
+XLA-friendliness: only slices, reshapes, shifts, masks and elementwise float math (no int64); fields are
+bitcast from their bytes rather than assembled arithmetically. The only gathers are the IQ types'
+lookups into their small constant tables (gguf/iq_tables.py), by unsigned, masked (in-bounds) indices.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gguf import GGMLQuantizationType
 
 from strata_jax.core.errors import UnsupportedQuantTypeError
 from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf import iq_tables as iqt
 from strata_jax.gguf.layout import QK_K, layout, row_bytes
 
 T = GGMLQuantizationType
@@ -61,6 +64,43 @@ def _bits_lsb_first(qh_YZ: jax.Array) -> jax.Array:
     uint32 qh: value i takes bit i)."""
     bits = (qh_YZ[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 0x01
     return bits.reshape(*qh_YZ.shape[:-1], -1)
+
+
+def _u16(b_YZ: jax.Array) -> jax.Array:
+    """uint8[..., 2n] little-endian -> uint16[..., n]."""
+    return jax.lax.bitcast_convert_type(b_YZ.reshape(*b_YZ.shape[:-1], -1, 2), jnp.uint16)
+
+
+def _u32(b_YZ: jax.Array) -> jax.Array:
+    """uint8[..., 4n] little-endian -> uint32[..., n]."""
+    return jax.lax.bitcast_convert_type(b_YZ.reshape(*b_YZ.shape[:-1], -1, 4), jnp.uint32)
+
+
+def _interleaved_nibbles(b_YZ: jax.Array) -> jax.Array:
+    """[..., Z] bytes -> [..., 2Z]: byte j's low nibble is value 2j, its high nibble 2j + 1 (the IQ
+    types' 4-bit scales)."""
+    return ((b_YZ[..., None] >> jnp.array([0, 4], jnp.uint8)) & 0x0F).reshape(*b_YZ.shape[:-1], -1)
+
+
+def _lookup(table: np.ndarray, idx: jax.Array) -> jax.Array:
+    """Rows `idx` of a constant table, in its dtype: [..., n] indices -> [..., n, *row shape]. The
+    indices are unsigned and masked to the table's size by the caller (no bounds handling here)."""
+    return jnp.asarray(table).at[idx].get(mode="promise_in_bounds")
+
+
+def _grid(table: np.ndarray, idx: jax.Array) -> jax.Array:
+    """Grid points `idx` -> float32[..., n, values per point] (the table's small integers, exactly)."""
+    return _lookup(table, idx).astype(jnp.float32)
+
+
+def _ksigns(idx: jax.Array) -> jax.Array:
+    """7-bit sign indices [..., n] -> their 8 sign bits, uint8[..., n, 8] (1 = negative)."""
+    return _bits_lsb_first(_lookup(iqt.KSIGNS_IQ2XS, idx)[..., None])
+
+
+def _signed(x, neg):
+    """x with the sign flipped where neg is set: -x, exactly what GGML's multiply by -1.0 gives."""
+    return jnp.where(neg != 0, -x, x)
 
 
 # ---- per-type decoders: uint8[..., Y, type_size] -> float32[..., Y, block_size] ---------------------
@@ -206,6 +246,151 @@ def _deq_q6_k(b_YZ):
     return (d_YA1 * q_YAQ.reshape(*lead, 16, 16)).reshape(*lead, QK_K)
 
 
+# ---- ternary types (TQ) ------------------------------------------------------------------------------
+
+
+def _deq_tq1_0(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 52:54])[..., None]
+    # base-3 digits as fixed-point fractions: multiplying a byte by 3^i (mod 256) moves digit i to the
+    # top, and (q * 3) >> 8 reads it. 32 bytes x 5 digits, 16 x 5, then 4 x 4.
+    pow3 = jnp.array([1, 3, 9, 27, 81], jnp.uint8)[:, None]
+    q0 = (b_YZ[..., None, 0:32] * pow3).reshape(*lead, 160)
+    q1 = (b_YZ[..., None, 32:48] * pow3).reshape(*lead, 80)
+    q2 = (b_YZ[..., None, 48:52] * pow3[:4]).reshape(*lead, 16)
+    q_YQ = jnp.concatenate([q0, q1, q2], axis=-1)
+    t_YQ = ((q_YQ.astype(jnp.uint16) * 3) >> 8).astype(jnp.float32) - 1.0
+    return d_Y1 * t_YQ
+
+
+def _deq_tq2_0(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 64:66])[..., None]
+    q_YQ = _crumbs(b_YZ[..., 0:64].reshape(*lead, 2, 32)).reshape(*lead, QK_K)
+    return d_Y1 * (q_YQ.astype(jnp.float32) - 1.0)
+
+
+# ---- IQ types: grid points (lattice codebooks) and sign patterns ----------------------------------
+
+
+def _iq2_db(d_Y1, sc_YA):
+    """The IQ2 types' sub-block scale d * (0.5 + s) * 1/4, in GGML's order of float operations."""
+    return d_Y1 * (0.5 + sc_YA.astype(jnp.float32)) * 0.25
+
+
+def _deq_iq2_xxs(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 8 sub-blocks of 32 values, 8 bytes each: 4 grid indices, then a uint32 of four 7-bit sign indices
+    # (bits 0-27) and the 4-bit scale (bits 28-31)
+    q_YAZ = b_YZ[..., 2:66].reshape(*lead, 8, 8)
+    aux_YA = _u32(q_YAZ[..., 4:8])[..., 0]
+    db_YA11 = _iq2_db(d_Y1, aux_YA >> 28)[..., None, None]
+    six_YAe = (aux_YA[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 0x7F
+    grid_YAeQ = _grid(iqt.IQ2XXS_GRID, q_YAZ[..., 0:4])
+    return _signed(db_YA11 * grid_YAeQ, _ksigns(six_YAe)).reshape(*lead, QK_K)
+
+
+def _deq_iq2_xs(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 32 uint16: a 9-bit grid index and a 7-bit sign index each; 16 scales of 16 values (2 points)
+    q_YAe = _u16(b_YZ[..., 2:66]).reshape(*lead, 16, 2)
+    db_YA11 = _iq2_db(d_Y1, _interleaved_nibbles(b_YZ[..., 66:74]))[..., None, None]
+    grid_YAeQ = _grid(iqt.IQ2XS_GRID, q_YAe & 0x1FF)
+    return _signed(db_YA11 * grid_YAeQ, _ksigns(q_YAe >> 9)).reshape(*lead, QK_K)
+
+
+def _deq_iq2_s(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 10-bit grid indices: 8 low bits from qs, 2 high bits from qh (bit pairs 0-1, 2-3, ... of each
+    # byte for 4 consecutive points); one explicit sign byte per point
+    qh_Ye = _crumbs(b_YZ[..., 66:74][..., None]).reshape(*lead, 32).astype(jnp.uint16)
+    ix_Ye = b_YZ[..., 2:34].astype(jnp.uint16) | (qh_Ye << 8)
+    neg_YAeQ = _bits_lsb_first(b_YZ[..., 34:66]).reshape(*lead, 16, 2, 8)
+    db_YA11 = _iq2_db(d_Y1, _interleaved_nibbles(b_YZ[..., 74:82]))[..., None, None]
+    grid_YAeQ = _grid(iqt.IQ2S_GRID, ix_Ye.reshape(*lead, 16, 2))
+    return _signed(db_YA11 * grid_YAeQ, neg_YAeQ).reshape(*lead, QK_K)
+
+
+def _deq_iq3_xxs(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 64 grid indices (4 values each), then per 32-value sub-block a uint32 as in IQ2_XXS
+    aux_YA = _u32(b_YZ[..., 66:98])
+    db_YA1 = (d_Y1 * (0.5 + (aux_YA >> 28).astype(jnp.float32)) * 0.5)[..., None]
+    six_YAe = (aux_YA[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 0x7F
+    neg_YAQ = _ksigns(six_YAe).reshape(*lead, 8, 32)
+    grid_YAQ = _grid(iqt.IQ3XXS_GRID, b_YZ[..., 2:66]).reshape(*lead, 8, 32)
+    return _signed(db_YA1 * grid_YAQ, neg_YAQ).reshape(*lead, QK_K)
+
+
+def _deq_iq3_s(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 9-bit grid indices: 8 low bits from qs, the ninth from qh as one little-endian bit string
+    hi_Ye = _bits_lsb_first(b_YZ[..., 66:74]).astype(jnp.uint16)
+    ix_Ye = b_YZ[..., 2:66].astype(jnp.uint16) | (hi_Ye << 8)
+    neg_YAQ = _bits_lsb_first(b_YZ[..., 74:106]).reshape(*lead, 8, 32)
+    sc_YA = _interleaved_nibbles(b_YZ[..., 106:110])
+    db_YA1 = (d_Y1 * (1 + 2 * sc_YA).astype(jnp.float32))[..., None]
+    grid_YAQ = _grid(iqt.IQ3S_GRID, ix_Ye).reshape(*lead, 8, 32)
+    return _signed(db_YA1 * grid_YAQ, neg_YAQ).reshape(*lead, QK_K)
+
+
+def _deq_iq1_s(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # per 32-value sub-block a uint16: four 3-bit high parts of the 11-bit grid indices (bits 0-11),
+    # the 3-bit scale (12-14) and the delta's sign (15)
+    qh_YA = _u16(b_YZ[..., 34:50])
+    dl_YA11 = (d_Y1 * (2 * ((qh_YA >> 12) & 7) + 1).astype(jnp.float32))[..., None, None]
+    delta_YA = jnp.where((qh_YA & 0x8000) != 0, -iqt.IQ1S_DELTA, iqt.IQ1S_DELTA).astype(jnp.float32)
+    delta_YA11 = delta_YA[..., None, None]
+    hi_YAe = (qh_YA[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7
+    ix_YAe = b_YZ[..., 2:34].reshape(*lead, 8, 4).astype(jnp.uint16) | (hi_YAe << 8)
+    grid_YAeQ = _grid(iqt.IQ1S_GRID, ix_YAe)
+    return (dl_YA11 * (grid_YAeQ + delta_YA11)).reshape(*lead, QK_K)
+
+
+def _deq_iq1_m(b_YZ):
+    lead = _lead(b_YZ)
+    # no separate fp16 field: d's 16 bits are the top nibbles of the four uint16 scale words; their
+    # low 12 bits hold four 3-bit scales each (16 sub-blocks of 16 values, 2 points)
+    sc_YZ = _u16(b_YZ[..., 48:56])
+    top_YZ = (sc_YZ & 0xF000) >> jnp.array([12, 8, 4, 0], jnp.uint16)
+    d_bits_Y = top_YZ[..., 0] | top_YZ[..., 1] | top_YZ[..., 2] | top_YZ[..., 3]
+    d_Y1 = jax.lax.bitcast_convert_type(d_bits_Y, jnp.float16).astype(jnp.float32)[..., None]
+    s_YA = ((sc_YZ[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7).reshape(*lead, 16)
+    dl_YA11 = (d_Y1 * (2 * s_YA + 1).astype(jnp.float32))[..., None, None]
+    # one nibble of qh per point (low nibble first): 3 high index bits, then the delta's sign
+    h_Ye = ((b_YZ[..., 32:48, None] >> jnp.array([0, 4], jnp.uint8)) & 0x0F).reshape(*lead, 32)
+    ix_Ye = b_YZ[..., 0:32].astype(jnp.uint16) | ((h_Ye & 7).astype(jnp.uint16) << 8)
+    delta_Ye = jnp.where((h_Ye & 8) != 0, -iqt.IQ1S_DELTA, iqt.IQ1S_DELTA).astype(jnp.float32)
+    grid_YAeQ = _grid(iqt.IQ1S_GRID, ix_Ye.reshape(*lead, 16, 2))
+    return (dl_YA11 * (grid_YAeQ + delta_Ye.reshape(*lead, 16, 2, 1))).reshape(*lead, QK_K)
+
+
+def _deq_iq4_nl(b_YZ):
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    v_YQ = _lookup(iqt.KVALUES_IQ4NL, _q4(b_YZ[..., 2:18])).astype(jnp.float32)
+    return d_Y1 * v_YQ
+
+
+def _deq_iq4_xs(b_YZ):
+    lead = _lead(b_YZ)
+    d_Y1 = _f16(b_YZ[..., 0:2])[..., None]
+    # 8 six-bit scales: low nibbles interleaved in bytes 4-7, top bit pairs in the uint16 at bytes 2-3
+    lo_YA = _interleaved_nibbles(b_YZ[..., 4:8])
+    hi_YA = ((_u16(b_YZ[..., 2:4]) >> jnp.arange(0, 16, 2, dtype=jnp.uint16)) & 3).astype(jnp.uint8)
+    sc_YA = (lo_YA | (hi_YA << 4)).astype(jnp.float32) - 32.0
+    dl_YA1 = (d_Y1 * sc_YA)[..., None]
+    q_YAQ = _nibbles(b_YZ[..., 8:136].reshape(*lead, 8, 16)).reshape(*lead, 8, 32)
+    v_YAQ = _lookup(iqt.KVALUES_IQ4NL, q_YAQ).astype(jnp.float32)
+    return (dl_YA1 * v_YAQ).reshape(*lead, QK_K)
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     T.F32: _deq_f32,
     T.F16: _deq_f16,
@@ -220,6 +405,17 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     T.Q4_K: _deq_q4_k,
     T.Q5_K: _deq_q5_k,
     T.Q6_K: _deq_q6_k,
+    T.TQ1_0: _deq_tq1_0,
+    T.TQ2_0: _deq_tq2_0,
+    T.IQ1_S: _deq_iq1_s,
+    T.IQ1_M: _deq_iq1_m,
+    T.IQ2_XXS: _deq_iq2_xxs,
+    T.IQ2_XS: _deq_iq2_xs,
+    T.IQ2_S: _deq_iq2_s,
+    T.IQ3_XXS: _deq_iq3_xxs,
+    T.IQ3_S: _deq_iq3_s,
+    T.IQ4_NL: _deq_iq4_nl,
+    T.IQ4_XS: _deq_iq4_xs,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)

@@ -6,6 +6,11 @@ every tensor as its raw GGML bytes, `uint8[..., row_bytes]`, whatever its type (
 
 Shapes follow numpy order (the reverse of GGUF's `ne`): a matrix stored with ne = [in, out] has logical
 shape (out, in) and bytes (out, row_bytes), row_bytes = in / block_size * type_size.
+
+A model split by llama.cpp (gguf-split, or the converter's --split-max-tensors / --split-max-size) is
+`NAME-00001-of-0000N.gguf` ... `NAME-0000N-of-0000N.gguf`, each shard a GGUF with `split.no` (0-based),
+`split.count` and `split.tensors.count` (the total). Opening the first shard maps every shard and gives
+one GGUFFile: metadata from the first, tensors from all, each tensor a view into its own shard's map.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +29,8 @@ from strata_jax.core.errors import GGUFFormatError, MissingTensorError
 from strata_jax.gguf.layout import layout, row_bytes as _row_bytes
 
 GGUF_MAGIC = b"GGUF"
+# the shard names llama.cpp writes and looks for (llama_split_path: "%s-%05d-of-%05d.gguf", 1-based)
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +38,8 @@ class TensorInfo:
     name: str
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, numpy order
-    data: np.ndarray  # uint8 [*shape[:-1], row_bytes], a view into the memory map
+    data: np.ndarray  # uint8 [*shape[:-1], row_bytes], a view into the memory map of its shard
+    shard: int = 0  # index of the file holding it (0 unless the model is split)
 
     @property
     def nbytes(self) -> int:
@@ -118,38 +127,52 @@ def _read_header(buf: np.ndarray):
     return version, metadata, infos, data_start
 
 
-class GGUFFile:
-    """An open GGUF file: `metadata` (dict) and `tensors` (name -> TensorInfo), memory-mapped."""
+def shard_path(first: str, index: int, count: int) -> str | None:
+    """The path of shard `index` (0-based) of `count` beside `first` (a -00001-of-N file); None if
+    `first` does not carry a shard name."""
+    m = SHARD_NAME.match(os.path.basename(first))
+    if m is None:
+        return None
+    return os.path.join(os.path.dirname(first), f"{m['prefix']}-{index + 1:05d}-of-{count:05d}.gguf")
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = os.fspath(path)
-        if not os.path.exists(self.path):
-            raise GGUFFormatError(f"{self.path}: no such file. Pass the path of a .gguf model file.")
-        if os.path.isdir(self.path):
-            raise GGUFFormatError(f"{self.path} is a directory; pass the path of a .gguf model file.")
-        self.file_size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
+
+class _Shard:
+    """One GGUF file, mapped and its header parsed: the whole of an unsplit model, or one shard."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.exists(path):
+            raise GGUFFormatError(f"{path}: no such file. Pass the path of a .gguf model file.")
+        if os.path.isdir(path):
+            raise GGUFFormatError(f"{path} is a directory; pass the path of a .gguf model file.")
+        self.file_size = os.path.getsize(path)
+        with open(path, "rb") as f:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
             raise GGUFFormatError(
-                f"{self.path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r}). "
+                f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r}). "
                 "strata-jax reads GGUF only; convert safetensors with llama.cpp's convert_hf_to_gguf.py."
             )
-        self._map = np.memmap(self.path, mode="r")
+        self.map = np.memmap(path, mode="r")
         try:
-            self.version, self.metadata, infos, data_start = _read_header(self._map)
+            self.version, self.metadata, self.infos, self.data_start = _read_header(self.map)
         except (ValueError, OverflowError, KeyError) as e:  # unknown enum values, bad lengths
             raise GGUFFormatError(
-                f"{self.path}: corrupt or truncated GGUF header ({self.file_size:,} bytes on disk): {e}. "
+                f"{path}: corrupt or truncated GGUF header ({self.file_size:,} bytes on disk): {e}. "
                 "Download the file again (a partial download looks like this)."
             ) from e
         except GGUFFormatError as e:
             raise GGUFFormatError(
-                f"{self.path}: truncated GGUF: {e} ({self.file_size:,} bytes on disk). Download the file again."
+                f"{path}: truncated GGUF: {e} ({self.file_size:,} bytes on disk). Download the file again."
             ) from None
 
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, shape, ggml_type, offset in infos:
+    def split(self) -> tuple[int, int]:
+        """(split.no, split.count); (0, 1) for a file that is not a shard."""
+        return int(self.metadata.get("split.no", 0)), int(self.metadata.get("split.count", 1))
+
+    def tensors(self, index: int):
+        """This file's TensorInfos, views into its map, tagged with `index` (its place among the shards)."""
+        for name, shape, ggml_type, offset in self.infos:
             block = layout(ggml_type).block_size
             if shape[-1] % block:
                 raise GGUFFormatError(
@@ -158,14 +181,84 @@ class GGUFFile:
                 )
             row_bytes = _row_bytes(ggml_type, shape[-1])
             n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
-            begin = data_start + offset
+            begin = self.data_start + offset
             if begin + n_bytes > self.file_size:
                 raise GGUFFormatError(
                     f"{self.path}: truncated: tensor {name!r} ends at byte {begin + n_bytes:,} but the file "
                     f"has {self.file_size:,}. Download the file again (a partial download looks like this)."
                 )
-            data = self._map[begin : begin + n_bytes].reshape(*shape[:-1], row_bytes)
-            self.tensors[name] = TensorInfo(name, ggml_type, shape, data)
+            data = self.map[begin : begin + n_bytes].reshape(*shape[:-1], row_bytes)
+            yield TensorInfo(name, ggml_type, shape, data, index)
+
+
+def _open_shards(path: str) -> list[_Shard]:
+    """The file at `path` and, if it is the first shard of a split model, every other shard, checked
+    against each other the way llama.cpp's loader checks them."""
+    first = _Shard(path)
+    no, count = first.split()
+    if no != 0:
+        expected = shard_path(path, 0, count)
+        where = (f"pass the first shard, {expected}" if expected else
+                 f"pass the first shard (the one whose name ends -00001-of-{count:05d}.gguf)")
+        raise GGUFFormatError(f"{path} is shard {no + 1} of {count} of a split model; {where}: opening it "
+                              "loads every shard.")
+    if count <= 1:
+        return [first]
+    m = SHARD_NAME.match(os.path.basename(path))
+    if m is None or (int(m["no"]), int(m["count"])) != (1, count):
+        raise GGUFFormatError(
+            f"{path} is the first of {count} shards of a split model, but its name does not end "
+            f"-00001-of-{count:05d}.gguf, so the other shards cannot be found: keep the names gguf-split or the "
+            "converter gave them (NAME-00001-of-NNNNN.gguf ...), all in one directory.")
+    shards = [first]
+    for i in range(1, count):
+        p = shard_path(path, i, count)
+        if not os.path.isfile(p):
+            raise GGUFFormatError(
+                f"{path} is the first of {count} shards of a split model, but shard {i + 1} is missing: expected "
+                f"{p}. Put every shard of the model in the same directory (download the missing one).")
+        shard = _Shard(p)
+        if shard.split() != (i, count):
+            got_no, got_count = shard.split()
+            raise GGUFFormatError(
+                f"{p}: its split metadata says shard {got_no + 1} of {got_count} (split.no {got_no}, split.count "
+                f"{got_count}), but it is named shard {i + 1} of the {count} of {path}: the shards come from "
+                "different splits. Download or split the model again so that every shard comes from one run.")
+        shards.append(shard)
+    expected = first.metadata.get("split.tensors.count")
+    found = sum(len(s.infos) for s in shards)
+    if expected is not None and int(expected) != found:
+        raise GGUFFormatError(
+            f"{path}: split.tensors.count says the {count} shards hold {int(expected)} tensors, but they hold "
+            f"{found} ({', '.join(str(len(s.infos)) for s in shards)}): a shard is from another split or corrupt. "
+            "Download or split the model again so that every shard comes from one run.")
+    return shards
+
+
+class GGUFFile:
+    """An open GGUF model: `metadata` (dict) and `tensors` (name -> TensorInfo), memory-mapped. `path`
+    names one file, or the first shard of a split model, whose other shards are opened with it
+    (`shard_paths`); `file_size` is the bytes of them all."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        shards = _open_shards(self.path)
+        self.version, self.metadata = shards[0].version, shards[0].metadata
+        self.shard_paths = tuple(s.path for s in shards)
+        self.shard_sizes = tuple(s.file_size for s in shards)
+        self.file_size = sum(self.shard_sizes)
+        self.tensors: dict[str, TensorInfo] = {}
+        for i, shard in enumerate(shards):
+            for t in shard.tensors(i):
+                if t.name in self.tensors:
+                    raise GGUFFormatError(
+                        f"{shard.path}: tensor {t.name!r} is also in {self.shard_paths[self.tensors[t.name].shard]}: "
+                        "the shards come from different splits. Download or split the model again.")
+                self.tensors[t.name] = t
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shard_paths)
 
     @property
     def architecture(self) -> str:
@@ -189,7 +282,8 @@ class GGUFFile:
         return name in self.tensors
 
     def __repr__(self) -> str:
-        return f"GGUFFile({self.path!r}, arch={self.architecture!r}, tensors={len(self.tensors)})"
+        shards = f", shards={self.n_shards}" if self.n_shards > 1 else ""
+        return f"GGUFFile({self.path!r}, arch={self.architecture!r}, tensors={len(self.tensors)}{shards})"
 
 
 def metadata_view(metadata: Mapping[str, Any], arch: str):

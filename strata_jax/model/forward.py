@@ -85,7 +85,8 @@ def forward(
 
     Tokens past n_valid_B are bucket padding: they are computed (fixed shapes) but never read back, and
     the cache slots they write lie past the sequence's end, where the next real token overwrites them
-    before anything attends to them. Routed experts come from `experts` (None for a dense model), which
+    before anything attends to them. Neither they nor an idle row's token (start at or past the cache
+    length) look experts up, fetch, prefetch or count. Routed experts come from `experts` (None for a dense model), which
     comes back updated, its counters included.
 
     With experts.prefetch_depth = d > 0 (offloading, decode), each MoE layer also has the provider admit
@@ -98,7 +99,7 @@ def forward(
     forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
     (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
 
-    Returns (logits, kv cache, experts, routed expert ids [M, B*T, k]). Logits are float32, [B, T, V]
+    Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
     """
     if cfg.arch == "qwen4exp":
@@ -108,6 +109,8 @@ def forward(
                                 kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced_MNk)
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    # real tokens: not bucket padding, not an idle row (which runs at a position past the cache)
+    valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
     x = take_rows(params.embed, tokens_BT, dtype)
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
     routed = []
@@ -131,11 +134,11 @@ def forward(
                         # a later MoE layer's router on this residual stream predicts its experts
                         nxt = params.layers[cfg.moe_layers[ahead]]
                         h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        pf.append((ahead, route(h_next, nxt.moe.router_ED, cfg)[1]))
+                        pf.append((ahead, jnp.where(valid_N[:, None], route(h_next, nxt.moe.router_ED, cfg)[1], -1)))
                     if pf:
                         predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
                     h, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf), predicted.get(mi),
-                                                None if forced_MNk is None else forced_MNk[mi])
+                                                None if forced_MNk is None else forced_MNk[mi], valid_N)
                     routed.append(ids)
             else:
                 with jax.named_scope("mlp"):
@@ -152,7 +155,8 @@ def forward(
             logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = jnp.stack(routed) if routed else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32)
+    routed_MNk = (jnp.where(valid_N[None, :, None], jnp.stack(routed), -1) if routed
+                  else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32))
     if experts is not None:
         experts = experts.finish(routed_MNk)
     return logits, KVCache(k_all, v_all), experts, routed_MNk

@@ -142,7 +142,7 @@ def _many_token_impl(kernels: Kernels):
 def moe_block(
     p: MoEParams, experts: ExpertProvider, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig, kernels: Kernels,
     prefetch: tuple[tuple[int, jax.Array], ...] = (), predicted_Nk: jax.Array | None = None,
-    forced_Nk: jax.Array | None = None,
+    forced_Nk: jax.Array | None = None, valid_N: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, ExpertProvider]:
     """Returns the block output, the routed expert ids [N, k], and the updated provider (its counters
     included).
@@ -151,6 +151,7 @@ def moe_block(
     computed, the provider admits and fetches the predicted experts for those layers (nearest first).
     predicted_Nk: what the previous layer predicted for this one (counted for precision/recall).
     forced_Nk: experts to use instead of the router's top-k (see route).
+    valid_N: which tokens are real (None: all); the others' experts are not looked up (ExpertProvider).
     """
     B, T, D = x_BTD.shape
     dtype = x_BTD.dtype
@@ -158,7 +159,7 @@ def moe_block(
     x_ND = x_BTD.reshape(N, D)
     w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk)
     if experts.few_path(moe_idx, N * k):
-        experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk)
+        experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk, valid_N)
         out_ND = _routed(x_ND, w_Nk, slot_Nk, pool, dtype, kernels)
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:

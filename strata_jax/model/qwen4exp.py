@@ -110,10 +110,14 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
             cfg: ModelConfig, dtype, kernels: Kernels, all_logits: bool = False, attn_len: int | None = None,
             forced_MNk: jax.Array | None = None):
     """model/forward.py's forward for qwen4exp (same arguments and results). Routed-expert prefetch is
-    not done here (each layer's router input is its own hyper-connection mix, known only there)."""
+    not done (each layer's router input is its own hyper-connection mix, known only there):
+    EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is ignored."""
     deltanet, qsa, ple = _modules()
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    # real tokens (model/forward.py's rule): not bucket padding, not an idle row (at a position past the
+    # cache); the others look no experts up and come back routed to -1
+    valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
     hd = hyper_dims(cfg)
     rec = _fresh(kv.rec, start_B == 0, state_zeros(cfg, B, kv.length))
     lin_state, ple_state, qsa_state = list(rec.linear), list(rec.ple), list(rec.qsa)
@@ -155,7 +159,7 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
                 h, w = hyper.mix(layer.hc.ffn, xs, hd, kernels)
                 mi = moe_idx[i]
                 out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
-                                              None if forced_MNk is None else forced_MNk[mi])
+                                              None if forced_MNk is None else forced_MNk[mi], valid_N)
                 routed.append(ids)
                 xs = hyper.combine(xs, out, w)
     with jax.named_scope("head"):
@@ -169,7 +173,7 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
             logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = jnp.stack(routed)
+    routed_MNk = jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
     if experts is not None:
         experts = experts.finish(routed_MNk)
     out_kv = type(kv)(k_all, v_all, Q4State(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))

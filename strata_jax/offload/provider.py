@@ -43,12 +43,15 @@ class SlotExperts:
     def few_path(self, moe_idx: int, n_lookups: int) -> bool:
         return self.table.few_path(moe_idx, n_lookups, self.table.n_experts)
 
-    def lookup(self, moe_idx: int, ids_Nk: jax.Array) -> tuple["SlotExperts", ExpertRows, jax.Array]:
+    def lookup(self, moe_idx: int, ids_Nk: jax.Array,
+               valid_N: jax.Array | None = None) -> tuple["SlotExperts", ExpertRows, jax.Array]:
         if self.resident:  # expert e is in slot e of its layer's pool (resident_slot_table): no lookup
             return self, self.table.pool(moe_idx), ids_Nk
-        table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(ids_Nk, self.table.n_experts))
+        wanted_Nk = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
+        table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(wanted_Nk, self.table.n_experts))
         me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
-        return me, table.pool(moe_idx), table.slot_map(moe_idx)[ids_Nk]
+        # a token that is not real may route to an expert that was not fetched (slot -1): read slot 0
+        return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx)[ids_Nk], 0)
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["SlotExperts", jax.Array]:

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strata_jax.core.errors import ConfigError, StrataError
+from strata_jax.core.errors import StrataError
+from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
 
 log = logging.getLogger("strata_jax")
@@ -77,11 +78,8 @@ class Engine:
 
     def __init__(self, loader: Callable[[], Any], *, queue_size: int = 64, warmup: bool = True,
                  parallel: int = 1, on_load_error: Callable[[BaseException], None] | None = None):
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise ConfigError(f"parallel={parallel!r} is invalid: give the number of requests to decode at once, "
-                              "an integer >= 1.")
         self._loader, self._warmup, self._on_load_error = loader, warmup, on_load_error
-        self.parallel = parallel
+        self.parallel = check_option("parallel", parallel)
         self.queue_size = queue_size
         self._q: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.state = "idle"  # idle -> loading -> ready | error; stopped after shutdown

@@ -30,10 +30,10 @@ def is_loopback(host: str) -> bool:
 
 def check_options(args: Any) -> str | None:
     """Refuse unsafe or invalid settings before loading anything; returns the API key."""
+    from strata_jax.engine.config import check_option
+
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if isinstance(args.parallel, bool) or not isinstance(args.parallel, int) or args.parallel < 1:
-        raise StrataError(f"--parallel {args.parallel!r} is invalid: give the number of requests to decode at once "
-                          "(an integer >= 1; each holds a KV-cache row of --ctx tokens).")
+    check_option("parallel", args.parallel, flag=True)
     if not is_loopback(args.host) and not api_key:
         raise StrataError(f"refusing to listen on {args.host} without an API key: anyone who can reach that address "
                           f"could use the model. Pass --api-key KEY (or set {API_KEY_ENV}), or keep the default "
@@ -58,8 +58,8 @@ def model_id(args: Any) -> str:
 
 
 def serve(args: Any, config: "EngineConfig") -> int:
-    """Serve the model of args.model loaded with `config` (an EngineConfig, already validated: its
-    parallel is args.parallel, so the expert cache leaves room for every KV row)."""
+    """Serve the model of args.model loaded with `config` (an EngineConfig, already validated): the
+    engine decodes config.parallel rows, the ones the expert cache was sized to leave KV room for."""
     import uvicorn
 
     import strata_jax
@@ -79,7 +79,7 @@ def serve(args: Any, config: "EngineConfig") -> int:
         server.should_exit = True
 
     engine = Engine(lambda: strata_jax.load(args.model, config), queue_size=args.queue_size,
-                    warmup=args.warmup, parallel=args.parallel, on_load_error=on_load_error)
+                    warmup=args.warmup, parallel=config.parallel, on_load_error=on_load_error)
     app = create_app(engine, model_id=model_id(args), api_key=api_key)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                             access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_timeout,
