@@ -281,8 +281,11 @@ def test_decode_one_token_at_a_time_equals_full_forward(variant):
         toks = np.zeros((2, 16), np.int32)
         for b in range(2):
             toks[b, :n0[b]] = seqs[b][:n0[b]]
-        logits, kv, experts, _ = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
-                                      jnp.asarray(n0, jnp.int32))
+        logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
+                                           jnp.asarray(n0, jnp.int32))
+        real = np.arange(16)[None, :] < np.asarray(n0)[:, None]  # bucket padding routes to no expert
+        assert (np.asarray(routed).reshape(len(cfg.moe_layers), 2, 16, -1) >= 0).all(axis=(0, 3)).tolist() == \
+            real.tolist()
         got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
         pos = list(n0)
         idle_until = 6  # row 1 idles for the first 6 decode steps
@@ -292,6 +295,7 @@ def test_decode_one_token_at_a_time_equals_full_forward(variant):
             start = [pos[b] if live[b] else CTX for b in range(2)]
             logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
                                                jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
+            assert (np.asarray(routed) >= 0).all(axis=(0, 2)).tolist() == live  # an idle row routes nowhere
             for b in range(2):
                 if live[b]:
                     got[b].append(np.asarray(logits[b, 0]))
