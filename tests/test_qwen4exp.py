@@ -338,6 +338,7 @@ def test_batched_rows_equal_alone_and_transformers_greedy():
     prompts = [_ids(tm, n, seed=s) for n, s in ((20, 3), (5, 4), (37, 5), (9, 6))]
     n_new = [10, 6, 8, 5]
     alone = [m.generate(p, max_tokens=n, temperature=0, cache_prompt=False).token_ids for p, n in zip(prompts, n_new)]
+    assert [len(a) for a in alone] == n_new  # no stop id cuts a request short: every row decodes to its end
     with qsa_ties_to_lowest_block():
         for p, a in zip(prompts, alone):
             assert a == hf_greedy(tm, p, len(a))
