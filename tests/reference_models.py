@@ -15,6 +15,11 @@ SentencePiece model trained here in ~0.1 s. The others go through the converter'
 which refuses any tokenizer whose pre-tokenizer hash it doesn't know, and no small known one can be
 built offline; they use the real Qwen2 tokenizer taken from the default model's GGUF (vocab 151,936,
 so their embeddings dominate file size). `python tests/reference_models.py` prebuilds everything.
+
+qwen4exp (`qwen4exp_model(variant)`): tiny text-only Qwen4ExpForCausalLM models (gated DeltaNet and
+gated full attention with the QSA indexer, MoE with a gated shared expert, hyper-connections, PLE),
+converted through tests/qwen4exp_convert.py (the converter, untouched, with the pre-tokenizer name
+and the config's layer types supplied around it). Their tokenizer is the Qwen2 one cut to 512 pieces.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ OUTTYPES = ("f32", "q8_0")
 
 TINY_ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen2", "qwen3", "llama")
 MOE_ARCHS = frozenset({"qwen3moe", "qwen2moe", "mixtral", "olmoe"})
+# qwen4exp variants, each a tiny arch of its own (see _QWEN4EXP below)
+QWEN4EXP_VARIANTS: tuple[str, ...] = ("dense", "sparse", "ple")
+QWEN4EXP_RECIPE_VERSION = 1  # bump to rebuild the qwen4exp models only
 
 # Weight scales: big enough that logits spread (std ~1.2; ~4 for tied qwen3) and the router is decisive
 # (logit std ~4), so different tokens route to different experts and a wrong expert shows up.
@@ -124,7 +132,44 @@ ARCH_SPECS: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", "spm", dict(
         _COMMON, **_SPM_SPECIAL, vocab_size=_SPM_VOCAB, intermediate_size=96)),
 }
-assert set(ARCH_SPECS) == set(TINY_ARCHS)
+
+# qwen4exp: 4 layers (linear, full, linear, full: full_attention_interval 2), GQA 4/2 heads of 32 with
+# partial rotary 0.25 (8 dims, interleaved mrope sections [2, 1, 1]: text positions make them one
+# rope), DeltaNet 2 key / 4 value heads of 16 (value heads != key heads: the converter reorders
+# them), 8 experts top-2 of width 32 + a shared expert of 96, 3 hyper-connection streams of low rank
+# 8, a QSA indexer of 2 heads of 16 over blocks of 4 tokens.
+_Q4_SMALL_VOCAB = 512
+_Q4_SPECIAL = dict(bos_token_id=_Q4_SMALL_VOCAB - 3, eos_token_id=_Q4_SMALL_VOCAB - 1, pad_token_id=_Q4_SMALL_VOCAB - 3)
+_QWEN4EXP = dict(
+    _Q4_SPECIAL, vocab_size=_Q4_SMALL_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False, full_attention_interval=2,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                         mrope_section=[2, 1, 1], mrope_interleaved=True),
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=96, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, hc_count=3, hc_lowrank=8,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_compress_ratio=4,
+    indexer_budget=256,  # dense: more tokens than any test sequence, so every block is selected
+    # no GGUF key carries the DeltaNet output gate's activation and llama.cpp's graph hard-codes sigmoid
+    # (transformers' default would be hidden_act, silu): the checkpoint says sigmoid, as the GGUF means
+    output_gate_type="sigmoid",
+)
+# sparse: 2 blocks of 4 tokens per query, so selection matters from the 13th token on; ple: PLE on the
+# first (linear-attention) layer with tiny hashed n-gram tables (2 heads per n-gram order, primes
+# from 97, two checkpoint shards), dense QSA. The converter carries one PLE table (it names it
+# without a layer), so one PLE layer is what it can convert.
+_QWEN4EXP_VARIANT_KWARGS = {
+    "dense": {},
+    "sparse": dict(indexer_budget=8),
+    "ple": dict(ple_layer_ids=[1], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=97,
+                split_ngram_parts=2, ple_conv_kernel_size=4),
+}
+for _v in QWEN4EXP_VARIANTS:
+    ARCH_SPECS[f"qwen4exp-{_v}"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", "qwen4exp", "qwen2-512",
+                                   dict(_QWEN4EXP, **_QWEN4EXP_VARIANT_KWARGS[_v]))
+QWEN4EXP_ARCHS = tuple(f"qwen4exp-{v}" for v in QWEN4EXP_VARIANTS)
+assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS)
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -243,22 +288,29 @@ def llama_cpp_converter() -> Path:
     return script
 
 
-def _run_converter(hf_dir: Path, outfile: Path, outtype: str, *extra: str) -> None:
+_QWEN4EXP_WRAPPER = Path(__file__).with_name("qwen4exp_convert.py")
+
+
+def _run_converter(hf_dir: Path, outfile: Path, outtype: str, *extra: str, pre: str | None = None) -> None:
+    """With `pre`, through tests/qwen4exp_convert.py, which names the vocabulary's pre-tokenizer for
+    the converter."""
     script = llama_cpp_converter()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("NO_LOCAL_GGUF", None)  # use the converter's own gguf-py, matched to it
     cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(outfile), "--outtype", outtype, *extra]
+    if pre is not None:
+        cmd = [sys.executable, str(_QWEN4EXP_WRAPPER), str(script.parent), "--pre", pre, *cmd[2:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} ({outtype} {' '.join(extra)}), exit "
                            f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
     """Run the converter in a subprocess; `out` appears only when the conversion succeeded."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        _run_converter(hf_dir, tmp, outtype)
+        _run_converter(hf_dir, tmp, outtype, pre=pre)
         if not tmp.is_file():
             raise RuntimeError(f"convert_hf_to_gguf.py wrote no {tmp} for {hf_dir} ({outtype})")
         GGUFFile(tmp)  # readable, or raise now rather than in every test that uses it
@@ -362,7 +414,34 @@ def _spm_tokenizer_dir() -> Path:
     return final
 
 
+def _small_qwen2_tokenizer_dir(vocab: int = _Q4_SMALL_VOCAB) -> Path:
+    """The Qwen2 tokenizer cut to its first vocab - 3 pieces (the 256 byte-level pieces and the first
+    merges, so any text still encodes) plus <|endoftext|>, <|im_start|>, <|im_end|> as the last 3 ids.
+    Its pre-tokenizer is Qwen2's; only its hash is new to the converter."""
+    final = artifacts_dir() / f"tokenizer-qwen2-{vocab}-{DEFAULT_MODEL_SHA256[:12]}"
+    if final.is_dir():
+        return final
+    src = _qwen2_tokenizer_dir()
+    with _lock(f"tokenizer-qwen2-{vocab}"):
+        if final.is_dir():
+            return final
+        n_base = vocab - 3
+        tok = json.loads((src / "tokenizer.json").read_text())
+        pieces = {k: v for k, v in tok["model"]["vocab"].items() if v < n_base}
+        tok["model"]["vocab"] = pieces
+        tok["model"]["merges"] = [m for m in tok["model"]["merges"]
+                                  if m[0] in pieces and m[1] in pieces and m[0] + m[1] in pieces]
+        tok["added_tokens"] = [dict(a, id=n_base + i) for i, a in enumerate(tok["added_tokens"][:3])]
+        assert [a["content"] for a in tok["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        with _building(final) as tmp:
+            (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+            shutil.copy2(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+    return final
+
+
 def _tokenizer_dir(kind: str) -> Path:
+    if kind == "qwen2-512":
+        return _small_qwen2_tokenizer_dir()
     return _qwen2_tokenizer_dir() if kind == "qwen2" else _spm_tokenizer_dir()
 
 
@@ -375,6 +454,9 @@ def _hf_key(arch: str) -> str:
     cfg_cls, model_cls, _, tok_kind, kwargs = ARCH_SPECS[arch]
     tok_id = DEFAULT_MODEL_SHA256 if tok_kind == "qwen2" else _spm_tokenizer_name()
     stds = (WEIGHT_STD, EMBED_STD, ROUTER_STD, NORM_JITTER)
+    if arch in QWEN4EXP_ARCHS:
+        return _key(QWEN4EXP_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
+                    f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     return _key(RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, tok_id, transformers.__version__)
 
 
@@ -399,6 +481,46 @@ def _init_weights(model, seed: int) -> None:
             p.copy_(torch.from_numpy(v.astype(np.float32)))
 
 
+# zero-centred RMSNorm gammas (the model multiplies by 1 + w; the converter writes w + 1)
+_Q4_ZERO_CENTRED_NORMS = ("hc_norm.weight", "q_norm.weight", "k_norm.weight", "q_layernorm.weight",
+                          "k_layernorm.weight", "norm_key.weight", "norm_query.weight", "norm_conv.weight")
+
+
+def _init_weights_qwen4exp(model, seed: int) -> None:
+    """_init_weights' scales for qwen4exp's parameters; the PLE hash constants are buffers and stay."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            shape = tuple(p.shape)
+            if name.endswith(_Q4_ZERO_CENTRED_NORMS):
+                v = NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: plain gamma
+                v = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith("linear_attn.A_log"):  # decay rates exp(A_log) in [0.5, 8]
+                v = np.log(rng.uniform(0.5, 8.0, shape))
+            elif name.endswith("linear_attn.dt_bias"):
+                v = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif "embed_tokens" in name or "ngram_embedding" in name:
+                v = EMBED_STD * rng.standard_normal(shape)
+            elif name.endswith("mlp.gate.weight"):  # router
+                v = ROUTER_STD * rng.standard_normal(shape)
+            else:
+                v = WEIGHT_STD * rng.standard_normal(shape)
+            p.copy_(torch.from_numpy(v.astype(np.float32)))
+
+
+def _restore_checkpoint_config(hf_dir: Path, kwargs: dict[str, Any]) -> None:
+    """Put back into config.json what transformers drops or renames on save and a real checkpoint has:
+    `full_attention_interval` and "full_attention" layer types (the converter reads both)."""
+    path = hf_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["full_attention_interval"] = kwargs["full_attention_interval"]
+    config["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in config["layer_types"]]
+    path.write_text(json.dumps(config, indent=2))
+
+
 def tiny_hf_dir(arch: str) -> Path:
     """The saved tiny transformers model (safetensors + config + tokenizer) for `arch`."""
     if arch not in ARCH_SPECS:
@@ -417,13 +539,23 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        _init_weights(model, SEED)
+        (_init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights)(model, SEED)
         with _building(final) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
+            if arch in QWEN4EXP_ARCHS:
+                _restore_checkpoint_config(tmp, kwargs)
             for f in tok_dir.iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
     return final
+
+
+def qwen4exp_model(variant: str, outtype: str = "f32") -> TinyModel:
+    """A tiny qwen4exp model of one of QWEN4EXP_VARIANTS: "dense" (no PLE, every QSA block selected),
+    "sparse" (QSA selection matters within ~16 tokens), "ple" (PLE on layer 0)."""
+    if variant not in QWEN4EXP_VARIANTS:
+        raise ValueError(f"unknown qwen4exp variant {variant!r}; choose from {QWEN4EXP_VARIANTS}")
+    return tiny_model(f"qwen4exp-{variant}", outtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -433,14 +565,16 @@ def tiny_model(arch: str, outtype: str = "f32") -> TinyModel:
         raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
     hf_dir = tiny_hf_dir(arch)
     _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
-    key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype)
+    q4 = arch in QWEN4EXP_ARCHS
+    key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype,
+               *([_sha256_file(_QWEN4EXP_WRAPPER)] if q4 else []))
     out = artifacts_dir() / "gguf" / f"{arch}-{outtype}-{key}.gguf"
     if not out.is_file():
         llama_cpp_converter()
         with _lock(f"gguf-{arch}-{outtype}"):
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
-                convert(hf_dir, out, outtype)
+                convert(hf_dir, out, outtype, pre="qwen2" if q4 else None)
     return TinyModel(out, hf_dir, arch, gguf_arch, outtype, dict(kwargs))
 
 
@@ -472,18 +606,52 @@ def _load_hf(hf_dir: str):
 
 
 def _as_model(model_or_dir):
+    if isinstance(model_or_dir, TinyModel):
+        model_or_dir = model_or_dir.hf_dir
     return model_or_dir if hasattr(model_or_dir, "forward") else _load_hf(str(Path(model_or_dir).resolve()))
 
 
 def hf_logits(hf_dir, token_ids: list[int]) -> np.ndarray:
-    """float32 [len(token_ids), vocab]: one fp32 forward pass without a KV cache.
-    `hf_dir` is a tiny model's directory, or a loaded model (e.g. from `hf_model_from_gguf`)."""
+    """float32 [len(token_ids), vocab]: one fp32 forward pass without a KV cache, every position.
+    `hf_dir` is a tiny model (TinyModel) or its directory, or a loaded model (e.g. from `hf_model_from_gguf`)."""
     import torch
 
     model = _as_model(hf_dir)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long), use_cache=False)
     return out.logits[0].to(torch.float32).numpy()
+
+
+@contextlib.contextmanager
+def qsa_ties_to_lowest_block():
+    """transformers' QSA indexer with equal block scores resolved to the lowest block, as strata_jax's
+    model/qsa.py does. Its relu'd scores are often exactly equal (0, every head negative: common with
+    a tiny indexer), and torch.topk picks among equals as it likes, so without this the reference's
+    selection is arbitrary wherever the budget cuts through a tie. A stable descending sort is that
+    top-k with the tie rule defined; only the indexer's top-k is replaced, and only inside the block."""
+    import torch
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mod
+
+    cls = mod.Qwen4ExpTextQSAIndexer
+    forward, topk = cls.forward, torch.Tensor.topk
+
+    def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+        assert largest and sorted
+        values, indices = torch.sort(self, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    def patched(self, *args, **kwargs):
+        torch.Tensor.topk = stable_topk
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = topk
+
+    cls.forward = patched
+    try:
+        yield
+    finally:
+        cls.forward = forward
 
 
 def hf_greedy(hf_dir, token_ids: list[int], n_new: int) -> list[int]:

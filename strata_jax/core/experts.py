@@ -22,6 +22,8 @@ from strata_jax.core.qtensor import QTensor
 
 # the three GGUF tensors of a MoE layer's routed experts, in row order
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# or two, gate and up fused ([E, 2F, D]: an expert's F gate rows, then its F up rows)
+FUSED_EXPERT_TENSORS = ("ffn_gate_up_exps", "ffn_down_exps")
 
 
 def expert_shapes(n_experts: int, ffn_dim: int, d_model: int) -> tuple[tuple[int, int, int], ...]:
@@ -44,9 +46,16 @@ class Part(NamedTuple):
 
 
 def expert_parts(infos) -> tuple[Part, Part, Part]:
-    """The row layout of one expert from the three tensor infos (gate, up, down: gguf.reader.TensorInfo,
-    data uint8[E, rows, R]) of a MoE layer."""
-    return tuple(Part(t.ggml_type, t.data.shape[1], t.data.shape[2], t.shape[-1]) for t in infos)
+    """The row layout of one expert from the tensor infos (gate, up, down; or gate_up, down:
+    gguf.reader.TensorInfo, data uint8[E, rows, R]) of a MoE layer. A fused gate_up's expert bytes are
+    its gate rows then its up rows (GGML rows are independent), which is the gate part then the up part
+    of the three-part layout: the row is the same, so nothing downstream knows the file was fused."""
+    parts = [Part(t.ggml_type, t.data.shape[1], t.data.shape[2], t.shape[-1]) for t in infos]
+    if len(parts) == 2:
+        gu, down = parts
+        half = gu._replace(n_rows=gu.n_rows // 2)
+        return half, half, down
+    return tuple(parts)
 
 
 def fused_rows(infos) -> np.ndarray:
@@ -99,8 +108,13 @@ class ExpertSpec:
     n_experts: int
     n_experts_used: int
     layer_parts: tuple[tuple[Part, Part, Part], ...]  # per MoE layer
+    # per MoE layer, the file's expert tensors when they are not EXPERT_TENSORS (fused gate_up, down)
+    layer_tensors: tuple[tuple[str, ...], ...] = ()
 
-    def tensor_names(self, moe_idx: int) -> tuple[str, str, str]:
+    def tensor_names(self, moe_idx: int) -> tuple[str, ...]:
+        """The GGUF tensors whose per-expert bytes, back to back, make an expert's row (fused_rows)."""
+        if self.layer_tensors:
+            return self.layer_tensors[moe_idx]
         return tuple(f"blk.{self.moe_layers[moe_idx]}.{n}.weight" for n in EXPERT_TENSORS)
 
     def bytes_per_expert(self, moe_idx: int) -> int:

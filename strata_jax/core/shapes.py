@@ -27,6 +27,22 @@ Model and serving:
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 
+qwen4exp (hyper-connections: model/hyper.py; gated DeltaNet: model/deltanet.py; QSA: model/qsa.py;
+PLE: model/ple.py):
+  Hc  hyper-connection residual streams (hc_count)
+  r   hyper-connection low rank
+  Hk  linear-attention key heads
+  Hv  linear-attention value heads (value head h reads key head h % Hk)
+  Dk  linear-attention key head dim
+  Dv  linear-attention value head dim
+  Kc  taps of a short (causal depthwise) convolution, or its state length (past inputs it keeps)
+  Cc  channels of a short convolution
+  Sb  QSA compressed key blocks (compress_ratio cache positions each)
+  Rc  positions of one QSA block (compress_ratio): the indexer's ring of its latest raw keys
+  Hi  QSA indexer query heads
+  Di  QSA indexer head dim
+  Gp  PLE n-gram hash heads (table rows gathered per token)
+
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
   A   sub-blocks (or groups of them) of a super-block (K-quant, IQ)

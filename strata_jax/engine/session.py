@@ -232,6 +232,9 @@ class Session:
         m.check_len(len(ids) + 1)
         if not self.free_rows:
             raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
+        # a recurrent layer's state cannot be rewound to a shared prefix (and a call queued ahead may have
+        # run a row past the request's end), so those models prefill every prompt from position 0
+        cache_prompt = cache_prompt and not m.config.has_recurrent_state
         row = self._pick_row(ids, cache_prompt)
         n_cached = common_prefix(ids, self._cached[row]) if cache_prompt else 0
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits

@@ -22,8 +22,66 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "qwen2moe": ("neox", False),
     "qwen3moe": ("neox", True),
     "olmoe": ("neox", False),
+    # text positions make its interleaved mrope one neox rope (see _qwen4exp); top-k renormalised
+    "qwen4exp": ("neox", True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
+
+LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttnDims:
+    """Gated DeltaNet dims, from the GGUF's ssm.* keys (llama.cpp's qwen3next naming):
+    ssm.group_count = Hk key heads, ssm.time_step_rank = Hv value heads, ssm.state_size = Dk,
+    ssm.inner_size = Hv * Dv, ssm.conv_kernel = Kc taps (conv channels Cc = 2 * Hk * Dk + Hv * Dv)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerDims:
+    """QSA token indexer: attention.indexer.head_count (Hi), .key_length (Di), .top_k (the token budget);
+    attention.compress_ratios: tokens per compressed key block, per layer (0: that layer is dense)."""
+
+    n_heads: int
+    head_dim: int
+    budget: int
+    compress_ratios: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PLEDims:
+    """Per-layer n-gram embeddings (qwen4exp.ple.*): the layers, n-gram size, hash heads per n-gram
+    order (Gp = (ngram_size - 1) * heads_per_ngram heads in all), the dilated conv's taps, the EOS id
+    that resets the n-gram window, embedding_length_per_layer_input (one head's row width), and the hash
+    constants (layer multipliers, head offsets and vocab sizes into per_layer_token_embd)."""
+
+    layers: tuple[int, ...]
+    ngram_size: int
+    heads_per_ngram: int
+    conv_kernel: int
+    eos_token_id: int
+    head_dim: int
+    multipliers: tuple[int, ...]
+    head_offsets: tuple[int, ...]
+    head_vocab_sizes: tuple[int, ...]
+
+    @property
+    def n_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def embed_dim(self) -> int:
+        return self.n_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +110,15 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     shared_expert_ffn_dim: int = 0  # qwen2moe: always-on expert, gated by sigmoid(x @ w)
     moe_layers: tuple[int, ...] = ()
+    # qwen4exp (empty / 0 / None elsewhere: every layer is attention + pre-norm residual)
+    layer_kinds: tuple[str, ...] = ()  # per layer: ATTENTION or LINEAR (gated DeltaNet)
+    attn_output_gate: bool = False  # attn_q holds [q | gate] per head; output *= sigmoid(gate)
+    hc_count: int = 0  # hyper-connection residual streams (0: a plain residual with norms)
+    hc_rank: int = 0
+    rope_sections: tuple[int, ...] = ()  # mrope sections (text: one position, so one rope)
+    linear: LinearAttnDims | None = None
+    indexer: IndexerDims | None = None
+    ple: PLEDims | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -65,6 +132,22 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def kind(self, layer: int) -> str:
+        return self.layer_kinds[layer] if self.layer_kinds else ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order (KV layer j is block attention_layers[j])."""
+        return tuple(i for i in range(self.n_layers) if self.kind(i) == ATTENTION)
+
+    @property
+    def n_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self.layer_kinds) and LINEAR in self.layer_kinds
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "ModelConfig":
         arch = gguf.architecture
@@ -75,6 +158,8 @@ class ModelConfig:
             )
         rope_style, norm_topk = _ARCH_TRAITS[arch]
         m = metadata_view(gguf.metadata, arch)
+        if arch == "qwen4exp":
+            return _qwen4exp(cls, gguf, m)
         d_model = int(m("embedding_length"))
         n_heads = int(m("attention.head_count"))
         n_kv = m("attention.head_count_kv", n_heads)
@@ -131,3 +216,116 @@ def _scalar_or_first(v: Any) -> Any:
         return v[0] if len(v) else 0
     except TypeError:
         return v
+
+
+def _refuse(gguf: GGUFFile, what: str, fix: str = "") -> None:
+    raise UnsupportedArchitectureError(f"{gguf.path}: {what} is not supported{'; ' + fix if fix else ''}.")
+
+
+def _qwen4exp(cls, gguf: GGUFFile, m) -> ModelConfig:
+    """qwen4exp: gated DeltaNet ("linear") and gated full attention layers with a QSA indexer, a MoE
+    block (softmax top-k, renormalised, sigmoid-gated shared expert) on every layer, hyper-connections
+    in place of every norm, optional PLE. Key names as conversion/qwen4exp.py writes them."""
+    n_layers = int(m("block_count"))
+    # refused by name: parts a text-only forward pass would silently skip
+    if int(m("nextn_predict_layers", 0) or 0):
+        _refuse(gguf, f"qwen4exp.nextn_predict_layers = {m('nextn_predict_layers')} (MTP draft layers)",
+                "convert without the MTP block")
+    vision = sorted(n for n in gguf.tensors if n.startswith(("v.", "mm.")))
+    if vision:
+        _refuse(gguf, f"the vision tower ({len(vision)} tensors, e.g. {vision[0]!r})", "use a text-only GGUF")
+    if not gguf.has("blk.0.ffn_gate_inp.weight"):
+        _refuse(gguf, "a qwen4exp file without MoE layers")
+    recurrent = list(m("attention.recurrent_layers", []))
+    if not recurrent:
+        interval = int(m("full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    if len(recurrent) != n_layers:
+        _refuse(gguf, f"attention.recurrent_layers of {len(recurrent)} entries for {n_layers} blocks",
+                "MTP/nextn blocks past the text layers")
+    kinds = tuple(LINEAR if r else ATTENTION for r in recurrent)
+
+    d_model = int(m("embedding_length"))
+    n_heads = int(m("attention.head_count"))
+    head_dim = int(m("attention.key_length"))
+    if int(m("attention.value_length", head_dim)) != head_dim:
+        _refuse(gguf, "attention.value_length != attention.key_length")
+    rope_dim = int(m("rope.dimension_count", head_dim))
+    sections = tuple(int(x) for x in m("rope.dimension_sections", ()))
+    if sections and sum(sections) * 2 != rope_dim:
+        _refuse(gguf, f"rope.dimension_sections {list(sections)} for {rope_dim} rotary dims")
+
+    inner = int(m("ssm.inner_size"))
+    n_v = int(m("ssm.time_step_rank"))
+    linear = LinearAttnDims(n_k_heads=int(m("ssm.group_count")), n_v_heads=n_v, k_head_dim=int(m("ssm.state_size")),
+                            v_head_dim=inner // n_v, conv_kernel=int(m("ssm.conv_kernel")))
+    if linear.n_v_heads % linear.n_k_heads:
+        _refuse(gguf, f"{linear.n_v_heads} DeltaNet value heads over {linear.n_k_heads} key heads")
+    ratios = tuple(int(x) for x in m("attention.compress_ratios", [0] * n_layers))
+    indexer = IndexerDims(n_heads=int(m("attention.indexer.head_count")), head_dim=int(m("attention.indexer.key_length")),
+                          budget=int(m("attention.indexer.top_k")), compress_ratios=ratios)
+    if any(r and indexer.budget % r for r in ratios):
+        _refuse(gguf, f"an indexer budget {indexer.budget} that is not whole blocks of {ratios}")
+    if any(r and kinds[i] != ATTENTION for i, r in enumerate(ratios)):
+        _refuse(gguf, "a compress ratio on a linear-attention layer")
+
+    ple = None
+    ple_layers = tuple(int(x) for x in m("ple.layers", ()))
+    if ple_layers:
+        if any(kinds[i] != LINEAR for i in ple_layers):
+            _refuse(gguf, f"PLE on a full-attention layer ({list(ple_layers)})")
+        ple = PLEDims(layers=ple_layers, ngram_size=int(m("ple.ngram_size")), heads_per_ngram=int(m("ple.heads_per_ngram")),
+                      conv_kernel=int(m("ple.conv_kernel")), eos_token_id=int(m("ple.eos_token_id")),
+                      head_dim=int(m("embedding_length_per_layer_input")),
+                      multipliers=tuple(int(x) for x in m("ple.layer_multipliers")),
+                      head_offsets=tuple(int(x) for x in m("ple.head_offsets")),
+                      head_vocab_sizes=tuple(int(x) for x in m("ple.head_vocab_sizes")))
+        if len(ple_layers) != 1:  # one set of hash constants (and one per_layer_token_embd) in the file
+            _refuse(gguf, f"PLE on {len(ple_layers)} layers", "the format carries one PLE table")
+        if len(ple.multipliers) != ple.ngram_size or len(ple.head_offsets) != ple.n_heads \
+                or len(ple.head_vocab_sizes) != ple.n_heads:
+            _refuse(gguf, "PLE hash constants whose lengths disagree with ple.ngram_size / heads_per_ngram")
+
+    hc = int(m("hyper_connection.count"))
+    if hc < 2:
+        _refuse(gguf, f"hyper_connection.count = {hc} (qwen4exp mixes at least 2 streams)")
+    n_experts = int(m("expert_count"))
+    gate_name = "blk.0.ffn_gate_exps.weight"
+    fused = not gguf.has(gate_name) and gguf.has("blk.0.ffn_gate_up_exps.weight")
+    if fused:
+        expert_ffn = int(gguf.tensor("blk.0.ffn_gate_up_exps.weight").shape[1]) // 2
+    else:
+        expert_ffn = int(gguf.tensor(gate_name).shape[1])
+    return cls(
+        arch="qwen4exp",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(_scalar_or_first(m("attention.head_count_kv", n_heads))),
+        head_dim=head_dim,
+        ffn_dim=0,
+        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
+        context_length=int(m("context_length", 4096)),
+        rope_theta=float(m("rope.freq_base", 10000.0)),
+        rope_style="neox",
+        rope_dim=rope_dim,
+        rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        qkv_bias=False,
+        qk_norm="head",
+        tied_embeddings=not gguf.has("output.weight"),
+        n_experts=n_experts,
+        n_experts_used=int(m("expert_used_count")),
+        expert_ffn_dim=expert_ffn,
+        norm_topk=bool(m("expert_weights_norm", True)),
+        expert_weights_scale=float(m("expert_weights_scale", 1.0) or 1.0),
+        shared_expert_ffn_dim=int(m("expert_shared_feed_forward_length", 0)),
+        moe_layers=tuple(range(n_layers)),
+        layer_kinds=kinds,
+        attn_output_gate=True,
+        hc_count=hc,
+        hc_rank=int(m("hyper_connection.low_rank")),
+        rope_sections=sections,
+        linear=linear,
+        indexer=indexer,
+        ple=ple,
+    )

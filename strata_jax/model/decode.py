@@ -109,20 +109,13 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
     routed experts to replay (see forward). Returns (PrefillOut, kv, experts, routed [M, T, k], rows)."""
     B = rows.tok_B.shape[0]
-    if B == 1:
-        row_kv = kv
-    else:  # the row is sliced out of the donated cache, run at batch 1 and written back in place
-        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
-        row_kv = KVCache(take(kv.k_LBSKDh), take(kv.v_LBSKDh))
+    # the row is sliced out of the donated cache, run at batch 1 and written back in place
+    row_kv = kv if B == 1 else kv.take_row(row)
     logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
                                               n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
                                               attn_len=attn_len, forced_MNk=forced)
     experts = split_provider(experts)[0]
-    if B == 1:
-        kv = row_kv
-    else:
-        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
-        kv = KVCache(put(kv.k_LBSKDh, row_kv.k_LBSKDh), put(kv.v_LBSKDh, row_kv.v_LBSKDh))
+    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
@@ -151,8 +144,10 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I,
         i, r, kv, experts, out = carry
         live = r.live_B
         pos_B = jnp.where(live, r.pos_B, ctx)  # a row that is not live writes past the cache: dropped
+        # and, with recurrent layers, has no valid token: its state stays as it is
+        n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
-            params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, jnp.ones_like(pos_B), cfg=cfg,
+            params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
             dtype=dtype, kernels=kernels, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)

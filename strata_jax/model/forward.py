@@ -10,6 +10,7 @@ Shape legend: strata_jax/core/shapes.py
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,20 +28,42 @@ from strata_jax.model.weights import Params
 
 @struct.dataclass
 class KVCache:
+    """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers)
+    and, for a model with recurrent layers (qwen4exp), `rec`: their per-row state, a pytree whose every
+    leaf has the batch axis first (None otherwise, so other models' programs are what they were). Both
+    are donated and updated in place by the two programs."""
+
     k_LBSKDh: jax.Array
     v_LBSKDh: jax.Array
+    rec: Any = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> "KVCache":
-        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_kv_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
         make = functools.partial(jnp.zeros, shape, dtype)
-        if device is not None:
-            return cls(jax.device_put(make(), device), jax.device_put(make(), device))
-        return cls(make(), make())
+        rec = None
+        if cfg.has_recurrent_state:
+            from strata_jax.model import qwen4exp  # noqa: PLC0415 - the one family with recurrent state
+
+            rec = qwen4exp.state_zeros(cfg, batch, length)
+        kv = cls(make(), make(), rec)
+        return jax.device_put(kv, device) if device is not None else kv
 
     @property
     def length(self) -> int:
         return self.k_LBSKDh.shape[2]
+
+    def take_row(self, row) -> "KVCache":
+        """Row `row` (traced) as a batch-1 cache."""
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1)
+        rec = jax.tree.map(lambda a: take(a, axis=0), self.rec)
+        return KVCache(take(self.k_LBSKDh, axis=1), take(self.v_LBSKDh, axis=1), rec)
+
+    def put_row(self, row, one: "KVCache") -> "KVCache":
+        """This cache with row `row` replaced by the batch-1 cache `one` (in place when donated)."""
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row)
+        rec = jax.tree.map(lambda a, v: put(a, v.astype(a.dtype), axis=0), self.rec, one.rec)
+        return KVCache(put(self.k_LBSKDh, one.k_LBSKDh, axis=1), put(self.v_LBSKDh, one.v_LBSKDh, axis=1), rec)
 
 
 def forward(
@@ -79,6 +102,11 @@ def forward(
     Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
     """
+    if cfg.arch == "qwen4exp":
+        from strata_jax.model import qwen4exp  # noqa: PLC0415 - its layer modules load only for it
+
+        return qwen4exp.forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
+                                kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced_MNk)
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     # real tokens: not bucket padding, not an idle row (which runs at a position past the cache)

@@ -16,7 +16,7 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.weights import AttnParams, MLPParams, Projections
+from strata_jax.model.weights import AttnParams, GatedAttnParams, MLPParams, Projections
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -97,22 +97,66 @@ def attention(
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
+    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len)
+    return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
 
+
+def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
+           select_BTS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
+    GQA attention over its first attn_len positions (see `attention`). select_BTS (bool): the cache
+    positions each query may attend to besides causality (QSA's selected blocks). Returns the heads'
+    outputs [B, T, H * Dh] in float32 and the cache."""
+    B, T, H, Dh = q_BTHDh.shape
+    K = k_BTKDh.shape[2]
     b_idx = jnp.arange(B)[:, None]
-    k_LBSKDh = k_LBSKDh.at[layer, b_idx, pos_BT].set(k.astype(k_LBSKDh.dtype), mode="drop")
-    v_LBSKDh = v_LBSKDh.at[layer, b_idx, pos_BT].set(v.astype(v_LBSKDh.dtype), mode="drop")
+    k_LBSKDh = k_LBSKDh.at[layer, b_idx, pos_BT].set(k_BTKDh.astype(k_LBSKDh.dtype), mode="drop")
+    v_LBSKDh = v_LBSKDh.at[layer, b_idx, pos_BT].set(v_BTKDh.astype(v_LBSKDh.dtype), mode="drop")
 
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
     k_att, v_att = k_LBSKDh[layer, :, :S], v_LBSKDh[layer, :, :S]
-    q = q.reshape(B, T, K, H // K, Dh)
+    q = q_BTHDh.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_att, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(Dh)))
     mask_BTS = jnp.arange(S)[None, None, :] <= pos_BT[:, :, None]
+    if select_BTS is not None:
+        mask_BTS = mask_BTS & select_BTS[:, :, :S]
     scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_att, preferred_element_type=jnp.float32)
-    out = out.reshape(B, T, H * Dh).astype(x_BTD.dtype)
-    return linear(out, p.wo, kernels), k_LBSKDh, v_LBSKDh
+    return out.reshape(B, T, H * Dh), k_LBSKDh, v_LBSKDh
+
+
+def gated_attention(
+    p: GatedAttnParams,
+    x_BTD: jax.Array,
+    pos_BT: jax.Array,
+    k_LBSKDh: jax.Array,
+    v_LBSKDh: jax.Array,
+    kv_layer: int,
+    cfg: ModelConfig,
+    kernels: Kernels,
+    attn_len: int | None = None,
+    select_BTS: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qwen4exp's full attention (transformers' Qwen3_5Attention): q and an output gate from one
+    projection (per head Dh query values then Dh gate values), per-head q/k RMSNorm, partial neox RoPE
+    over the first rope_dim dims, GQA over the cache, then out * sigmoid(gate) and the output
+    projection. The rope is the interleaved mrope of rope.dimension_sections with all three position
+    ids equal (text), which makes every section the same rope: one neox rope of rope_dim dims."""
+    B, T, _ = x_BTD.shape
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qg, k, v = project(x_BTD, p.qkv, kernels)
+    qg = qg.reshape(B, T, H, 2, Dh)
+    q, gate = qg[:, :, :, 0], qg[:, :, :, 1].reshape(B, T, H * Dh)
+    q = rms_norm(q, p.q_norm, cfg.rms_eps)
+    k = rms_norm(k.reshape(B, T, K, Dh), p.k_norm, cfg.rms_eps)
+    q = rope(q, pos_BT, cfg)
+    k = rope(k, pos_BT, cfg)
+    out, k_LBSKDh, v_LBSKDh = attend(q, k, v.reshape(B, T, K, Dh), pos_BT, k_LBSKDh, v_LBSKDh, kv_layer, attn_len,
+                                     select_BTS)
+    out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
 
 
 def swiglu(x: jax.Array, p: MLPParams, kernels: Kernels) -> jax.Array:

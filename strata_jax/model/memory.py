@@ -23,8 +23,9 @@ def is_routed_expert(name: str) -> bool:
 
 
 def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2) -> int:
-    """K and V of every layer for `rows` sequences of `ctx` positions (model/forward.py's KVCache)."""
-    return 2 * cfg.n_layers * rows * ctx * cfg.kv_dim * itemsize
+    """K and V of every attention layer for `rows` sequences of `ctx` positions (model/forward.py's
+    KVCache; a recurrent layer's state, a few KiB per row, is not counted)."""
+    return 2 * cfg.n_kv_layers * rows * ctx * cfg.kv_dim * itemsize
 
 
 def dense_weight_bytes(gguf: GGUFFile) -> int:

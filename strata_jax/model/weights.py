@@ -21,11 +21,11 @@ from flax import struct
 from gguf import GGMLQuantizationType
 
 from strata_jax.core.errors import TensorShapeError
-from strata_jax.core.experts import EXPERT_TENSORS, ExpertSpec, expert_parts, expert_shapes
+from strata_jax.core.experts import EXPERT_TENSORS, FUSED_EXPERT_TENSORS, ExpertSpec, expert_parts, expert_shapes
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf import quant
 from strata_jax.gguf.reader import GGUFFile, TensorInfo
-from strata_jax.model.config import ModelConfig
+from strata_jax.model.config import ATTENTION, ModelConfig
 
 log = logging.getLogger("strata_jax")
 
@@ -83,6 +83,38 @@ class Params:
     lm_head: QTensor  # [V, D]; the embedding when tied
 
 
+@struct.dataclass
+class GatedAttnParams:
+    """qwen4exp's full attention: attn_q holds per head Dh query rows then Dh gate rows (HF's q_proj
+    viewed as [H, 2 * Dh], which the converter keeps), so `qkv`'s first output is [H * 2 * Dh]."""
+
+    qkv: Projections  # q+gate [H*2*Dh, D], k [K*Dh, D], v [K*Dh, D]
+    wo: QTensor  # [D, H*Dh]
+    q_norm: jax.Array  # [Dh], (1 + w) folded in by the converter
+    k_norm: jax.Array
+    indexer: Any  # model/qsa.py's QSAParams, or None where the layer's compress ratio is 0
+
+
+@struct.dataclass
+class Q4LayerParams:
+    """One qwen4exp block: attention (full, gated) or linear (gated DeltaNet), optional PLE before it,
+    the hyper-connections around both blocks, and the MoE block."""
+
+    attn: GatedAttnParams | None
+    linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
+    ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
+    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*)
+    moe: MoEParams
+
+
+@struct.dataclass
+class Q4Params:
+    embed: QTensor  # [V, D]
+    layers: tuple[Q4LayerParams, ...]
+    hc_head: Any  # the final hyper-connection mixer (output_hc_*), in place of the output norm
+    lm_head: QTensor  # [V, D]
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _dequant_once(data, qtype, n_cols, dtype):
     return quant.dequantize(data, qtype, n_cols, dtype)
@@ -101,9 +133,19 @@ class WeightLoader:
         self.gguf, self.cfg, self.device = gguf, cfg, device
         self.dequantize_dense, self.dense_dtype = dequantize_dense, dense_dtype
         self.bytes_loaded = 0
+        self.consumed: set[str] = set()  # tensor names read so far (a test checks none is left over)
+
+    def get(self, name: str) -> QTensor | jax.Array:
+        """The layer modules' accessor: a matrix as a QTensor, a vector or a short convolution's taps
+        (`*conv1d*`, [Kc, Cc]) as a float32 array, in the file's (numpy) shape."""
+        shape = tuple(self.gguf.tensor(name).shape)
+        if len(shape) == 1 or "conv1d" in name:
+            return self.f32(name, shape)
+        return self.qtensor(name, shape)
 
     def info(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
         t = self.gguf.tensor(name)
+        self.consumed.add(name)
         if tuple(t.shape) != tuple(shape):
             raise TensorShapeError(
                 f"{self.gguf.path}: tensor {name!r} has shape {t.shape}, expected {tuple(shape)} from the "
@@ -162,23 +204,93 @@ class WeightLoader:
         return self.f32(name, shape) if self.gguf.has(name) else None
 
 
+def expert_tensor_names(gguf: GGUFFile, layer: int) -> tuple[str, ...]:
+    """The routed-expert tensors of block `layer`: gate, up, down, or (a fused file) gate_up, down."""
+    fused = f"blk.{layer}.{FUSED_EXPERT_TENSORS[0]}.weight"
+    names = FUSED_EXPERT_TENSORS if gguf.has(fused) and not gguf.has(f"blk.{layer}.{EXPERT_TENSORS[0]}.weight") \
+        else EXPERT_TENSORS
+    return tuple(f"blk.{layer}.{n}.weight" for n in names)
+
+
 def expert_infos(loader: WeightLoader, moe_idx: int) -> list[TensorInfo]:
-    """The gate, up and down tensors of MoE layer moe_idx, shape- and type-checked."""
+    """The expert tensors of MoE layer moe_idx (gate, up, down; or gate_up, down), shape- and type-checked."""
     cfg = loader.cfg
-    shapes = expert_shapes(cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model)
-    return [loader.info(f"blk.{cfg.moe_layers[moe_idx]}.{name}.weight", shape)
-            for name, shape in zip(EXPERT_TENSORS, shapes)]
+    E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model
+    names = expert_tensor_names(loader.gguf, cfg.moe_layers[moe_idx])
+    shapes = expert_shapes(E, F, D) if len(names) == 3 else ((E, 2 * F, D), (E, D, F))
+    return [loader.info(n, shape) for n, shape in zip(names, shapes)]
 
 
 def expert_spec(loader: WeightLoader) -> ExpertSpec:
     """The routed experts' layout (checked against the config) as plain values, for offloading."""
     cfg = loader.cfg
+    names = tuple(expert_tensor_names(loader.gguf, layer) for layer in cfg.moe_layers)
     return ExpertSpec(tuple(cfg.moe_layers), cfg.n_experts, cfg.n_experts_used,
-                      tuple(expert_parts(expert_infos(loader, i)) for i in range(len(cfg.moe_layers))))
+                      tuple(expert_parts(expert_infos(loader, i)) for i in range(len(cfg.moe_layers))),
+                      names if any(len(n) == 2 for n in names) else ())
 
 
-def load_params(loader: WeightLoader) -> Params:
+def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
     cfg = loader.cfg
+    D = cfg.d_model
+    shared = shared_gate = None
+    if cfg.shared_expert_ffn_dim:
+        Fs = cfg.shared_expert_ffn_dim
+        shared = MLPParams(
+            gate_up=loader.projections([(p + "ffn_gate_shexp", Fs), (p + "ffn_up_shexp", Fs)], D),
+            w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
+        )
+        # llama.cpp's converter writes this gate as a [1, D] matrix; older files as a [D] vector
+        gate_name = p + "ffn_gate_inp_shexp.weight"
+        if loader.gguf.has(gate_name):
+            gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
+            shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
+    return MoEParams(router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)), shared=shared,
+                     shared_gate_D=shared_gate)
+
+
+def load_qwen4exp_params(loader: WeightLoader, ple_table_memory: str = "device") -> Q4Params:
+    """qwen4exp's params; the layer modules build their own (model/deltanet.py, qsa.py, ple.py, hyper.py).
+    ple_table_memory: where per_layer_token_embd lives ("device", or "pinned_host": gathered on the host)."""
+    # noqa below: these modules import layers, which imports this module
+    from strata_jax.model import deltanet, hyper, ple, qsa, qwen4exp  # noqa: PLC0415
+
+    cfg = loader.cfg
+    hd = qwen4exp.hyper_dims(cfg)
+    D, V, H, K, Dh = cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    dn = qwen4exp.deltanet_dims(cfg)
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        attn = linear = ple_p = None
+        if cfg.kind(i) == ATTENTION:
+            indexer = None
+            if cfg.indexer.compress_ratios[i]:
+                indexer = qsa.QSAParams.from_gguf(loader.get, i, qwen4exp.qsa_dims(cfg, i), D)
+            attn = GatedAttnParams(
+                qkv=loader.projections([(p + "attn_q", 2 * H * Dh), (p + "attn_k", K * Dh), (p + "attn_v", K * Dh)], D),
+                wo=loader.qtensor(p + "attn_output.weight", (D, H * Dh)),
+                q_norm=loader.f32(p + "attn_q_norm.weight", (Dh,)),
+                k_norm=loader.f32(p + "attn_k_norm.weight", (Dh,)),
+                indexer=indexer,
+            )
+        else:
+            linear = deltanet.load_params(loader.qtensor, loader.f32, i, dn)
+        if cfg.ple is not None and i in cfg.ple.layers:
+            ple_p = ple.PLEParams.from_gguf(ple.loader_get(loader), i, qwen4exp.ple_dims(cfg),
+                                            table_memory_kind=ple_table_memory, device=loader.device)
+        hc = hyper.LayerHyper.from_gguf(loader.get, i, hd)
+        layers.append(Q4LayerParams(attn=attn, linear=linear, ple=ple_p, hc=hc, moe=_moe_params(loader, p)))
+    if not loader.gguf.has("output.weight"):
+        raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
+    return Q4Params(embed=loader.qtensor("token_embd.weight", (V, D)), layers=tuple(layers),
+                    hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)))
+
+
+def load_params(loader: WeightLoader) -> Params | Q4Params:
+    cfg = loader.cfg
+    if cfg.arch == "qwen4exp":
+        return load_qwen4exp_params(loader)
     D, V = cfg.d_model, cfg.vocab_size
     layers = []
     for i in range(cfg.n_layers):

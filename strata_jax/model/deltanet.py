@@ -1,0 +1,255 @@
+"""Gated DeltaNet linear attention: qwen4exp's `linear_attention` layers (Qwen3.5 / Qwen3-Next's GDN).
+
+Per row, token t and value head h (everything after the input projections in float32):
+  c_t  = silu(causal depthwise conv over the last Kc inputs of x W_qkv)  ->  q, k (Hk heads), v (Hv heads)
+  q, k = l2norm(q), l2norm(k) of key head h % Hk; q scaled by Dk^-1/2
+  b    = sigmoid(x W_beta);   g = ssm_a * softplus(x W_alpha + ssm_dt)   (log decay, <= 0)
+  S    = exp(g) S;   S += k (b (v - S^T k))^T;   o = S^T q                (S: [Dk, Dv] per head)
+  y    = W_out (rms_norm(o) * ssm_norm * act(x W_gate))                   (act: sigmoid or silu)
+
+Tensors are taken exactly as llama.cpp's converter writes them (conversion/qwen.py: Qwen3NextModel and
+_LinearAttentionVReorderBase.modify_tensors): ssm_a = -exp(A_log), ssm_dt.bias = dt_bias, ssm_conv1d
+squeezed to [Cc, Kc], ssm_norm as is (no "+1": that rule skips linear_attn.norm). Where Hv > Hk the value
+heads are reordered from HF's grouped order (head j*R + r reads key head j) to the tiled order ggml
+broadcasts (head r*Hk + j reads key head j) in attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha,
+ssm_a, ssm_dt, ssm_conv1d's v channels and ssm_out's columns; so here a key head serves value heads
+h % Hk == j (a tile, not HF's repeat_interleave), and the state's value heads are in that order too.
+
+Two forms of the recurrence, equal up to float rounding: T > 1 (prefill) runs the chunked parallel form
+(chunks of `chunk_size` tokens, the sequence padded inside to a whole number of chunks: the WY/UT form
+of transformers' torch_chunk_gated_delta_rule); T == 1 (decode) runs one recurrent step.
+
+Shape legend: strata_jax/core/shapes.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf.reader import metadata_view
+from strata_jax.model.kernels import Kernels
+from strata_jax.model.layers import linear, rms_norm
+
+OUTPUT_GATES = ("sigmoid", "silu")
+_HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence accumulates over the sequence: no TF32 products
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNetDims:
+    """The layer's sizes, from GGUF metadata as llama.cpp's converter writes it (Qwen3NextModel.
+    set_gguf_parameters). q4-ref folds these into ModelConfig."""
+
+    d_model: int  # D: {arch}.embedding_length
+    n_k_heads: int  # Hk: {arch}.ssm.group_count (linear_num_key_heads)
+    n_v_heads: int  # Hv: {arch}.ssm.time_step_rank (linear_num_value_heads)
+    k_head_dim: int  # Dk: {arch}.ssm.state_size (linear_key_head_dim)
+    v_head_dim: int  # Dv: {arch}.ssm.inner_size / Hv (llama.cpp assumes Dv == Dk; this does not)
+    conv_kernel: int  # Kc: {arch}.ssm.conv_kernel (linear_conv_kernel_dim)
+    rms_eps: float  # {arch}.attention.layer_norm_rms_epsilon: the gated output norm
+    # No GGUF key carries HF's output_gate_type: llama.cpp's qwen4exp graph hard-codes sigmoid.
+    output_gate: str = "sigmoid"
+    chunk_size: int = 64  # tokens per chunk of the parallel form, as the reference
+    l2_eps: float = 1e-6  # the q/k l2norm's eps, fixed in transformers (llama.cpp uses rms_eps: equal in practice)
+
+    def __post_init__(self):
+        if self.n_v_heads % self.n_k_heads:
+            raise ValueError(f"value heads ({self.n_v_heads}) must be a multiple of key heads ({self.n_k_heads})")
+        if self.output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate={self.output_gate!r}: choose one of {OUTPUT_GATES}")
+        if self.conv_kernel < 1 or self.chunk_size < 1:
+            raise ValueError(f"conv_kernel ({self.conv_kernel}) and chunk_size ({self.chunk_size}) must be >= 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_channels(self) -> int:  # Cc: q, k and v channels of attn_qkv, convolved together
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], arch: str, **overrides) -> "DeltaNetDims":
+        m = metadata_view(metadata, arch)
+        n_v = int(m("ssm.time_step_rank"))
+        inner = int(m("ssm.inner_size"))
+        if inner % n_v:
+            raise ValueError(f"{arch}.ssm.inner_size ({inner}) is not a multiple of ssm.time_step_rank ({n_v})")
+        kw = dict(d_model=int(m("embedding_length")), n_k_heads=int(m("ssm.group_count")), n_v_heads=n_v,
+                  k_head_dim=int(m("ssm.state_size")), v_head_dim=inner // n_v,
+                  conv_kernel=int(m("ssm.conv_kernel")),
+                  rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)))
+        return cls(**{**kw, **overrides})
+
+
+@struct.dataclass
+class DeltaNetParams:
+    """One layer's tensors, named after their GGUF names (`blk.{i}.<field>`), in the GGUF's layout."""
+
+    attn_qkv: QTensor  # [Cc, D]: q (Hk*Dk), k (Hk*Dk), v (Hv*Dv, tiled head order) rows
+    attn_gate: QTensor  # [Hv*Dv, D]: z, the output gate
+    ssm_beta: QTensor  # [Hv, D]
+    ssm_alpha: QTensor  # [Hv, D]
+    ssm_conv1d_CcKc: jax.Array  # float32; tap Kc-1 multiplies the current token
+    ssm_dt_Hv: jax.Array  # float32, the tensor `ssm_dt.bias` (HF dt_bias)
+    ssm_a_Hv: jax.Array  # float32, -exp(A_log)
+    ssm_norm_Dv: jax.Array  # float32, shared by every value head
+    ssm_out: QTensor  # [D, Hv*Dv]
+
+
+def load_params(qtensor: Callable[[str, tuple[int, ...]], QTensor],
+                f32: Callable[[str, tuple[int, ...]], jax.Array], layer: int, dims: DeltaNetDims) -> DeltaNetParams:
+    """The layer's params through a loader's shape-checked getters: `qtensor(name, shape)` for matrices
+    (kept in their GGML blocks) and `f32(name, shape)` for small tensors, i.e. model/weights.py's
+    WeightLoader.qtensor and WeightLoader.f32. Shapes are numpy order (GGUF ne reversed)."""
+    p, d = f"blk.{layer}.", dims
+    return DeltaNetParams(
+        attn_qkv=qtensor(p + "attn_qkv.weight", (d.conv_channels, d.d_model)),
+        attn_gate=qtensor(p + "attn_gate.weight", (d.value_dim, d.d_model)),
+        ssm_beta=qtensor(p + "ssm_beta.weight", (d.n_v_heads, d.d_model)),
+        ssm_alpha=qtensor(p + "ssm_alpha.weight", (d.n_v_heads, d.d_model)),
+        ssm_conv1d_CcKc=f32(p + "ssm_conv1d.weight", (d.conv_channels, d.conv_kernel)),
+        ssm_dt_Hv=f32(p + "ssm_dt.bias", (d.n_v_heads,)),
+        ssm_a_Hv=f32(p + "ssm_a", (d.n_v_heads,)),  # no ".weight": the converter maps the bare A_log
+        ssm_norm_Dv=f32(p + "ssm_norm.weight", (d.v_head_dim,)),
+        ssm_out=qtensor(p + "ssm_out.weight", (d.d_model, d.value_dim)),
+    )
+
+
+@struct.dataclass
+class DeltaNetState:
+    """One layer's recurrent state per row, fixed shape, float32. A row that starts a new sequence must
+    be zeroed by the caller first (`zeros`, `reset_rows`): `apply` always continues from what it gets."""
+
+    conv_BKcCc: jax.Array  # the last Kc-1 inputs of the short conv (x W_qkv before the conv), oldest first
+    ssm_BHvDkDv: jax.Array  # the delta-rule state S, value heads in the GGUF's (tiled) order
+
+    @classmethod
+    def zeros(cls, B: int, dims: DeltaNetDims) -> "DeltaNetState":
+        return cls(jnp.zeros((B, dims.conv_kernel - 1, dims.conv_channels), jnp.float32),
+                   jnp.zeros((B, dims.n_v_heads, dims.k_head_dim, dims.v_head_dim), jnp.float32))
+
+
+def reset_rows(state: DeltaNetState, fresh_B: jax.Array) -> DeltaNetState:
+    """Zero the rows where fresh_B is true (a row whose sequence restarts), keep the others."""
+    return jax.tree.map(lambda a: jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), 0.0, a), state)
+
+
+def _short_conv(x_BTCc: jax.Array, conv_BKcCc: jax.Array, w_CcKc: jax.Array,
+                n_valid_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv of the state's Kc-1 inputs followed by x (no activation), and the new state:
+    the last Kc-1 inputs up to each row's last valid token (the old state's tail where n_valid < Kc-1)."""
+    T, Kc = x_BTCc.shape[1], w_CcKc.shape[1]
+    xin = jnp.concatenate([conv_BKcCc, x_BTCc], axis=1)  # [B, Kc-1+T, Cc]
+    y = sum(xin[:, j:j + T] * w_CcKc[:, j] for j in range(Kc))
+    idx_BKc = n_valid_B[:, None] + jnp.arange(Kc - 1)[None, :]
+    return y, jnp.take_along_axis(xin, idx_BKc[:, :, None], axis=1)
+
+
+def _l2norm(x: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _step(q_BHvDk, k_BHvDk, v_BHvDv, g_BHv, b_BHv, S_BHvDkDv):
+    """One token of the gated delta rule (the recurrent form)."""
+    S = S_BHvDkDv * jnp.exp(g_BHv)[:, :, None, None]
+    pred_BHvDv = jnp.einsum("bhk,bhkv->bhv", k_BHvDk, S, precision=_HIGHEST)
+    delta_BHvDv = (v_BHvDv - pred_BHvDv) * b_BHv[:, :, None]
+    S = S + k_BHvDk[:, :, :, None] * delta_BHvDv[:, :, None, :]
+    return jnp.einsum("bhk,bhkv->bhv", q_BHvDk, S, precision=_HIGHEST), S
+
+
+def _chunked(q_BTHvDk, k_BTHvDk, v_BTHvDv, g_BTHv, b_BTHv, S_BHvDkDv, chunk: int):
+    """The gated delta rule over T tokens, C at a time: within a chunk the C rank-one updates collapse
+    (UT transform) into a unit lower-triangular solve; a scan carries S from chunk to chunk. The pad at
+    the end has b = g = 0 and k = v = 0: it neither decays nor writes S."""
+    B, T, Hv, _ = q_BTHvDk.shape
+    C = min(chunk, T)
+    n = -(-T // C)
+    pad = n * C - T
+
+    def chunks(a):  # [B, T, Hv, ...] -> [n, B, Hv, C, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, n, C, *a.shape[2:]), (1, 2), (0, 3))
+
+    q, k, v, g, b = (chunks(a) for a in (q_BTHvDk, k_BTHvDk, v_BTHvDv, g_BTHv, b_BTHv))
+    cum = jnp.cumsum(g, axis=-1)  # [n, B, Hv, C]: log decay from the chunk's start through token i
+    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    # decay from token j to token i (j <= i); masked before exp so nothing overflows
+    L = jnp.where(i >= j, jnp.exp(jnp.where(i >= j, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    kb, vb = k * b[..., None], v * b[..., None]
+    A = jnp.where(i > j, jnp.einsum("...id,...jd->...ij", kb, k, precision=_HIGHEST) * L, 0.0)
+    M = A + jnp.eye(C, dtype=A.dtype)  # unit lower triangular
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(M, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u = solve(vb)  # what the chunk writes, before subtracting what the incoming state already predicts
+    w = solve(kb * jnp.exp(cum)[..., None])  # the keys through which the incoming state is read
+    attn = jnp.einsum("...id,...jd->...ij", q, k, precision=_HIGHEST) * L
+    q_in = q * jnp.exp(cum)[..., None]
+    k_out = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    decay = jnp.exp(cum[..., -1])[..., None, None]  # [n, B, Hv, 1, 1]
+
+    def body(S, xs):
+        u_c, w_c, q_c, k_c, attn_c, d_c = xs
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, S, precision=_HIGHEST)
+        o = (jnp.einsum("bhck,bhkv->bhcv", q_c, S, precision=_HIGHEST)
+             + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new, precision=_HIGHEST))
+        S = S * d_c + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new, precision=_HIGHEST)
+        return S, o
+
+    S, o = jax.lax.scan(body, S_BHvDkDv, (u, w, q_in, k_out, attn, decay))
+    o_BTHvDv = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(B, n * C, Hv, -1)[:, :T]
+    return o_BTHvDv, S
+
+
+def apply(p: DeltaNetParams, x_BTD: jax.Array, state: DeltaNetState, *, n_valid_B: jax.Array,
+          dims: DeltaNetDims, kernels: Kernels) -> tuple[jax.Array, DeltaNetState]:
+    """The layer on T tokens of each of B rows, continuing from `state`. Tokens at t >= n_valid_B[b] are
+    bucket padding: computed (their outputs are meaningless) but they leave the state as the row's last
+    valid token left it (b = g = 0 makes their delta-rule updates no-ops; the conv state ends at the last
+    valid input). n_valid_B = 0 leaves a row's state untouched. A row starting a new sequence must come
+    in zeroed (reset_rows): nothing here knows where a sequence begins. Static: dims, kernels, and T
+    (T == 1 takes the recurrent step, T > 1 the chunked form)."""
+    d = dims
+    B, T, _ = x_BTD.shape
+    Hk, Hv, Dk, Dv = d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim
+    f32 = jnp.float32
+    n_valid_B = jnp.clip(n_valid_B.astype(jnp.int32), 0, T)
+    valid_BT = jnp.arange(T)[None, :] < n_valid_B[:, None]
+
+    qkv = linear(x_BTD, p.attn_qkv, kernels).astype(f32)
+    z = linear(x_BTD, p.attn_gate, kernels).astype(f32).reshape(B, T, Hv, Dv)
+    beta = jax.nn.sigmoid(linear(x_BTD, p.ssm_beta, kernels).astype(f32))
+    alpha = linear(x_BTD, p.ssm_alpha, kernels).astype(f32)
+    g = p.ssm_a_Hv * jax.nn.softplus(alpha + p.ssm_dt_Hv)
+    beta = jnp.where(valid_BT[:, :, None], beta, 0.0)
+    g = jnp.where(valid_BT[:, :, None], g, 0.0)
+
+    conv, conv_state = _short_conv(qkv, state.conv_BKcCc, p.ssm_conv1d_CcKc, n_valid_B)
+    conv = jax.nn.silu(conv)
+    q = conv[..., :d.key_dim].reshape(B, T, Hk, Dk)
+    k = conv[..., d.key_dim:2 * d.key_dim].reshape(B, T, Hk, Dk)
+    v = conv[..., 2 * d.key_dim:].reshape(B, T, Hv, Dv)
+    q = _l2norm(q, d.l2_eps) * (Dk ** -0.5)
+    k = _l2norm(k, d.l2_eps)
+    q = jnp.tile(q, (1, 1, Hv // Hk, 1))  # value head h reads key head h % Hk (the tiled order)
+    k = jnp.tile(k, (1, 1, Hv // Hk, 1))
+
+    if T == 1:
+        o, S = _step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm_BHvDkDv)
+        o = o[:, None]
+    else:
+        o, S = _chunked(q, k, v, g, beta, state.ssm_BHvDkDv, d.chunk_size)
+
+    act = jax.nn.sigmoid if d.output_gate == "sigmoid" else jax.nn.silu
+    o = rms_norm(o, p.ssm_norm_Dv, d.rms_eps) * act(z)
+    y = linear(o.reshape(B, T, Hv * Dv).astype(x_BTD.dtype), p.ssm_out, kernels)
+    return y, DeltaNetState(conv_state, S)

@@ -1,0 +1,180 @@
+"""qwen4exp's forward pass: heterogeneous layers over hyper-connection streams, with per-row recurrent
+state carried next to the KV cache (KVCache.rec).
+
+Per block (transformers' Qwen4ExpTextDecoderLayer): PLE adds hashed n-gram features to the streams
+(its layers only); the attention hyper-connection mixes the streams into the block input, the block
+is gated full attention (KV cache + the QSA indexer's selection) or gated DeltaNet (recurrent), its
+output goes back into every stream; the same around the MoE block. The final mixer replaces the
+output norm before the head.
+
+State (`Q4State`, every leaf batch-first, float32 or int32, fixed shape): per linear layer the
+DeltaNet conv + delta state, per PLE layer its n-gram context and conv state, per QSA layer its
+compressed block keys. Rows starting a sequence (start_B == 0) start from fresh state; a token past
+n_valid_B (bucket padding, a dead row in decode) changes no state.
+
+The layer modules (model/deltanet.py, model/qsa.py, model/ple.py) load only for this family.
+
+Shape legend: strata_jax/core/shapes.py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.core.experts import ExpertProvider
+from strata_jax.gguf.quant import dequant, take_rows
+from strata_jax.model import hyper, qmatvec
+from strata_jax.model.config import ATTENTION, ModelConfig
+from strata_jax.model.kernels import Kernels
+from strata_jax.model.layers import gated_attention
+from strata_jax.model.moe import moe_block
+from strata_jax.model.weights import Q4Params
+
+
+def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:
+    return hyper.HyperDims(cfg.hc_count, cfg.hc_rank, cfg.d_model, cfg.rms_eps)
+
+
+def qsa_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """Attention layers with a compress ratio (QSA on): the others attend densely."""
+    return tuple(i for i in cfg.attention_layers if cfg.indexer.compress_ratios[i])
+
+
+def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(i for i in range(cfg.n_layers) if cfg.kind(i) != ATTENTION)
+
+
+@struct.dataclass
+class Q4State:
+    linear: tuple[Any, ...]  # DeltaNet state per linear layer (linear_layers order)
+    ple: tuple[Any, ...]  # PLE state per PLE layer (cfg.ple.layers order)
+    qsa: tuple[Any, ...]  # QSA indexer state per QSA layer (qsa_layers order)
+
+
+def _modules():
+    """The layer modules of the other branches; imported here so that a missing one names itself."""
+    try:
+        from strata_jax.model import deltanet, ple, qsa  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - until every module is merged
+        raise NotImplementedError(f"qwen4exp needs {e.name} (branches q4-deltanet, q4-qsa-hc, q4-ple)") from e
+    return deltanet, qsa, ple
+
+
+def state_zeros(cfg: ModelConfig, batch: int, length: int) -> Q4State:
+    """Fresh per-row state for `batch` rows of `length` cache positions."""
+    deltanet, qsa, ple = _modules()
+    dn = deltanet_dims(cfg)
+    return Q4State(
+        linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in linear_layers(cfg)),
+        ple=tuple(ple.PLEState.zeros(batch, ple_dims(cfg)) for _ in (cfg.ple.layers if cfg.ple else ())),
+        qsa=tuple(qsa.QSAState.zeros(batch, length, qsa_dims(cfg, i)) for i in qsa_layers(cfg)),
+    )
+
+
+def deltanet_dims(cfg: ModelConfig):
+    deltanet, _, _ = _modules()
+    d = cfg.linear
+    # output_gate: the module's default, sigmoid, which llama.cpp's graph hard-codes (no GGUF key says)
+    return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
+                                 k_head_dim=d.k_head_dim, v_head_dim=d.v_head_dim, conv_kernel=d.conv_kernel,
+                                 rms_eps=cfg.rms_eps)
+
+
+def qsa_dims(cfg: ModelConfig, layer: int):
+    _, qsa, _ = _modules()
+    ix = cfg.indexer
+    return qsa.QSADims(n_heads=ix.n_heads, head_dim=ix.head_dim, budget=ix.budget,
+                       compress_ratio=ix.compress_ratios[layer], rope_dim=cfg.rope_dim, rope_theta=cfg.rope_theta,
+                       rms_eps=cfg.rms_eps)
+
+
+def ple_dims(cfg: ModelConfig):
+    _, _, ple = _modules()
+    p = cfg.ple
+    return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, row_dim=p.head_dim, ngram_size=p.ngram_size,
+                       heads_per_ngram=p.heads_per_ngram, conv_kernel=p.conv_kernel, eos_token_id=p.eos_token_id,
+                       layer_multipliers=p.multipliers, head_offsets=p.head_offsets,
+                       head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps, layers=p.layers)
+
+
+def _fresh(state, fresh_B: jax.Array, zeros):
+    """state with the rows where fresh_B holds replaced by `zeros`' (a sequence that restarts)."""
+    return jax.tree.map(lambda a, z: jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), z, a), state, zeros)
+
+
+def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, start_B, n_valid_B, *,
+            cfg: ModelConfig, dtype, kernels: Kernels, all_logits: bool = False, attn_len: int | None = None,
+            forced_MNk: jax.Array | None = None):
+    """model/forward.py's forward for qwen4exp (same arguments and results). Routed-expert prefetch is
+    not done (each layer's router input is its own hyper-connection mix, known only there):
+    EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is ignored."""
+    deltanet, qsa, ple = _modules()
+    B, T = tokens_BT.shape
+    pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    # real tokens (model/forward.py's rule): not bucket padding, not an idle row (at a position past the
+    # cache); the others look no experts up and come back routed to -1
+    valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
+    hd = hyper_dims(cfg)
+    rec = _fresh(kv.rec, start_B == 0, state_zeros(cfg, B, kv.length))
+    lin_state, ple_state, qsa_state = list(rec.linear), list(rec.ple), list(rec.qsa)
+    lin_idx = {layer: j for j, layer in enumerate(linear_layers(cfg))}
+    kv_idx = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+    qsa_idx = {layer: j for j, layer in enumerate(qsa_layers(cfg))}
+    ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
+    moe_idx = {layer: j for j, layer in enumerate(cfg.moe_layers)}
+    k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
+
+    xs = hyper.streams(take_rows(params.embed, tokens_BT, dtype), hd)  # [B, T, Hc, D]
+    routed = []
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer{i}"):
+            if i in ple_idx:
+                with jax.named_scope("ple"):
+                    j = ple_idx[i]
+                    out, ple_state[j] = ple.apply(layer.ple, xs, tokens_BT, ple_state[j], n_valid_B=n_valid_B,
+                                                  dims=ple_dims(cfg), kernels=kernels)
+                    xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
+            h, w = hyper.mix(layer.hc.attn, xs, hd, kernels)
+            if i in kv_idx:
+                with jax.named_scope("attn"):
+                    select = None
+                    if i in qsa_idx:
+                        j = qsa_idx[i]
+                        select, qsa_state[j] = qsa.apply(layer.attn.indexer, h, qsa_state[j], start_B=start_B,
+                                                         n_valid_B=n_valid_B, dims=qsa_dims(cfg, i), kernels=kernels,
+                                                         attn_len=attn_len)
+                    out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all, kv_idx[i], cfg, kernels,
+                                                        attn_len, select)
+            else:
+                with jax.named_scope("linear"):
+                    j = lin_idx[i]
+                    out, lin_state[j] = deltanet.apply(layer.linear, h, lin_state[j], n_valid_B=n_valid_B,
+                                                       dims=deltanet_dims(cfg), kernels=kernels)
+            xs = hyper.combine(xs, out, w)
+            with jax.named_scope("moe"):
+                h, w = hyper.mix(layer.hc.ffn, xs, hd, kernels)
+                mi = moe_idx[i]
+                out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
+                                              None if forced_MNk is None else forced_MNk[mi], valid_N)
+                routed.append(ids)
+                xs = hyper.combine(xs, out, w)
+    with jax.named_scope("head"):
+        if not all_logits:
+            xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]
+        x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
+        n_rows = x.shape[0] * x.shape[1]
+        if qmatvec.linear_ok(params.lm_head, n_rows, kernels):
+            logits = qmatvec.linear(x.reshape(n_rows, -1), params.lm_head, kernels).reshape(*x.shape[:2], -1)
+        else:
+            logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
+        if not all_logits:
+            logits = logits[:, 0]
+    routed_MNk = jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
+    if experts is not None:
+        experts = experts.finish(routed_MNk)
+    out_kv = type(kv)(k_all, v_all, Q4State(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))
+    return logits, out_kv, experts, routed_MNk

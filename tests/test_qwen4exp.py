@@ -1,0 +1,365 @@
+"""qwen4exp (the seed model's architecture) against transformers: tiny random Qwen4ExpForCausalLM
+models converted by llama.cpp's converter (tests/reference_models.py, qwen4exp section)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from reference_models import QWEN4EXP_VARIANTS, hf_logits, qsa_ties_to_lowest_block, qwen4exp_model
+from strata_jax.gguf.reader import GGUFFile
+
+pytestmark = pytest.mark.slow  # converter-made models (~20 s each on a cold cache)
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_fixture_carries_what_the_checkpoint_says(variant):
+    """The conversion keeps QSA on (a compress ratio on every full-attention layer), the layer mix and,
+    for the PLE variant, the hash constants transformers computed."""
+    tm = qwen4exp_model(variant)
+    g = GGUFFile(tm.gguf_path)
+    md = g.metadata
+    assert g.architecture == "qwen4exp"
+    full = [i for i in range(4) if (i + 1) % tm.config["full_attention_interval"] == 0]
+    assert list(md["qwen4exp.attention.compress_ratios"]) == [4 if i in full else 0 for i in range(4)]
+    assert list(md["qwen4exp.attention.recurrent_layers"]) == [i not in full for i in range(4)]
+    assert md["qwen4exp.attention.indexer.top_k"] == tm.config["indexer_budget"]
+    assert md["tokenizer.ggml.pre"] == "qwen2" and len(md["tokenizer.ggml.tokens"]) == tm.vocab_size
+    # the DeltaNet output gate: no GGUF key, llama.cpp hard-codes sigmoid; the checkpoint must say so too
+    import json
+
+    assert json.loads((tm.hf_dir / "config.json").read_text())["output_gate_type"] == "sigmoid"
+    if variant == "ple":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(tm.hf_dir), dtype=torch.float32)
+        emb = hf.model.layers[0].ple.ple_embedding
+        assert list(md["qwen4exp.ple.layers"]) == [0]
+        assert list(md["qwen4exp.ple.layer_multipliers"]) == emb.layer_multipliers.tolist()
+        assert list(md["qwen4exp.ple.head_vocab_sizes"]) == emb.ngram_heads_vocab_sizes.tolist()
+        assert g.tensor("per_layer_token_embd.weight").shape[0] == emb.ngram_embedding.weight.shape[0]
+    else:
+        assert "qwen4exp.ple.layers" not in md
+
+
+def test_sparse_selection_changes_the_reference():
+    """The sparse variant's budget bites within the test length (else it tests nothing dense does not),
+    and not while a query sees at most budget / ratio = 2 complete blocks (positions 0..10)."""
+    ids = np.random.default_rng(0).integers(0, 509, 40).tolist()
+    dense, sparse = hf_logits(qwen4exp_model("dense"), ids), hf_logits(qwen4exp_model("sparse"), ids)
+    np.testing.assert_allclose(dense[:11], sparse[:11], rtol=1e-5, atol=1e-5)
+    assert np.abs(dense[16:] - sparse[16:]).max() > 1e-2 * np.abs(dense).max()
+
+
+def _load(tm):
+    from strata_jax.model.config import ModelConfig
+    from strata_jax.model.weights import WeightLoader, expert_spec, load_params
+
+    g = GGUFFile(tm.gguf_path)
+    cfg = ModelConfig.from_gguf(g)
+    loader = WeightLoader(g, cfg)
+    params = load_params(loader)
+    return g, cfg, loader, params, expert_spec(loader)
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_every_tensor_is_consumed(variant, outtype):
+    """Config and weights take every tensor of the file (a tensor nobody reads is a part of the model
+    the forward pass would silently skip); the routed experts' bytes rows match the file's tensors."""
+    g, cfg, loader, params, spec = _load(qwen4exp_model(variant, outtype))
+    assert sorted(set(g.tensors) - loader.consumed) == []
+    assert cfg.layer_kinds == ("linear", "attention", "linear", "attention")
+    assert cfg.attention_layers == (1, 3) and cfg.n_kv_layers == 2
+    assert (cfg.ple is not None) == (variant == "ple")
+    assert spec.moe_layers == (0, 1, 2, 3)
+    for i in range(4):
+        assert spec.bytes_per_expert(i) == sum(g.tensor(n).nbytes for n in spec.tensor_names(i)) // cfg.n_experts
+
+
+def test_gated_attention_matches_transformers():
+    """One full-attention layer (dense QSA: every block selected) against transformers' attention
+    module on the same input, with the GGUF's tensors (q+gate interleaved per head, (1 + w) norms)."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from strata_jax.model.kernels import Kernels
+    from strata_jax.model.layers import gated_attention
+
+    tm = qwen4exp_model("dense")
+    g, cfg, loader, params, spec = _load(tm)
+    hf = AutoModelForCausalLM.from_pretrained(str(tm.hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    B, T, layer = 2, 20, 3
+    x = np.random.default_rng(1).standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    pos = np.arange(T)
+    with torch.no_grad():
+        xt = torch.from_numpy(x)
+        pe = hf.model.rotary_emb(xt, torch.from_numpy(pos)[None, None].expand(3, B, T))
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
+        ref = hf.model.layers[layer].self_attn(xt, pe, attention_mask=mask)[0].numpy()
+    kv = jnp.zeros((cfg.n_kv_layers, B, 32, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+    ours, k_cache, _ = gated_attention(params.layers[layer].attn, jnp.asarray(x), jnp.asarray(np.tile(pos, (B, 1))),
+                                       kv, kv, 1, cfg, Kernels())
+    np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    k_cache = np.asarray(k_cache)  # written to KV layer 1 only, at positions 0..T-1 only
+    assert not k_cache[0].any() and not k_cache[1, :, T:].any() and np.abs(k_cache[1, :, :T]).min(axis=-1).all()
+
+
+def _rewrite(src, dst, *, tensors=None, extra_kv=()):
+    """A copy of GGUF `src` at `dst` with its tensors replaced by tensors(reader) -> [(name, data, type)]
+    and extra (key, value, GGUFValueType) pairs added (gguf-py's reader and writer)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for key, value, vtype in extra_kv:
+        w.add_key_value(key, value, vtype)
+    items = tensors(r) if tensors else [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+    for name, data, qtype in items:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_fused_gate_up_experts_make_the_same_rows(tmp_path):
+    """A file storing ffn_gate_up_exps ([E, 2F, D]: each expert's gate rows then its up rows) gives the
+    same expert byte rows (what the store, the slot pools and the kernels read) as gate and up apart."""
+    from strata_jax.core.experts import fused_rows
+
+    tm = qwen4exp_model("dense", "q8_0")
+
+    def fuse(r):
+        by = {t.name: t for t in r.tensors}
+        out = []
+        for t in r.tensors:
+            if t.name.endswith("ffn_up_exps.weight"):
+                continue
+            if t.name.endswith("ffn_gate_exps.weight"):
+                up = by[t.name.replace("gate_exps", "up_exps")]
+                out.append((t.name.replace("gate_exps", "gate_up_exps"),
+                            np.concatenate([np.asarray(t.data), np.asarray(up.data)], axis=1), t.tensor_type))
+            else:
+                out.append((t.name, np.asarray(t.data), t.tensor_type))
+        return out
+
+    fused_path = _rewrite(tm.gguf_path, tmp_path / "fused.gguf", tensors=fuse)
+    g0, cfg0, _, _, spec0 = _load(tm)
+    g1, cfg1, loader1, _, spec1 = _load(dataclasses.replace(tm, gguf_path=fused_path))
+    assert "blk.0.ffn_gate_up_exps.weight" in g1.tensors and "blk.0.ffn_gate_exps.weight" not in g1.tensors
+    assert cfg1 == cfg0 and spec1.layer_parts == spec0.layer_parts
+    assert sorted(set(g1.tensors) - loader1.consumed) == []
+    for i in range(len(spec0.moe_layers)):
+        assert spec1.tensor_names(i) == (f"blk.{i}.ffn_gate_up_exps.weight", f"blk.{i}.ffn_down_exps.weight")
+        a = fused_rows([g0.tensor(n) for n in spec0.tensor_names(i)])
+        b = fused_rows([g1.tensor(n) for n in spec1.tensor_names(i)])
+        assert a.shape == (cfg0.n_experts, spec0.bytes_per_expert(i)) and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("what, kv, extra_tensor", [
+    ("nextn_predict_layers", ("qwen4exp.nextn_predict_layers", 1), None),
+    ("vision tower", None, "v.patch_embd.weight"),
+])
+def test_unsupported_parts_are_refused_by_name(tmp_path, what, kv, extra_tensor):
+    from gguf import GGMLQuantizationType, GGUFValueType
+
+    from strata_jax.core.errors import UnsupportedArchitectureError
+    from strata_jax.model.config import ModelConfig
+
+    tm = qwen4exp_model("dense")
+
+    def tensors(r):
+        out = [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+        if extra_tensor:
+            out.append((extra_tensor, np.zeros((4, 4), np.float32), GGMLQuantizationType.F32))
+        return out
+
+    path = _rewrite(tm.gguf_path, tmp_path / "x.gguf", tensors=tensors,
+                    extra_kv=[(kv[0], kv[1], GGUFValueType.UINT32)] if kv else ())
+    with pytest.raises(UnsupportedArchitectureError, match=what):
+        ModelConfig.from_gguf(GGUFFile(path))
+
+
+# -- the whole model: the engine against transformers --------------------------------------------------
+
+N_TOKENS = 37  # past the sparse variant's selection onset (~16) and, in 16-token chunks, a padded last chunk
+REL_TOL = 1e-3  # f32: max |ours - transformers| over max |transformers|, at every position
+CTX = 128
+
+
+def _ids(tm, n=N_TOKENS, seed=0):
+    """Random ids with an EOS inside (PLE's n-grams restart after it)."""
+    ids = np.random.default_rng(seed).integers(0, tm.vocab_size - 3, n)
+    ids[min(9, n // 2)] = tm.config["eos_token_id"]
+    return ids.tolist()
+
+
+def _engine(tm, **kw):
+    import strata_jax
+
+    # 16-token prefill chunks: 37 tokens run as 16 + 16 + 5 (padded to 16), carrying the recurrent state
+    return strata_jax.load(str(tm.gguf_path), ctx=CTX, dtype="float32", prefill_chunk=16, **kw)
+
+
+def _hf(tm, ids):
+    """transformers' logits at every position, QSA score ties going to the lowest block as ours do
+    (reference_models.qsa_ties_to_lowest_block: else the reference's pick among equals is arbitrary)."""
+    with qsa_ties_to_lowest_block():
+        return hf_logits(tm, ids)
+
+
+def _rel_err(ours, ref):
+    """Per position: max |ours - ref| / max |ref|."""
+    return np.abs(np.asarray(ours) - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_dims_are_the_modules_own_readers(variant):
+    """ModelConfig's qwen4exp dims give each layer module the dims its own GGUF reader gives."""
+    from strata_jax.gguf.reader import metadata_view
+    from strata_jax.model import deltanet, ple, qsa, qwen4exp
+    from strata_jax.model.config import ModelConfig
+
+    g = GGUFFile(qwen4exp_model(variant).gguf_path)
+    cfg = ModelConfig.from_gguf(g)
+    assert qwen4exp.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, "qwen4exp")
+    assert qwen4exp.deltanet_dims(cfg).output_gate == "sigmoid"
+    assert qwen4exp.qsa_layers(cfg) == (1, 3)
+    for i in qwen4exp.qsa_layers(cfg):
+        assert qwen4exp.qsa_dims(cfg, i) == qsa.QSADims.from_metadata(metadata_view(g.metadata, "qwen4exp"), i)
+    if variant == "ple":
+        assert qwen4exp.ple_dims(cfg) == ple.PLEDims.from_gguf(g)
+    else:
+        assert cfg.ple is None and ple.PLEDims.from_gguf(g) is None
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_logits_match_transformers(variant):
+    """Every position's logits (a prompt prefilled in chunks, the last one padded) within REL_TOL of
+    transformers' fp32 forward pass."""
+    tm = qwen4exp_model(variant)
+    ids = _ids(tm)
+    ours, ref = _engine(tm).logits(ids), _hf(tm, ids)
+    err = _rel_err(ours, ref)
+    print(f"qwen4exp-{variant}: max relative logit error vs transformers {err.max():.2e}")
+    assert ours.shape == ref.shape and err.max() < REL_TOL, err
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_decode_one_token_at_a_time_equals_full_forward(variant):
+    """Two rows: a prefill chunk, then one token per step. Row 1 sits idle for a few steps (the decode
+    program's dead row: a position past the cache and no valid token) and then goes on; each row's
+    logits at every position equal the one-pass forward of its sequence (and transformers')."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.model.forward import KVCache, forward
+
+    tm = qwen4exp_model(variant)
+    m = _engine(tm)
+    cfg = m.config
+    seqs = [_ids(tm, 24, seed=1), _ids(tm, 24, seed=2)]
+    step = jax.jit(functools.partial(forward, cfg=cfg, dtype=jnp.float32, kernels=m.kernels, all_logits=True,
+                                     attn_len=CTX))
+    experts = m.experts.take()
+    try:
+        kv = KVCache.zeros(cfg, 2, CTX, jnp.float32)
+        n0 = [5, 7]  # prompt tokens each row prefills
+        toks = np.zeros((2, 16), np.int32)
+        for b in range(2):
+            toks[b, :n0[b]] = seqs[b][:n0[b]]
+        logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
+                                           jnp.asarray(n0, jnp.int32))
+        real = np.arange(16)[None, :] < np.asarray(n0)[:, None]  # bucket padding routes to no expert
+        assert (np.asarray(routed).reshape(len(cfg.moe_layers), 2, 16, -1) >= 0).all(axis=(0, 3)).tolist() == \
+            real.tolist()
+        got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
+        pos = list(n0)
+        idle_until = 6  # row 1 idles for the first 6 decode steps
+        for s in range(24 - n0[0]):
+            live = [True, s >= idle_until and pos[1] < 24]
+            tok = [seqs[b][pos[b]] if live[b] else 0 for b in range(2)]
+            start = [pos[b] if live[b] else CTX for b in range(2)]
+            logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
+                                               jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
+            assert (np.asarray(routed) >= 0).all(axis=(0, 2)).tolist() == live  # an idle row routes nowhere
+            for b in range(2):
+                if live[b]:
+                    got[b].append(np.asarray(logits[b, 0]))
+                    pos[b] += 1
+    finally:
+        m.experts.put(experts)
+    assert pos == [24, 24 - idle_until + n0[1] - n0[0]]
+    for b in range(2):
+        n = pos[b]
+        one_pass = m.logits(seqs[b][:n])
+        np.testing.assert_allclose(np.stack(got[b]), one_pass, rtol=0, atol=1e-4 * np.abs(one_pass).max())
+        assert _rel_err(got[b], _hf(tm, seqs[b][:n])).max() < REL_TOL
+
+
+@pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
+def test_offloaded_equals_resident(variant):
+    """Half the experts in device slots (LRU, misses fetched in the step): logits and greedy tokens
+    are the all-resident run's, bit for bit."""
+    tm = qwen4exp_model(variant)
+    ids = _ids(tm)
+    res = _engine(tm)
+    assert res.cache_plan.resident
+    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
+    off = _engine(tm, expert_slots=4 * 4, expert_pools="per-layer")
+    assert not off.cache_plan.resident
+    np.testing.assert_array_equal(off.logits(ids), ref_logits)
+    assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
+    st = off.stats()
+    assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+
+
+def test_batched_rows_equal_alone_and_transformers_greedy():
+    """A Session of 3 rows, requests admitted at different steps (one waits for a free row): each
+    request's greedy tokens are what it gives alone, and what transformers' greedy decoding gives."""
+    from reference_models import hf_greedy
+    from strata_jax.engine.session import Session
+
+    tm = qwen4exp_model("ple")
+    m = _engine(tm, decode_chunk=4)
+    prompts = [_ids(tm, n, seed=s) for n, s in ((20, 3), (5, 4), (37, 5), (9, 6))]
+    n_new = [10, 6, 8, 5]
+    alone = [m.generate(p, max_tokens=n, temperature=0, cache_prompt=False).token_ids for p, n in zip(prompts, n_new)]
+    assert [len(a) for a in alone] == n_new  # no stop id cuts a request short: every row decodes to its end
+    with qsa_ties_to_lowest_block():
+        for p, a in zip(prompts, alone):
+            assert a == hf_greedy(tm, p, len(a))
+    s = Session(m, 3)
+    out, owner, todo, step = [[] for _ in prompts], {}, [(0, 0), (1, 1), (1, 2), (3, 3)], 0
+    while todo or s.active_rows:
+        while todo and todo[0][0] <= step and s.free_rows:
+            i = todo.pop(0)[1]
+            row, chunks = s.admit(prompts[i], max_tokens=n_new[i], temperature=0, cache_prompt=False)
+            owner[row] = i
+            out[i] += [t for c in chunks for t in c.token_ids]
+        for row, chunks in s.step().items():
+            out[owner[row]] += [t for c in chunks for t in c.token_ids]
+        step += 1
+        assert step < 200
+    assert out == alone
+
+
+def test_prefetch_is_refused_for_qwen4exp():
+    import strata_jax
+    from strata_jax.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prefetch"):
+        strata_jax.load(str(qwen4exp_model("dense").gguf_path), ctx=CTX, prefetch=1, expert_slots=16)
