@@ -42,7 +42,7 @@ class RowState:
     """Every row's decode state, on the device (donated: updated in place)."""
 
     tok_B: jax.Array  # int32: the last sampled token, the next step's input
-    pos_B: jax.Array  # int32: the cache position it goes to
+    pos_B: jax.Array  # int32: the cache position it goes to (in decode, the cache length once not live)
     step_B: jax.Array  # int32: tokens the row's request has generated (the PRNG fold-in index of the next)
     left_B: jax.Array  # int32: tokens it may still generate
     live_B: jax.Array  # bool: decoding (no stop id sampled, tokens left)
@@ -138,13 +138,15 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I,
     B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
     ctx = kv.length
-    rows = dataclasses.replace(rows, live_B=rows.live_B & alive_B)
+    live0 = rows.live_B & alive_B
+    # a row that is not live runs at position ctx, past the cache: its writes are dropped. Its position is
+    # carried that way rather than masked in the step, where XLA recomputes the mask in every layer
+    rows = dataclasses.replace(rows, live_B=live0, pos_B=jnp.where(live0, rows.pos_B, ctx))
 
     def step(carry):
         i, r, kv, experts, out = carry
-        live = r.live_B
-        pos_B = jnp.where(live, r.pos_B, ctx)  # a row that is not live writes past the cache: dropped
-        # and, with recurrent layers, has no valid token: its state stays as it is
+        live, pos_B = r.live_B, r.pos_B
+        # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
             params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
@@ -155,7 +157,8 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I,
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
-        r = RowState(tok_B, r.pos_B + inc, r.step_B + inc, left, live & ~_is_stop(tok_B, stop_I) & (left > 0),
+        live_next = live & ~_is_stop(tok_B, stop_I) & (left > 0)
+        r = RowState(tok_B, jnp.where(live_next, r.pos_B + inc, ctx), r.step_B + inc, left, live_next,
                      r.key_B2, r.sp, pen)
         out = ChunkOut(out.tokens_CB.at[i].set(tok_B), out.n_B + inc, out.routed_CMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
