@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def table(benches: dict, loads: dict, phases: dict) -> str:
             if rows:  # several runs: the median, every run listed in the workload
                 tps = sorted(r["decode_tok_s"] for r in rows)
                 runs[t] = " / ".join(_num(x) for x in tps)
-                cells[t] = (tps[len(tps) // 2], None, None, None, "-")
+                cells[t] = (statistics.median(tps), None, None, None, "-")
             else:
                 err = next((r.get("error") for doc in docs for r in doc.get("rows", []) if r.get("error")), None)
                 missing = [_missing(phases, name) for name in phases if name.startswith(f"bench-{shape}-{t}")]
