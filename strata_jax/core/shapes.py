@@ -27,6 +27,12 @@ Model and serving:
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 
+Cache policies, the trace simulator and the routing model (offload/policies.py, simulate.py, routing.py):
+  Ac  accesses of a cache (one per token and layer: a = t * L + l)
+  Tc  tokens of one block of pre-drawn routing noise
+  Xn  cache sizes scored at once (slots per layer)
+  Pf  coordinates of a fitted model (unconstrained)
+
 qwen4exp (hyper-connections: model/hyper.py; gated DeltaNet: model/deltanet.py; QSA: model/qsa.py;
 PLE: model/ple.py):
   Hc  hyper-connection residual streams (hc_count)

@@ -158,7 +158,8 @@ def kernels_from_env() -> Kernels:
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
-                          "type), 0 (never) or leave it unset (auto: where it measured faster).")
+                          "type), 0 (never) or leave it unset (auto: the kernel for the types and sizes model/qmatvec.py "
+                          "picks it for).")
     moe = os.environ.get("STRATA_JAX_MOE_PREFILL", "") or "dense"
     if moe not in ("dense", "grouped"):
         raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default) or grouped, or "

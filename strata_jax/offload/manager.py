@@ -62,9 +62,9 @@ class OffloadManager:
                               "(MoE layers ahead to prefetch).")
         self.prefetch = prefetch  # depth: MoE layers ahead whose predicted experts each layer fetches
         if prefetch > 1 and self.device.platform == "gpu":
-            log.warning("prefetch depth %d: on an H200 greedy tokens were seen to differ from the all-resident "
-                        "run at depth 2 (exact at depths 0 and 1, and on CPU at any depth), and depth 2 was "
-                        "slower; use --prefetch-depth 1 for exact results", prefetch)
+            log.warning("prefetch depth %d is not exact on GPU: greedy tokens may differ from the all-resident "
+                        "run (depths 0 and 1 are exact; docs/benchmarks.md, \"Prefetch correctness\"); use "
+                        "--prefetch-depth 1 for exact results", prefetch)
         layout = expert_layout(spec, expert_pools)
         self.plan: CachePlan = plan_model_cache(
             spec, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,

@@ -16,9 +16,8 @@ recency-frequency hybrid of Lee et al.; static_policy(profile), seeded from a sa
 belady_policy(trace), the offline optimum, for the simulator only (strata_jax.offload.simulate).
 Recency enters as an int32 difference to the clock, so LRU order stays exact over long runs.
 
-Shape legend: strata_jax/core/shapes.py (L layers of this cache, E experts per layer, U unique experts in a
-request, T tokens); letters that differ here: S slots (X there), K routed experts per token (trace width; k
-there), A accesses (one per token and layer, a = t * L + l).
+Shape legend: strata_jax/core/shapes.py (here L: the layers of this cache, X its slots, Ac its accesses,
+one per token and layer: a = t * L + l).
 Expert ids are global within a cache: g = layer * E + expert.
 """
 
@@ -38,13 +37,13 @@ import numpy as np
 from flax import struct
 
 
-FREE, DISABLED = -1, -2  # owner_S of an empty slot / of a slot that must stay unused
+FREE, DISABLED = -1, -2  # owner_X of an empty slot / of a slot that must stay unused
 
 
 @struct.dataclass
 class CacheState:
     slot_map_LE: jax.Array  # int32: slot holding (layer, expert), -1 if absent
-    owner_S: jax.Array  # int32: global expert id in each slot, FREE (-1) or DISABLED (-2)
+    owner_X: jax.Array  # int32: global expert id in each slot, FREE (-1) or DISABLED (-2)
     clock: jax.Array  # int32 scalar: accesses so far (one per layer visit)
     meta: dict[str, jax.Array]  # policy-specific state (recency, frequency, ...)
 
@@ -74,16 +73,16 @@ class Plan:
         return jnp.sum(self.miss_U)
 
 
-def _lex_smallest(score_S: jax.Array, tie_S: jax.Array, k: int) -> jax.Array:
+def _lex_smallest(score_X: jax.Array, tie_X: jax.Array, k: int) -> jax.Array:
     """Indices of the k smallest (score, tie) pairs in lexicographic order (then lowest index). Built from
     float top_k, which XLA runs far faster than a sort or an integer top_k (20-50x on CPU at S=576):
     the k smallest scores give a threshold v; the fewer than k slots below v are ordered pairwise, the
     slots at v by their tie key."""
-    vals_k, idx_k = jax.lax.top_k(-score_S, k)
+    vals_k, idx_k = jax.lax.top_k(-score_X, k)
     # a reduction, not vals_k[k - 1]: XLA folds a one-element slice into the top_k's sort and then no
     # longer recognises it as a top_k (a full sort, 20x slower)
     v = -jnp.min(vals_k)
-    cs, ct = -vals_k, tie_S[idx_k]
+    cs, ct = -vals_k, tie_X[idx_k]
     lower = jnp.arange(k)[:, None] < jnp.arange(k)[None, :]  # top_k lists equal scores by index
     before_kk = (cs[:, None] < cs[None, :]) | ((cs[:, None] == cs[None, :]) & (
         (ct[:, None] < ct[None, :]) | ((ct[:, None] == ct[None, :]) & lower)))
@@ -91,20 +90,20 @@ def _lex_smallest(score_S: jax.Array, tie_S: jax.Array, k: int) -> jax.Array:
     rank_k = jnp.sum(before_kk & below_k[:, None], axis=0)
     n_below = jnp.sum(below_k)
     first_k = jnp.zeros((k,), idx_k.dtype).at[jnp.where(below_k, rank_k, k)].set(idx_k, mode="drop")
-    _, at_v_k = jax.lax.top_k(-jnp.where(score_S == v, tie_S, jnp.inf), k)
+    _, at_v_k = jax.lax.top_k(-jnp.where(score_X == v, tie_X, jnp.inf), k)
     pos = jnp.arange(k)
     return jnp.where(pos < n_below, first_k, at_v_k[jnp.clip(pos - n_below, 0, k - 1)])
 
 
-def admit(state: CacheState, layer, ids_U: jax.Array, evict_score_S: jax.Array,
-          tiebreak_S: jax.Array | None = None) -> tuple[CacheState, Plan]:
+def admit(state: CacheState, layer, ids_U: jax.Array, evict_score_X: jax.Array,
+          tiebreak_X: jax.Array | None = None) -> tuple[CacheState, Plan]:
     """Look up ids_U in layer; give each miss the not-needed slot with the lowest evict score (free slots
-    first; among equal scores the lowest `tiebreak_S` if given, else the lowest slot index). Scores are
+    first; among equal scores the lowest `tiebreak_X` if given, else the lowest slot index). Scores are
     compared in float32 (an int above 2^24 is rounded: pass small or relative values); +-inf and nan
     are clamped to the largest finite values, so they can never displace a needed or a free slot.
     A slot whose owner is DISABLED (-2) is never used, so one compiled replay can serve several cache
     sizes (the simulator pads with them). Requires U <= usable slots; ids_U unique apart from -1 padding."""
-    S = state.owner_S.shape[0]
+    S = state.owner_X.shape[0]
     L, E = state.slot_map_LE.shape
     U = ids_U.shape[0]
     if U > S:
@@ -114,27 +113,27 @@ def admit(state: CacheState, layer, ids_U: jax.Array, evict_score_S: jax.Array,
     cur = jnp.where(valid, state.slot_map_LE[layer, safe_ids], -1)
     hit = valid & (cur >= 0)
     miss = valid & ~hit
-    protected_S = jnp.zeros((S,), bool).at[jnp.where(hit, cur, S)].set(True, mode="drop")
+    protected_X = jnp.zeros((S,), bool).at[jnp.where(hit, cur, S)].set(True, mode="drop")
     # a policy's inf or nan must not tie with the +inf that protects needed experts
     big = jnp.finfo(jnp.float32).max
-    score = jnp.nan_to_num(evict_score_S.astype(jnp.float32), nan=big, posinf=big, neginf=-big)
-    score = jnp.where(state.owner_S == FREE, -jnp.inf, score)
-    score = jnp.where(protected_S | (state.owner_S == DISABLED), jnp.inf, score)
-    if tiebreak_S is None:
+    score = jnp.nan_to_num(evict_score_X.astype(jnp.float32), nan=big, posinf=big, neginf=-big)
+    score = jnp.where(state.owner_X == FREE, -jnp.inf, score)
+    score = jnp.where(protected_X | (state.owner_X == DISABLED), jnp.inf, score)
+    if tiebreak_X is None:
         _, victims_U = jax.lax.top_k(-score, U)
     else:
-        victims_U = _lex_smallest(score, tiebreak_S.astype(jnp.float32), U)
+        victims_U = _lex_smallest(score, tiebreak_X.astype(jnp.float32), U)
     rank_U = jnp.cumsum(miss) - 1
     new_slot = jnp.where(miss, victims_U[jnp.clip(rank_U, 0, U - 1)], cur)
-    evicted = jnp.where(miss, state.owner_S[jnp.where(miss, new_slot, 0)], -1)
+    evicted = jnp.where(miss, state.owner_X[jnp.where(miss, new_slot, 0)], -1)
 
     # unmap evicted experts, map the new ones, record owners; padding writes go out of range and drop
     ev_ok = evicted >= 0
     slot_map = state.slot_map_LE.at[jnp.where(ev_ok, evicted // E, L), jnp.where(ev_ok, evicted % E, 0)].set(
         -1, mode="drop")
     slot_map = slot_map.at[jnp.where(miss, layer, L), safe_ids].set(new_slot, mode="drop")
-    owner = state.owner_S.at[jnp.where(miss, new_slot, S)].set(layer * E + safe_ids, mode="drop")
-    new_state = dataclasses.replace(state, slot_map_LE=slot_map, owner_S=owner, clock=state.clock + 1)
+    owner = state.owner_X.at[jnp.where(miss, new_slot, S)].set(layer * E + safe_ids, mode="drop")
+    new_state = dataclasses.replace(state, slot_map_LE=slot_map, owner_X=owner, clock=state.clock + 1)
     return new_state, Plan(ids_U, jnp.where(valid, new_slot, -1), miss, evicted)
 
 
@@ -145,20 +144,20 @@ def used_slots(plan: Plan, n_slots: int) -> jax.Array:
 
 # --- shared helpers ----------------------------------------------------------------------------------
 
-def _touch(last_use_S: jax.Array, plan: Plan, clock: jax.Array) -> jax.Array:
+def _touch(last_use_X: jax.Array, plan: Plan, clock: jax.Array) -> jax.Array:
     """Stamp the slots used by this access with `clock` (the post-access clock, as LRU does)."""
-    return last_use_S.at[used_slots(plan, last_use_S.shape[0])].set(clock, mode="drop")
+    return last_use_X.at[used_slots(plan, last_use_X.shape[0])].set(clock, mode="drop")
 
 
 def _owner_values(state: CacheState, values_LE: jax.Array) -> jax.Array:
     """values_LE gathered at each slot's owner (garbage for free slots: admit overrides their score)."""
-    g = jnp.maximum(state.owner_S, 0)
+    g = jnp.maximum(state.owner_X, 0)
     return values_LE[g // state.n_experts, g % state.n_experts]
 
 
 def _age_S(state: CacheState) -> jax.Array:
     # int32 difference first: exact in float32 for the last 2^24 accesses and correct across clock wrap
-    return state.meta["last_use_S"] - state.clock
+    return state.meta["last_use_X"] - state.clock
 
 
 def _layer_rows(state: CacheState, layer, ids_U: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -187,19 +186,19 @@ class Policy:
 # --- LRU ---------------------------------------------------------------------------------------------
 
 def lru_init(n_slots: int, n_layers: int, n_experts: int) -> CacheState:
-    return CacheState.empty(n_slots, n_layers, n_experts, last_use_S=jnp.full((n_slots,), -1, jnp.int32),
-                            last_pos_S=jnp.zeros((n_slots,), jnp.int32))
+    return CacheState.empty(n_slots, n_layers, n_experts, last_use_X=jnp.full((n_slots,), -1, jnp.int32),
+                            last_pos_X=jnp.zeros((n_slots,), jnp.int32))
 
 
 def lru_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
     """Evict the least recently used. Experts used by the same access are ordered by their position in
     that request (earlier = older), as an OrderedDict LRU touching them in order would: the order is then
     independent of where experts happen to sit, and a pure-Python reference reproduces it exactly."""
-    state, plan = admit(state, layer, ids_U, _age_S(state), state.meta["last_pos_S"])
-    idx_U = used_slots(plan, state.owner_S.shape[0])
-    last = state.meta["last_use_S"].at[idx_U].set(state.clock, mode="drop")
-    pos = state.meta["last_pos_S"].at[idx_U].set(jnp.arange(ids_U.shape[0], dtype=jnp.int32), mode="drop")
-    return dataclasses.replace(state, meta={**state.meta, "last_use_S": last, "last_pos_S": pos}), plan
+    state, plan = admit(state, layer, ids_U, _age_S(state), state.meta["last_pos_X"])
+    idx_U = used_slots(plan, state.owner_X.shape[0])
+    last = state.meta["last_use_X"].at[idx_U].set(state.clock, mode="drop")
+    pos = state.meta["last_pos_X"].at[idx_U].set(jnp.arange(ids_U.shape[0], dtype=jnp.int32), mode="drop")
+    return dataclasses.replace(state, meta={**state.meta, "last_use_X": last, "last_pos_X": pos}), plan
 
 
 LRU = Policy("lru", lru_init, lru_access)
@@ -209,7 +208,7 @@ LRU = Policy("lru", lru_init, lru_access)
 
 def lfu_init(n_slots: int, n_layers: int, n_experts: int) -> CacheState:
     return CacheState.empty(n_slots, n_layers, n_experts, count_LE=jnp.zeros((n_layers, n_experts), jnp.int32),
-                            last_use_S=jnp.full((n_slots,), -1, jnp.int32))
+                            last_use_X=jnp.full((n_slots,), -1, jnp.int32))
 
 
 def lfu_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
@@ -218,8 +217,8 @@ def lfu_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, 
     clock = state.clock
     state, plan = admit(state, layer, ids_U, _owner_values(state, state.meta["count_LE"]), _age_S(state))
     count = state.meta["count_LE"].at[_layer_rows(state, layer, ids_U)].add(1, mode="drop")
-    last = _touch(state.meta["last_use_S"], plan, clock + 1)
-    return dataclasses.replace(state, meta={**state.meta, "count_LE": count, "last_use_S": last}), plan
+    last = _touch(state.meta["last_use_X"], plan, clock + 1)
+    return dataclasses.replace(state, meta={**state.meta, "count_LE": count, "last_use_X": last}), plan
 
 
 LFU = Policy("lfu", lfu_init, lfu_access)
@@ -245,7 +244,7 @@ def lrfu_init(n_slots: int, n_layers: int, n_experts: int) -> CacheState:
         log_crf_LE=jnp.full((n_layers, n_experts), -jnp.inf, jnp.float32),  # log2 CRF at last use; CRF 0
         last_LE=jnp.zeros((n_layers, n_experts), jnp.int32),  # layer visit count at last use
         visits_L=jnp.zeros((n_layers,), jnp.int32),  # visits of each layer so far
-        last_use_S=jnp.full((n_slots,), -1, jnp.int32))
+        last_use_X=jnp.full((n_slots,), -1, jnp.int32))
 
 
 def _lrfu_access(lam: float, state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
@@ -260,7 +259,7 @@ def _lrfu_access(lam: float, state: CacheState, layer, ids_U: jax.Array) -> tupl
     last = m["last_LE"].at[rows].set(m["visits_L"][layer], mode="drop")
     visits = m["visits_L"].at[layer].add(1)
     meta = {**m, "log_crf_LE": log_crf, "last_LE": last, "visits_L": visits,
-            "last_use_S": _touch(m["last_use_S"], plan, clock + 1)}
+            "last_use_X": _touch(m["last_use_X"], plan, clock + 1)}
     return dataclasses.replace(state, meta=meta), plan
 
 
@@ -282,10 +281,10 @@ def lrfu_policy(lam: float) -> Policy:
 
 # --- static (profile-seeded) -------------------------------------------------------------------------
 
-def usage_profile(trace_TLK, n_layers: int, n_experts: int) -> np.ndarray:
+def usage_profile(trace_TLk, n_layers: int, n_experts: int) -> np.ndarray:
     """float32 [L, E]: how many tokens routed to each (layer, expert) in a trace [tokens, layers, k]
     (-1 padding ignored, an expert counted once per token and layer). Save it with np.save."""
-    t = np.asarray(trace_TLK)
+    t = np.asarray(trace_TLk)
     if t.ndim != 3 or t.shape[1] != n_layers:
         raise ValueError(f"trace shape {t.shape} is not [tokens, {n_layers}, k]")
     if t.size and (t.max() >= n_experts or t.min() < -1):
@@ -294,9 +293,9 @@ def usage_profile(trace_TLK, n_layers: int, n_experts: int) -> np.ndarray:
     for j in range(1, t.shape[2]):
         first[..., j] = ~np.any(t[..., :j] == t[..., j:j + 1], axis=-1)
     keep = first & (t >= 0)
-    layer_TLK = np.broadcast_to(np.arange(n_layers)[None, :, None], t.shape)
+    layer_TLk = np.broadcast_to(np.arange(n_layers)[None, :, None], t.shape)
     prof = np.zeros((n_layers, n_experts), np.float64)
-    np.add.at(prof, (layer_TLK[keep], t[keep]), 1.0)
+    np.add.at(prof, (layer_TLk[keep], t[keep]), 1.0)
     return prof.astype(np.float32)
 
 
@@ -311,8 +310,8 @@ def _digest(*arrays: np.ndarray) -> str:
 def static_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
     clock = state.clock
     state, plan = admit(state, layer, ids_U, _owner_values(state, state.meta["profile_LE"]), _age_S(state))
-    last = _touch(state.meta["last_use_S"], plan, clock + 1)
-    return dataclasses.replace(state, meta={**state.meta, "last_use_S": last}), plan
+    last = _touch(state.meta["last_use_X"], plan, clock + 1)
+    return dataclasses.replace(state, meta={**state.meta, "last_use_X": last}), plan
 
 
 def static_policy(profile_LE, name: str | None = None) -> Policy:
@@ -334,7 +333,7 @@ def static_policy(profile_LE, name: str | None = None) -> Policy:
             raise ValueError(f"static profile has shape {prof.shape} but the cache holds {n_layers} layers "
                              f"of {n_experts} experts")
         return CacheState.empty(n_slots, n_layers, n_experts, profile_LE=jnp.asarray(p),
-                                last_use_S=jnp.full((n_slots,), -1, jnp.int32))
+                                last_use_X=jnp.full((n_slots,), -1, jnp.int32))
 
     return Policy(name, init, static_access)
 
@@ -344,53 +343,53 @@ def static_policy(profile_LE, name: str | None = None) -> Policy:
 NEVER = 2 ** 30  # next use of an expert that is not used again: finite, so admit's +inf stays "protected"
 
 
-def belady_next_use(trace_TLK) -> tuple[np.ndarray, np.ndarray]:
-    """int32 ids_AK, next_AK for the accesses of a trace in simulator order (a = token * L + layer):
-    ids_AK[a] are the routed ids (-1 padding) and next_AK[a, j] the access index at which the expert
-    ids_AK[a, j] of that layer is next requested (NEVER if it is not)."""
-    t = np.asarray(trace_TLK, np.int64)
+def belady_next_use(trace_TLk) -> tuple[np.ndarray, np.ndarray]:
+    """int32 ids_Ack, next_Ack for the accesses of a trace in simulator order (a = token * L + layer):
+    ids_Ack[a] are the routed ids (-1 padding) and next_Ack[a, j] the access index at which the expert
+    ids_Ack[a, j] of that layer is next requested (NEVER if it is not)."""
+    t = np.asarray(trace_TLk, np.int64)
     T, L, K = t.shape
     E = int(t.max()) + 1 if t.size else 1
     next_LE = np.full((L, E + 1), NEVER, np.int64)  # column E absorbs -1 padding
-    next_TLK = np.empty((T, L, K), np.int64)
-    col_TLK = np.where(t >= 0, t, E)
-    rows_LK = np.arange(L)[:, None]
+    next_TLk = np.empty((T, L, K), np.int64)
+    col_TLk = np.where(t >= 0, t, E)
+    rows_Lk = np.arange(L)[:, None]
     for tok in range(T - 1, -1, -1):
-        next_TLK[tok] = next_LE[rows_LK, col_TLK[tok]]
-        next_LE[rows_LK, col_TLK[tok]] = tok * L + np.arange(L)[:, None]
+        next_TLk[tok] = next_LE[rows_Lk, col_TLk[tok]]
+        next_LE[rows_Lk, col_TLk[tok]] = tok * L + np.arange(L)[:, None]
         next_LE[:, E] = NEVER
-    next_TLK = np.where(t >= 0, next_TLK, NEVER)
-    return t.reshape(T * L, K).astype(np.int32), next_TLK.reshape(T * L, K).astype(np.int32)
+    next_TLk = np.where(t >= 0, next_TLk, NEVER)
+    return t.reshape(T * L, K).astype(np.int32), next_TLk.reshape(T * L, K).astype(np.int32)
 
 
-def belady_init(n_slots: int, n_layers: int, n_experts: int, ids_AK: np.ndarray, next_AK: np.ndarray
+def belady_init(n_slots: int, n_layers: int, n_experts: int, ids_Ack: np.ndarray, next_Ack: np.ndarray
                 ) -> CacheState:
-    return CacheState.empty(n_slots, n_layers, n_experts, ids_AK=jnp.asarray(ids_AK),
-                            next_AK=jnp.asarray(next_AK), next_use_S=jnp.full((n_slots,), NEVER, jnp.int32))
+    return CacheState.empty(n_slots, n_layers, n_experts, ids_Ack=jnp.asarray(ids_Ack),
+                            next_Ack=jnp.asarray(next_Ack), next_use_X=jnp.full((n_slots,), NEVER, jnp.int32))
 
 
 def belady_access(state: CacheState, layer, ids_U: jax.Array) -> tuple[CacheState, Plan]:
     """Evict the resident expert whose next request is farthest away. Access number `state.clock` must be
     row `clock` of the trace the meta was built from (token-major, then layer); `layer` is not checked."""
     m = state.meta
-    A = m["ids_AK"].shape[0]
+    A = m["ids_Ack"].shape[0]
     a = jnp.minimum(state.clock, A - 1)
-    match_UK = (ids_U[:, None] == m["ids_AK"][a][None, :]) & (ids_U >= 0)[:, None] & (state.clock < A)
-    next_U = jnp.where(jnp.any(match_UK, axis=1), m["next_AK"][a][jnp.argmax(match_UK, axis=1)], NEVER)
-    score = (state.clock - m["next_use_S"]).astype(jnp.float32)  # farthest next use = lowest score
+    match_Uk = (ids_U[:, None] == m["ids_Ack"][a][None, :]) & (ids_U >= 0)[:, None] & (state.clock < A)
+    next_U = jnp.where(jnp.any(match_Uk, axis=1), m["next_Ack"][a][jnp.argmax(match_Uk, axis=1)], NEVER)
+    score = (state.clock - m["next_use_X"]).astype(jnp.float32)  # farthest next use = lowest score
     state, plan = admit(state, layer, ids_U, score)
-    nxt = m["next_use_S"].at[used_slots(plan, m["next_use_S"].shape[0])].set(next_U, mode="drop")
-    return dataclasses.replace(state, meta={**m, "next_use_S": nxt}), plan
+    nxt = m["next_use_X"].at[used_slots(plan, m["next_use_X"].shape[0])].set(next_U, mode="drop")
+    return dataclasses.replace(state, meta={**m, "next_use_X": nxt}), plan
 
 
-def belady_policy(trace_TLK, name: str | None = None) -> Policy:
-    """Belady's MIN, offline: the next-use time of every access is precomputed from `trace_TLK`. Usable
+def belady_policy(trace_TLk, name: str | None = None) -> Policy:
+    """Belady's MIN, offline: the next-use time of every access is precomputed from `trace_TLk`. Usable
     only in the simulator (strata_jax.offload.simulate), replaying exactly that trace from an empty cache
     in its access order (token-major, then layer) with one access per (token, layer); the engine cannot
     know the future. It bounds what any policy can reach at a given cache size."""
-    ids_AK, next_AK = belady_next_use(trace_TLK)
-    name = name or f"belady({_digest(ids_AK)})"
-    return Policy(name, functools.partial(belady_init, ids_AK=ids_AK, next_AK=next_AK), belady_access)
+    ids_Ack, next_Ack = belady_next_use(trace_TLk)
+    name = name or f"belady({_digest(ids_Ack)})"
+    return Policy(name, functools.partial(belady_init, ids_Ack=ids_Ack, next_Ack=next_Ack), belady_access)
 
 
 # --- registry ----------------------------------------------------------------------------------------

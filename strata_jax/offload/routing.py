@@ -19,8 +19,8 @@ top-8) and checked against the recorded granite-3.0-1b-a400m trace; the fitted a
 and why two published figures (LRU and Belady at k slots per layer) cannot hold in the engine's access
 model, are in docs/routing.md. Belady is reported, not fitted.
 
-Shape legend: strata_jax/core/shapes.py; letters that differ here: K routed experts per token (k
-there), C tokens of pre-drawn noise, N cache sizes, P fitted (unconstrained) coordinates.
+Shape legend: strata_jax/core/shapes.py (here Tc: the tokens of one block of pre-drawn noise, Xn: the
+cache sizes scored, Pf: the fitted, unconstrained coordinates).
 """
 
 from __future__ import annotations
@@ -114,105 +114,105 @@ def realistic_trace(n_tokens: int, n_layers: int, n_experts: int, k: int,
     innov = np.float32(math.sqrt(max(1.0 - float(phi) ** 2, 0.0) * 12.0))
     field_LE = logp_LE + rng.standard_normal((L, E), dtype=np.float32)  # stationary from the first token
     rows_L1 = np.arange(L)[:, None]
-    out_TLK = np.empty((T, L, K), np.int32)
-    prev_LK = None
+    out_TLk = np.empty((T, L, K), np.int32)
+    prev_Lk = None
     C = max(1, min(T, (1 << 20) // (L * E)))  # noise drawn in blocks of ~4 MB: fast, bounded memory
     for c0 in range(0, T, C):
         n = min(C, T - c0)
-        step_CLE = rng.random((n, L, E), dtype=np.float32) - np.float32(0.5)
-        gumbel_CLE = rng.standard_exponential((n, L, E), dtype=np.float32)
-        np.maximum(gumbel_CLE, np.float32(1e-30), out=gumbel_CLE)  # float32 draws can be exactly 0
-        gumbel_CLE = -np.log(gumbel_CLE)
-        keep_CLK = rng.random((n, L, K), dtype=np.float32) < p.repeat
+        step_TcLE = rng.random((n, L, E), dtype=np.float32) - np.float32(0.5)
+        gumbel_TcLE = rng.standard_exponential((n, L, E), dtype=np.float32)
+        np.maximum(gumbel_TcLE, np.float32(1e-30), out=gumbel_TcLE)  # float32 draws can be exactly 0
+        gumbel_TcLE = -np.log(gumbel_TcLE)
+        keep_TcLk = rng.random((n, L, K), dtype=np.float32) < p.repeat
         for i in range(n):
             if c0 + i:
                 # AR(1) around log p: popular experts are hot more often, the mix drifts every token
-                field_LE = phi * field_LE + (1 - phi) * logp_LE + innov * step_CLE[i]
-            score_LE = logp_LE + gumbel_CLE[i] + boost * (field_LE > cut)
+                field_LE = phi * field_LE + (1 - phi) * logp_LE + innov * step_TcLE[i]
+            score_LE = logp_LE + gumbel_TcLE[i] + boost * (field_LE > cut)
             pick_LE = score_LE
-            if prev_LK is not None and p.repeat > 0:
+            if prev_Lk is not None and p.repeat > 0:
                 pick_LE = score_LE.copy()
-                pick_LE[rows_L1, prev_LK] = np.where(keep_CLK[i], np.inf, pick_LE[rows_L1, prev_LK])
-            idx_LK = np.argpartition(pick_LE, E - K, axis=1)[:, E - K:]
-            idx_LK = np.take_along_axis(idx_LK, np.argsort(-score_LE[rows_L1, idx_LK], axis=1), 1)
-            out_TLK[c0 + i] = idx_LK
-            prev_LK = idx_LK
-    return out_TLK
+                pick_LE[rows_L1, prev_Lk] = np.where(keep_TcLk[i], np.inf, pick_LE[rows_L1, prev_Lk])
+            idx_Lk = np.argpartition(pick_LE, E - K, axis=1)[:, E - K:]
+            idx_Lk = np.take_along_axis(idx_Lk, np.argsort(-score_LE[rows_L1, idx_Lk], axis=1), 1)
+            out_TLk[c0 + i] = idx_Lk
+            prev_Lk = idx_Lk
+    return out_TLk
 
 
 # --- reuse measures ----------------------------------------------------------------------------------
 
-def repeat_rate(trace_TLK, warmup_tokens: int = 0) -> float:
+def repeat_rate(trace_TLk, warmup_tokens: int = 0) -> float:
     """Share of the (distinct, non-padding) experts of tokens t >= max(1, warmup_tokens) that token t-1
     routed to as well, in the same layer."""
-    t = np.asarray(trace_TLK)
+    t = np.asarray(trace_TLk)
     w = max(int(warmup_tokens), 1)
     if t.shape[0] <= w:
         return float("nan")
-    cur_TLK, prev_TLK = t[w:], t[w - 1:-1]
-    first = np.ones(cur_TLK.shape, bool)  # duplicates within a row count once
+    cur_TLk, prev_TLk = t[w:], t[w - 1:-1]
+    first = np.ones(cur_TLk.shape, bool)  # duplicates within a row count once
     for j in range(1, t.shape[2]):
-        first[..., j] = ~np.any(cur_TLK[..., :j] == cur_TLK[..., j:j + 1], axis=-1)
-    valid = first & (cur_TLK >= 0)
-    again = np.any(cur_TLK[..., :, None] == prev_TLK[..., None, :], axis=-1)
+        first[..., j] = ~np.any(cur_TLk[..., :j] == cur_TLk[..., j:j + 1], axis=-1)
+    valid = first & (cur_TLk >= 0)
+    again = np.any(cur_TLk[..., :, None] == prev_TLk[..., None, :], axis=-1)
     return float((again & valid).sum() / max(valid.sum(), 1))
 
 
-def lru_hit_rates(trace_TLK, slots_per_layer: Sequence[int], warmup_tokens: int = 0,
+def lru_hit_rates(trace_TLk, slots_per_layer: Sequence[int], warmup_tokens: int = 0,
                   n_experts: int | None = None) -> np.ndarray:
     """float [N]: hit rate after warm-up of one LRU cache per layer with each size in slots_per_layer,
     all from one pass (LRU stack distance) without compiling anything: the fitting loop's measure. Equal
     to simulate(trace, "lru", s * L, per_layer=True)'s hit_rate_after_warmup: it relies on the same order
     of simultaneous uses as the engine's LRU (earlier in the request = older), under which the cache
     always holds the most recent experts by (token, position)."""
-    t = np.asarray(trace_TLK)
+    t = np.asarray(trace_TLk)
     T, L, K = t.shape
     E = int(n_experts) if n_experts is not None else int(t.max(initial=-1)) + 1
-    size_N = np.asarray(slots_per_layer, np.int64)
-    if np.any(size_N < K):
+    size_Xn = np.asarray(slots_per_layer, np.int64)
+    if np.any(size_Xn < K):
         raise ValueError(f"every size needs >= {K} slots per layer")  # as simulate (no narrowing here)
-    ids_TLK = unique_requests(t)
+    ids_TLk = unique_requests(t)
     key_LE = np.full((L, E + 1), -1, np.int64)  # recency key t * K + position; column E: padding sink
     rows_L1 = np.arange(L)[:, None]
-    pos_K = np.arange(K)
-    hits_N = np.zeros(len(size_N), np.int64)
+    pos_k = np.arange(K)
+    hits_Xn = np.zeros(len(size_Xn), np.int64)
     lookups = 0
     for tok in range(T):
-        valid_LK = ids_TLK[tok] >= 0
-        col_LK = np.where(valid_LK, ids_TLK[tok], E)
-        key_LK = key_LE[rows_L1, col_LK]
+        valid_Lk = ids_TLk[tok] >= 0
+        col_Lk = np.where(valid_Lk, ids_TLk[tok], E)
+        key_Lk = key_LE[rows_L1, col_Lk]
         if tok >= warmup_tokens:
             # experts used more recently than this one; the padding column stays at -1 and never counts
-            dist_LK = (key_LE[:, None, :] > key_LK[:, :, None]).sum(-1)
-            seen_LK = valid_LK & (key_LK >= 0)
-            hits_N += (seen_LK[..., None] & (dist_LK[..., None] < size_N)).sum((0, 1))
-            lookups += int(valid_LK.sum())
-        key_LE[rows_L1, col_LK] = tok * K + pos_K
+            dist_Lk = (key_LE[:, None, :] > key_Lk[:, :, None]).sum(-1)
+            seen_Lk = valid_Lk & (key_Lk >= 0)
+            hits_Xn += (seen_Lk[..., None] & (dist_Lk[..., None] < size_Xn)).sum((0, 1))
+            lookups += int(valid_Lk.sum())
+        key_LE[rows_L1, col_Lk] = tok * K + pos_k
         key_LE[:, E] = -1
-    return hits_N / max(lookups, 1)
+    return hits_Xn / max(lookups, 1)
 
 
-def reuse_figures(trace_TLK, slots_per_layer: Sequence[int], warmup_tokens: int = 0, belady: bool = True,
+def reuse_figures(trace_TLk, slots_per_layer: Sequence[int], warmup_tokens: int = 0, belady: bool = True,
                   n_experts: int | None = None) -> dict:
     """{"lru": [...], "belady": [...], "repeat": r}: per-layer-cache hit rates after warm-up from the
     engine's own policies (simulate), for reports and tests."""
-    L = np.asarray(trace_TLK).shape[1]
+    L = np.asarray(trace_TLk).shape[1]
     out = {"slots_per_layer": [int(s) for s in slots_per_layer],
-           "repeat": repeat_rate(trace_TLK, warmup_tokens)}
+           "repeat": repeat_rate(trace_TLk, warmup_tokens)}
     for pol in ("lru", "belady") if belady else ("lru",):
-        out[pol] = [simulate(trace_TLK, pol, int(s) * L, per_layer=True, warmup_tokens=warmup_tokens,
+        out[pol] = [simulate(trace_TLk, pol, int(s) * L, per_layer=True, warmup_tokens=warmup_tokens,
                              n_experts=n_experts)["hit_rate_after_warmup"] for s in slots_per_layer]
     return out
 
 
 # --- fitting -----------------------------------------------------------------------------------------
 
-def _nelder_mead(f: Callable[[np.ndarray], float], x0_P: np.ndarray, step: float = 0.3,
+def _nelder_mead(f: Callable[[np.ndarray], float], x0_Pf: np.ndarray, step: float = 0.3,
                  max_evals: int = 200, ftol: float = 1e-3) -> tuple[np.ndarray, float]:
     """Minimise f by the Nelder-Mead simplex (standard coefficients): small, derivative-free, and
     robust to the slight noise of a simulated objective; no scipy dependency for one fit."""
-    P = len(x0_P)
-    simplex = [np.asarray(x0_P, float)] + [np.asarray(x0_P, float) + step * np.eye(P)[i] for i in range(P)]
+    P = len(x0_Pf)
+    simplex = [np.asarray(x0_Pf, float)] + [np.asarray(x0_Pf, float) + step * np.eye(P)[i] for i in range(P)]
     vals = [f(x) for x in simplex]
     evals = P + 1
     while evals < max_evals:
@@ -245,11 +245,11 @@ def _nelder_mead(f: Callable[[np.ndarray], float], x0_P: np.ndarray, step: float
     return simplex[i], float(vals[i])
 
 
-def _to_params(x_P: np.ndarray, repeat: float | None) -> RoutingParams:
+def _to_params(x_Pf: np.ndarray, repeat: float | None) -> RoutingParams:
     # unconstrained coordinates, so the simplex never leaves the valid region
-    r = float(1 / (1 + np.exp(-x_P[4]))) if repeat is None else repeat
-    return RoutingParams(skew=float(np.exp(x_P[0])), hot_k=float(np.exp(x_P[1])), hot_boost=float(x_P[2]),
-                         drift_tokens=float(np.exp(x_P[3])), repeat=r)
+    r = float(1 / (1 + np.exp(-x_Pf[4]))) if repeat is None else repeat
+    return RoutingParams(skew=float(np.exp(x_Pf[0])), hot_k=float(np.exp(x_Pf[1])), hot_boost=float(x_Pf[2]),
+                         drift_tokens=float(np.exp(x_Pf[3])), repeat=r)
 
 
 def _from_params(p: RoutingParams, fit_repeat: bool) -> np.ndarray:
@@ -273,8 +273,8 @@ def fit(n_tokens: int = 384, warmup_tokens: int = 64, seed: int = 0, shape: tupl
 
     start = start or RoutingParams(skew=0.5, hot_k=2.5, hot_boost=3.5, drift_tokens=30.0, repeat=0.0)
 
-    def err(x_P):
-        p = _to_params(x_P, None if fit_repeat else start.repeat)
+    def err(x_Pf):
+        p = _to_params(x_Pf, None if fit_repeat else start.repeat)
         tr = realistic_trace(n_tokens, L, E, K, p, seed)
         got = 100 * np.r_[lru_hit_rates(tr, sizes, warmup_tokens, E), repeat_rate(tr, warmup_tokens)]
         e = float(np.sum((got - target) ** 2))

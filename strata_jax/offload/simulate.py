@@ -6,8 +6,8 @@ unique routed experts. By default one cache of `n_slots` serves every layer (as 
 `expert_slots` does within a pool); `per_layer=True` gives each layer its own cache of n_slots // L slots,
 the setting of published per-layer reuse curves.
 
-Shape legend: strata_jax/core/shapes.py; letters that differ here: K routed experts per token (trace
-width; k there), A accesses (T * L, a = t * L + l), S slots (X there); U is unique ids per access (K, -1 padded).
+Shape legend: strata_jax/core/shapes.py (here Ac: accesses, T * L of them, a = t * L + l; U: the unique
+ids of one access, k of them, -1 padded).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def load_trace(path, prompt: str | None = None) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
-def unique_requests(trace_TLK) -> np.ndarray:
+def unique_requests(trace_TLk) -> np.ndarray:
     """int32 [T, L, K]: each (token, layer) row's distinct ids in router order, -1 padding at the end
     (duplicates are legal in a trace but `admit` needs unique requests)."""
-    t = np.asarray(trace_TLK, np.int32)
+    t = np.asarray(trace_TLk, np.int32)
     keep = t >= 0
     for j in range(1, t.shape[-1]):
         keep[..., j] &= ~np.any(t[..., :j] == t[..., j:j + 1], axis=-1)
@@ -50,7 +50,7 @@ def unique_requests(trace_TLK) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("access", "keep_states"))
-def replay(access, state: CacheState, layer_A: jax.Array, ids_AU: jax.Array, keep_states: bool = False):
+def replay(access, state: CacheState, layer_Ac: jax.Array, ids_AcU: jax.Array, keep_states: bool = False):
     """Run `access` over a sequence of requests: (final state, Plans stacked [A, U], states stacked [A]
     after each access or None). Any layer order works for the online policies."""
 
@@ -58,7 +58,7 @@ def replay(access, state: CacheState, layer_A: jax.Array, ids_AU: jax.Array, kee
         st, plan = access(st, x[0], x[1])
         return st, (plan, st if keep_states else None)
 
-    final, (plans, states) = jax.lax.scan(step, state, (layer_A, ids_AU))
+    final, (plans, states) = jax.lax.scan(step, state, (layer_Ac, ids_AcU))
     return final, plans, states
 
 
@@ -77,22 +77,22 @@ def _replay_per_layer(access, states_L: CacheState, ids_TLU: jax.Array):
 
 def with_slots(state: CacheState, n_usable: int) -> CacheState:
     """An empty cache with only its first n_usable slots in use (the rest DISABLED)."""
-    owner = jnp.where(jnp.arange(state.owner_S.shape[0]) < n_usable, state.owner_S, DISABLED)
-    return dataclasses.replace(state, owner_S=owner.astype(jnp.int32))
+    owner = jnp.where(jnp.arange(state.owner_X.shape[0]) < n_usable, state.owner_X, DISABLED)
+    return dataclasses.replace(state, owner_X=owner.astype(jnp.int32))
 
 
 def _stack(states: list[CacheState]) -> CacheState:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
 
 
-def _resolve(policy, trace_TLK: np.ndarray, n_experts: int) -> tuple[str, Callable[[np.ndarray], Policy]]:
-    """(report name, factory sub_trace_TLK -> Policy): Belady must be built from the exact accesses its
+def _resolve(policy, trace_TLk: np.ndarray, n_experts: int) -> tuple[str, Callable[[np.ndarray], Policy]]:
+    """(report name, factory sub_trace_TLk -> Policy): Belady must be built from the exact accesses its
     cache will see, which differ between the shared and the per-layer replay."""
     if isinstance(policy, str) and policy.strip() == "belady":
         return "belady", lambda sub: belady_policy(sub, name="belady")
     if isinstance(policy, str) and policy.strip() == "static":
         # oracle: the profile is the replayed trace's own usage, i.e. a perfectly representative saved one
-        prof = usage_profile(trace_TLK, trace_TLK.shape[1], n_experts)
+        prof = usage_profile(trace_TLk, trace_TLk.shape[1], n_experts)
         pol = static_policy(prof, name="static(oracle)")
         return pol.name, lambda sub: pol
     pol = get_policy(policy)
@@ -103,9 +103,9 @@ def _rate(h, m) -> float:
     return float(h / (h + m)) if h + m else 1.0
 
 
-def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool = False, warmup_tokens: int = 0,
+def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool = False, warmup_tokens: int = 0,
              n_experts: int | None = None) -> dict:
-    """Replay `trace_TLK` (int [tokens, layers, k] of routed ids, -1 padding) through `policy` with
+    """Replay `trace_TLk` (int [tokens, layers, k] of routed ids, -1 padding) through `policy` with
     `n_slots` slots in total, starting from an empty cache.
 
     policy: a registered name ("lru", "lfu", "lrfu", "lrfu(0.2)"), a Policy, or one built from the trace
@@ -118,15 +118,15 @@ def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool =
 
     Returns hits, misses, lookups, hit_rate, per_layer_hit_rate, the same after warmup, compulsory
     misses (distinct experts in the trace: no cache size can do better), and the setup."""
-    trace_TLK = np.asarray(trace_TLK)
-    if trace_TLK.ndim != 3:
-        raise ValueError(f"trace must be [tokens, layers, k], got shape {trace_TLK.shape}")
-    T, L, K = trace_TLK.shape
-    E = int(n_experts) if n_experts is not None else max(int(trace_TLK.max(initial=-1)) + 1, 1)
-    if trace_TLK.size and (trace_TLK.min() < -1 or trace_TLK.max() >= E):
+    trace_TLk = np.asarray(trace_TLk)
+    if trace_TLk.ndim != 3:
+        raise ValueError(f"trace must be [tokens, layers, k], got shape {trace_TLk.shape}")
+    T, L, K = trace_TLk.shape
+    E = int(n_experts) if n_experts is not None else max(int(trace_TLk.max(initial=-1)) + 1, 1)
+    if trace_TLk.size and (trace_TLk.min() < -1 or trace_TLk.max() >= E):
         raise ValueError(f"trace ids must lie in [-1, {E})")
-    ids_TLU = unique_requests(trace_TLK)
-    name, make = _resolve(policy, trace_TLK, E)
+    ids_TLU = unique_requests(trace_TLk)
+    name, make = _resolve(policy, trace_TLk, E)
     S = n_slots // L if per_layer else n_slots
     # requests are K wide (one compiled replay per trace width); narrower only if the cache needs it
     U = K if S >= K else max(int((ids_TLU >= 0).sum(-1).max(initial=0)), 1)
@@ -142,13 +142,13 @@ def simulate(trace_TLK, policy: str | Policy, n_slots: int, *, per_layer: bool =
     if per_layer and isinstance(policy, Policy) and policy.access is belady_access:
         raise ValueError("a belady_policy(...) Policy is built for the shared replay; pass 'belady' by name")
     if per_layer:
-        pols = [make(trace_TLK[:, l:l + 1]) for l in range(L)]
+        pols = [make(trace_TLk[:, l:l + 1]) for l in range(L)]
         states = _stack([with_slots(p.init(S_pad, L, E), S_use) for p in pols])
         plans = _replay_per_layer(pols[0].access, states, jnp.asarray(ids_TLU))  # leaves [T, L, U]
     else:
-        pol = make(trace_TLK)
-        layer_A = jnp.asarray(np.tile(np.arange(L, dtype=np.int32), T))
-        _, plans, _ = replay(pol.access, with_slots(pol.init(S_pad, L, E), S_use), layer_A,
+        pol = make(trace_TLk)
+        layer_Ac = jnp.asarray(np.tile(np.arange(L, dtype=np.int32), T))
+        _, plans, _ = replay(pol.access, with_slots(pol.init(S_pad, L, E), S_use), layer_Ac,
                              jnp.asarray(ids_TLU.reshape(T * L, U)))
     miss_TLU = np.asarray(plans.miss_U).reshape(T, L, U)
     valid_TLU = ids_TLU >= 0
