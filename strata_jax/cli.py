@@ -30,7 +30,7 @@ def _positive_int(name):
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
-    from strata_jax.engine.config import DTYPES, POOLS
+    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS
 
     p.add_argument("--model", "-m", metavar="PATH",
                    help="GGUF file (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched once)")
@@ -56,6 +56,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
+    p.add_argument("--ple-table", default="auto", choices=PLE_TABLES,
+                   help="qwen4exp: where the PLE n-gram table lives: device, host (pinned host memory, rows "
+                        "gathered there) or auto (default: host when experts are offloaded or it is over 1 GiB)")
 
 
 def engine_config(args):
@@ -66,7 +69,8 @@ def engine_config(args):
                                decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
-                               parallel=getattr(args, "parallel", 1))
+                               parallel=getattr(args, "parallel", 1),
+                               ple_table=getattr(args, "ple_table", "auto"))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by

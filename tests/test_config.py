@@ -49,6 +49,7 @@ def clean_env(monkeypatch):
     (dict(record_routing=1), r"record_routing=1 is invalid: it must be True or False"),
     (dict(kernels="on"), r"kernels='on' is invalid: it must be a strata_jax.model.kernels.Kernels"),
     (dict(compilation_cache="no"), r"compilation_cache='no' is invalid"),
+    (dict(ple_table="gpu"), r"ple_table='gpu' is invalid: it must be 'auto' or 'device' or 'host'"),
 ])
 def test_bad_option_is_refused_before_the_file_is_read(options, match):
     with pytest.raises(ConfigError, match=match):
@@ -242,3 +243,13 @@ def test_cli_decode_chunk_help_names_the_platform_defaults(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default: 16 on a GPU" in text and "1 elsewhere" in text
+
+
+def test_ple_table_flag_is_checked_and_named():
+    from strata_jax.cli import build_parser, engine_config
+
+    with pytest.raises(ConfigError, match=r"--ple-table 'gpu' is invalid"):
+        EngineConfig.create(flags=True, ple_table="gpu")
+    assert EngineConfig.create().ple_table == "auto"
+    args = build_parser().parse_args(["generate", "--ple-table", "host", "--prompt", "x"])
+    assert engine_config(args).ple_table == "host"

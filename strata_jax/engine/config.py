@@ -25,6 +25,10 @@ log = logging.getLogger("strata_jax")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLS = ("per-layer", "shared")  # strata_jax.offload.slot_table.POOLS
+PLE_TABLES = ("auto", "device", "host")  # where qwen4exp's PLE table lives (model/ple.py's memory kinds)
+# ple_table="auto" keeps a table up to this size on the device (unless the experts are offloaded): the
+# real one (tens of GB) never fits beside an expert cache, a test model's (KBs) costs nothing there
+PLE_DEVICE_MAX = 1 << 30
 MIN_PREFILL_CHUNK = 16  # the smallest prefill bucket (engine/session.py's bucket())
 DEFAULT_CTX_CAP = 4096  # ctx=None: the trained context, capped here to keep the KV cache modest
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
@@ -40,6 +44,7 @@ FLAGS = {
     "ctx": "--ctx", "dtype": "--dtype", "prefill_chunk": "--prefill-chunk", "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
+    "ple_table": "--ple-table",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model)
@@ -75,6 +80,9 @@ class EngineConfig:
     expert_pools: str = "per-layer"
     # KV-cache rows (requests decoded at once, a server's --parallel) the expert cache leaves room for
     parallel: int = 1
+    # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
+    # cross the bus) or "auto": host when the experts are offloaded or the table is over 1 GiB
+    ple_table: str = "auto"
     # keep the routed experts of every token (Model.routing_trace(), for the offload simulator)
     record_routing: bool = False
     # which kernel each jitted program traces (model/kernels.py); default from the environment
@@ -125,6 +133,8 @@ class EngineConfig:
             if given:
                 log.warning("%s ignored: %s is a dense model, it has no expert cache",
                             ", ".join(given), model_config.arch)
+        if self.ple_table != "auto" and getattr(model_config, "ple", None) is None:
+            log.warning("ple_table=%r ignored: the model has no PLE table", self.ple_table)
         if self.prefetch and model_config.arch == "qwen4exp":
             # each qwen4exp MoE layer routes its own hyper-connection mix, which only that layer computes:
             # no earlier residual stream predicts it
@@ -310,6 +320,7 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
+        "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),

@@ -21,7 +21,7 @@ import numpy as np
 
 from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
-from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.config import PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
@@ -30,9 +30,40 @@ from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.memory import fixed_device_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
-from strata_jax.offload.manager import OffloadManager
+from strata_jax.offload.manager import OffloadManager, plan_model_cache
+from strata_jax.offload.sizing import device_free_bytes
 
 log = logging.getLogger("strata_jax")
+
+
+PLE_TABLE_NAME = "per_layer_token_embd.weight"  # model/ple.py's TABLE_NAME (imported only for qwen4exp)
+
+
+def _ple_placement(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_bytes: int,
+                   device) -> str | None:
+    """Where qwen4exp's PLE table goes ("device" or "host"; None: the model has none), logged with why.
+    auto: host when the expert cache would not hold every expert with the table on the device (its
+    gathers then cost a few rows a token while an expert miss costs MBs) or when the table is large."""
+    if cfg.ple is None or not gguf.has(PLE_TABLE_NAME):
+        return None
+    nbytes = gguf.tensor(PLE_TABLE_NAME).nbytes
+    where, why = config.ple_table, "ple_table=" + config.ple_table
+    if where == "auto":
+        resident = True
+        if spec is not None:
+            resident = plan_model_cache(spec, fixed_bytes=fixed_bytes, expert_pools=config.expert_pools,
+                                        batch_rows=config.parallel, expert_slots=config.expert_slots,
+                                        vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
+                                        free_bytes=device_free_bytes(device)).resident
+        if nbytes > PLE_DEVICE_MAX:
+            where, why = "host", f"auto: over {PLE_DEVICE_MAX / 2**30:.0f} GiB"
+        elif not resident:
+            where, why = "host", "auto: the experts are offloaded"
+        else:
+            where, why = "device", "auto: it fits beside every expert"
+    log.info("PLE table: %.2f GB in %s (%s)", nbytes / 1e9,
+             "pinned host memory, rows gathered there" if where == "host" else "device memory", why)
+    return where
 
 
 class Model:
@@ -54,13 +85,19 @@ class Model:
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
         dequantize_dense = config.dequantize_dense
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
-        self.params = load_params(loader)
+
+        def fixed(off_device: tuple[str, ...] = ()) -> int:
+            # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
+            return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
+                                      rows=config.parallel, prefill_chunk=config.prefill_chunk, off_device=off_device)
+
+        self.ple_table = _ple_placement(config, gguf, cfg, expert_spec(loader) if cfg.is_moe else None, fixed(),
+                                        self.device)
+        self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
-            # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
-            fixed = fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
-                                       rows=config.parallel, prefill_chunk=config.prefill_chunk)
-            self.experts = OffloadManager(gguf, expert_spec(loader), self.device, fixed_bytes=fixed,
+            off_device = (PLE_TABLE_NAME,) if self.ple_table == "host" else ()
+            self.experts = OffloadManager(gguf, expert_spec(loader), self.device, fixed_bytes=fixed(off_device),
                                           expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,

@@ -28,9 +28,10 @@ def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2)
     return 2 * cfg.n_kv_layers * rows * ctx * cfg.kv_dim * itemsize
 
 
-def dense_weight_bytes(gguf: GGUFFile) -> int:
-    """Every tensor but the routed experts: what sits on the device whatever the expert cache holds."""
-    return sum(t.nbytes for t in gguf.tensors.values() if not is_routed_expert(t.name))
+def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = ()) -> int:
+    """Every tensor but the routed experts (and those named in off_device, e.g. a PLE table kept in host
+    memory): what sits on the device whatever the expert cache holds."""
+    return sum(t.nbytes for t in gguf.tensors.values() if not is_routed_expert(t.name) and t.name not in off_device)
 
 
 def routed_expert_bytes(gguf: GGUFFile) -> int:
@@ -45,8 +46,8 @@ def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
 
 
 def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,
-                       prefill_chunk: int = 512) -> int:
-    """What the device holds before any expert slot: dense weights + KV cache rows + activations
-    (the expert-cache planner's fixed_bytes; its reserve comes on top)."""
-    return (dense_weight_bytes(gguf) + kv_cache_bytes(cfg, ctx, rows, itemsize)
+                       prefill_chunk: int = 512, off_device: tuple[str, ...] = ()) -> int:
+    """What the device holds before any expert slot: dense weights (but off_device) + KV cache rows +
+    activations (the expert-cache planner's fixed_bytes; its reserve comes on top)."""
+    return (dense_weight_bytes(gguf, off_device) + kv_cache_bytes(cfg, ctx, rows, itemsize)
             + activation_bytes(cfg, prefill_chunk))

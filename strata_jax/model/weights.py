@@ -287,10 +287,11 @@ def load_qwen4exp_params(loader: WeightLoader, ple_table_memory: str = "device")
                     hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)))
 
 
-def load_params(loader: WeightLoader) -> Params | Q4Params:
+def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Params | Q4Params:
+    """ple_table_memory: qwen4exp's PLE table placement (load_qwen4exp_params); the other families have none."""
     cfg = loader.cfg
     if cfg.arch == "qwen4exp":
-        return load_qwen4exp_params(loader)
+        return load_qwen4exp_params(loader, ple_table_memory)
     D, V = cfg.d_model, cfg.vocab_size
     layers = []
     for i in range(cfg.n_layers):
