@@ -70,6 +70,19 @@ def test_iq_linear_matches_dequantize_then_matmul(qtype, n_cols):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL], ids=lambda t: t.name)
+def test_iq_kernel_lowers_to_triton(qtype):
+    """The Triton lowering (run here without a GPU: Pallas' lowering rules emit Triton IR on the host)
+    takes the IQ decoders' ops, the codebook gathers included; the GPU compile itself is for
+    benchmarks/decode_profile.py."""
+    part = qm.dense_part(qtype, 40, 512)
+    w = jax.ShapeDtypeStruct((3, 40 * part.row_bytes), jnp.uint8)
+    x = jax.ShapeDtypeStruct((4, 1, 512), jnp.float32)
+    fn = jax.jit(lambda x, w, s: qm.stacked_matvec(x, w, s, parts=(part,), block_rows=16, interpret=False))
+    text = fn.trace(x, w, jax.ShapeDtypeStruct((4,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"qmatvec_{qtype.name.lower()}_r16w4" in text and "__gpu$xla.gpu.triton" in text
+
+
 def test_swiglu_over_fused_rows_of_two_iq_types():
     """gate IQ3_S and up IQ1_M in one call: two codebook inputs, each part reading its own."""
     rng = np.random.default_rng(8)

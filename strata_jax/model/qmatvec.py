@@ -13,13 +13,18 @@ The routed experts' gate and up projections run in one call that produces silu(g
 
 Layout: a matrix is `n_rows` GGML rows of `row_bytes` bytes at byte `offset` of a stack row (a slot of
 the fused expert rows, or the whole dense matrix). Each program computes `block_rows` outputs of one
-pair, walking the row a unit at a time (a 256-value K-quant super-block, or up to 8 blocks of a 32-value
-type). Within a unit every field is loaded as a [rows, groups, values] tensor through index arithmetic:
-Triton tensors need power-of-two shapes and cannot be sliced in registers.
+pair, walking the row a unit at a time (a 256-value super-block of a K-quant or IQ type, or up to 8
+blocks of a 32-value type). Within a unit every field is loaded as a [rows, groups, values] tensor through
+index arithmetic: Triton tensors need power-of-two shapes and cannot be sliced in registers. The IQ types'
+codebooks (grids, IQ4 values) are small constant inputs of the call, gathered like the weight bytes.
+
+Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S, IQ4_NL, IQ4_XS (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
 "auto" (on a GPU, K-quant matrices with enough rows to fill the chip: where it is faster,
-docs/benchmarks.md), "on" (every supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
+docs/benchmarks.md; the IQ types wait for their GPU measurement), "on" (every supported matrix; on CPU
+through Pallas' interpreter, for tests), "off" (never).
 
 Numerics: float32 dot products of the decoded integers with x, scaled per sub-block (llama.cpp's
 formulation); the summation order differs from dequantize-then-matmul, so results agree to float32
@@ -379,7 +384,7 @@ SUPPORTED = frozenset(_TERMS)
 
 def _group(qtype, n_cols: int) -> tuple[int, int, int] | None:
     """(values, bytes, G) of the unit a program decodes at a time along a row: one 256-value super-block
-    of a K-quant, or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
+    (K-quant, IQ), or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
     if the row cannot be walked so."""
     block, size = layout(qtype).block_size, layout(qtype).type_size
     if n_cols % block:
@@ -549,7 +554,8 @@ def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels) -> bool:
     """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only where
     it is faster than dequantize + matmul: K-quant matrices with at least MIN_PROGRAMS programs. Small
     projections (few programs) and 32-value block types (Q5_0/Q8_0 rows) are slower on the kernel
-    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel")."""
+    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel"); the IQ types are not measured on a GPU
+    yet (benchmarks/decode_profile.py times them), so only "on" takes them."""
     if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
     if kernels.qmatvec == "on":
