@@ -1,14 +1,18 @@
 """Where a decode step's time goes on the GPU, and what the fused quantized mat-vec kernel buys.
 
 Three parts, each written to $OUT/decode_profile.json as it finishes (a cut run keeps what it had):
-  check    the Pallas kernel (strata_jax/model/qmatvec.py) against dequantize + matmul, every type
+  check    the Pallas kernel (strata_jax/model/qmatvec.py) against dequantize + matmul, every type it
+           takes (or --types), and swiglu calls over fused rows of two types (K-quants; IQ3_S + IQ1_M)
   kernels  device time of the kernel at B30 / BSEED sizes (routed experts read from a slot pool, dense
            projections, the LM head) over a sweep of block_rows x num_warps, against today's path
-           (gather + dequantize + einsum), from the profiler's kernel events
+           (gather + dequantize + einsum), from the profiler's kernel events; the routed experts and a
+           q_proj in each of --types (default: Q4_K and the seed's IQ3_S, IQ3_XXS, IQ2_XS, IQ1_M)
   steps    whole decode steps of a B30-shaped model with fewer layers (resident, LRU 50%): wall time
            per token, and the profiler's kernel time per step, in all and by kernel name
 
-    python benchmarks/decode_profile.py [--layers 8] [--parts check,kernels,steps]
+    python benchmarks/decode_profile.py [--layers 8] [--parts check,kernels,steps] [--types Q4_K,IQ3_S]
+
+On CPU only `check` runs (in Pallas' interpreter: slow, use --types to pick a few).
 """
 
 from __future__ import annotations
@@ -87,10 +91,22 @@ def per_call_us(fn, n=20):
 # ---- check -------------------------------------------------------------------------------------------
 
 
-def part_check():
+def _swiglu_check(rng, gate_qt, up_qt, F=64, D=512):
+    g = random_tensor_bytes(rng, gate_qt, (5, F, D), 0.02)
+    u = random_tensor_bytes(rng, up_qt, (5, F, D), 0.02)
+    w_SB = jnp.asarray(np.concatenate([g.reshape(5, -1), u.reshape(5, -1)], axis=1))
+    parts = (qm.Part(gate_qt, F, g.shape[-1], 0, D), qm.Part(up_qt, F, u.shape[-1], F * g.shape[-1], D))
+    x = jnp.asarray(rng.standard_normal((3, 1, D)).astype(np.float32))
+    slots = jnp.array([4, 1, 3], jnp.int32)
+    y = qm.stacked_matvec(x, w_SB, slots, parts=parts, swiglu=True)
+    ref = qm.reference_matvec(x, w_SB, slots, parts, swiglu=True)
+    return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def part_check(types):
     rng = np.random.default_rng(0)
     res = {}
-    for qt in sorted(qm.SUPPORTED, key=int):
+    for qt in types or sorted(qm.SUPPORTED, key=int):
         for F, D, T, br in ((40, 512, 1, 16), (64, 768, 3, 32), (48, 896, 1, 16)):
             if not qm.supported(qt, D):
                 continue
@@ -107,17 +123,13 @@ def part_check():
                 res[f"{qt.name} F{F} D{D} T{T}"] = err
             except Exception as e:  # noqa: BLE001
                 res[f"{qt.name} F{F} D{D} T{T}"] = f"{type(e).__name__}: {str(e)[:300]}"
-    # swiglu over a fused (gate, up) pair
-    F, D = 64, 512
-    g = random_tensor_bytes(rng, Q.Q4_K, (5, F, D), 0.02)
-    u = random_tensor_bytes(rng, Q.Q6_K, (5, F, D), 0.02)
-    w_SB = jnp.asarray(np.concatenate([g.reshape(5, -1), u.reshape(5, -1)], axis=1))
-    parts = (qm.Part(Q.Q4_K, F, g.shape[-1], 0, D), qm.Part(Q.Q6_K, F, u.shape[-1], F * g.shape[-1], D))
-    x = jnp.asarray(rng.standard_normal((3, 1, D)).astype(np.float32))
-    slots = jnp.array([4, 1, 3], jnp.int32)
-    y = qm.stacked_matvec(x, w_SB, slots, parts=parts, swiglu=True)
-    ref = qm.reference_matvec(x, w_SB, slots, parts, swiglu=True)
-    res["swiglu q4_k+q6_k"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+    # swiglu over a fused (gate, up) pair; the IQ pair reads two codebook inputs in one call
+    for gate_qt, up_qt in ((Q.Q4_K, Q.Q6_K), (Q.IQ3_S, Q.IQ1_M)):
+        key = f"swiglu {gate_qt.name.lower()}+{up_qt.name.lower()}"
+        try:
+            res[key] = _swiglu_check(rng, gate_qt, up_qt)
+        except Exception as e:  # noqa: BLE001
+            res[key] = f"{type(e).__name__}: {str(e)[:300]}"
     RESULT["check"] = res
     save()
     print("check:", json.dumps(res, indent=0))
@@ -137,15 +149,23 @@ def _expert_pool(rng, S, F, D, qt=Q.Q4_K):
     return jnp.asarray(data), (gp, up, dp)
 
 
-def part_kernels(sweep):
-    """Device time (profiler kernel events) of the kernel against today's path per problem."""
+KERNEL_TYPES = (Q.Q4_K, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M)  # the kernels part's default --types
+
+
+def part_kernels(sweep, types):
+    """Device time (profiler kernel events) of the kernel against today's path per problem. Labels of
+    Q4_K problems carry no type name (as in earlier results); the others name theirs."""
     from strata_jax.gguf.quant import dequantize
 
     rng = np.random.default_rng(1)
     res = RESULT.setdefault("kernels", {})
     problems = []  # (label, stack, slots, x, parts, swiglu, bytes read)
-    for name, E, K, F, D in (("b30", 128, 8, 768, 2048), ("bseed", 512, 10, 512, 2048)):
-        pool, (gp, up, dp) = _expert_pool(rng, E, F, D)
+    types = types or KERNEL_TYPES
+    expert_problems = [(f"{name}" if qt == Q.Q4_K else f"{name} {qt.name}", qt, E, K, F, D)
+                       for qt in types for name, E, K, F, D in (("b30", 128, 8, 768, 2048), ("bseed", 512, 10, 512, 2048))
+                       if qm.supported(qt, D) and qm.supported(qt, F)]
+    for name, qt, E, K, F, D in expert_problems:
+        pool, (gp, up, dp) = _expert_pool(rng, E, F, D, qt)
         slots = jnp.asarray(rng.choice(E, K, replace=False).astype(np.int32))
         x = jnp.asarray(rng.standard_normal((K, 1, D)), jnp.bfloat16)
         h = jnp.asarray(rng.standard_normal((K, 1, F)), jnp.bfloat16)
@@ -169,10 +189,12 @@ def part_kernels(sweep):
         res[f"{name} experts: baseline gather+dequant+einsum (gate, up, down)"] = {
             "us": tot, "GB_s": (n_gu + n_d) / tot / 1e3, "top": top}
         print(name, "baseline experts", f"{tot:.1f} us", flush=True)
-    for name, qt, F, D in (("q_proj", Q.Q4_K, 4096, 2048), ("o_proj", Q.Q4_K, 2048, 4096),
-                           ("kv_proj", Q.Q4_K, 512, 2048), ("lm_head", Q.Q4_K, 151936, 2048),
-                           ("qwen ffn_up q5_0", Q.Q5_0, 4864, 896), ("qwen ffn_down q6_k", Q.Q6_K, 896, 4864),
-                           ("qwen lm_head q8_0", Q.Q8_0, 151936, 896)):
+    dense = [("q_proj", Q.Q4_K, 4096, 2048), ("o_proj", Q.Q4_K, 2048, 4096),
+             ("kv_proj", Q.Q4_K, 512, 2048), ("lm_head", Q.Q4_K, 151936, 2048),
+             ("qwen ffn_up q5_0", Q.Q5_0, 4864, 896), ("qwen ffn_down q6_k", Q.Q6_K, 896, 4864),
+             ("qwen lm_head q8_0", Q.Q8_0, 151936, 896)]
+    dense += [(f"q_proj {qt.name.lower()}", qt, 4096, 2048) for qt in types if qt != Q.Q4_K and qm.supported(qt, 2048)]
+    for name, qt, F, D in dense:
         w = random_tensor_bytes(rng, qt, (F, D), 0.02)
         wd = jnp.asarray(w)
         x = jnp.asarray(rng.standard_normal((1, 1, D)), jnp.bfloat16)
@@ -272,12 +294,15 @@ def main():
                    help="steps: configuration:qmatvec flag pairs")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--sweep", default="8x1,16x2,32x4")
+    p.add_argument("--types", default="", help="check / kernels: comma-separated GGML types (default: check "
+                   "every type the kernel takes; kernels Q4_K and the seed's IQ types)")
     a = p.parse_args()
     sweep = [tuple(int(v) for v in s.split("x")) for s in a.sweep.split(",")]
+    types = [Q[t.strip().upper()] for t in a.types.split(",") if t.strip()]
     for part in a.parts.split(","):
         t0 = time.perf_counter()
         try:
-            {"check": part_check, "kernels": lambda: part_kernels(sweep),
+            {"check": lambda: part_check(types), "kernels": lambda: part_kernels(sweep, types),
              "steps": lambda: part_steps(a.layers, a.tokens, a.confs)}[part]()
         except Exception:  # noqa: BLE001
             RESULT[f"{part}_error"] = traceback.format_exc()

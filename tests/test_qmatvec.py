@@ -4,6 +4,7 @@ arithmetic the Triton build runs on the GPU, where benchmarks/decode_profile.py 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -15,13 +16,16 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import strata_jax
 from strata_jax.dev.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
+from strata_jax.core.qtensor import QTensor
 from strata_jax.model import qmatvec as qm
-from strata_jax.dev.synthetic import SyntheticSpec, random_tensor_bytes, write_synthetic_gguf
 from strata_jax.model.kernels import Kernels
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BLOCK_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 CASES = [(t, d) for t in K_QUANTS for d in (512, 768)] + [(t, d) for t in BLOCK_32 for d in (96, 512, 896)]
+# the IQ types (grid codebooks as constant kernel inputs); IQ4_NL has 32-value blocks
+IQ_SUPER = [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_S, Q.IQ1_S, Q.IQ4_XS]
+IQ_CASES = [(t, 512) for t in IQ_SUPER] + [(Q.IQ4_NL, 96), (Q.IQ4_NL, 512)]
 
 
 def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
@@ -33,7 +37,7 @@ def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("qtype,n_cols", CASES, ids=[f"{t.name}-{d}" for t, d in CASES])
+@pytest.mark.parametrize("qtype,n_cols", CASES + IQ_CASES, ids=[f"{t.name}-{d}" for t, d in CASES + IQ_CASES])
 def test_kernel_matches_gguf_dequantize(qtype, n_cols):
     rng = np.random.default_rng(int(qtype) * 1000 + n_cols)
     F = 40  # not a multiple of the 16-row blocks: the last program's rows are masked
@@ -47,6 +51,55 @@ def test_kernel_matches_gguf_dequantize(qtype, n_cols):
     ref = _reference(x, stack_SFR, slots, qtype, n_cols)
     assert y.shape == (4, 3, F)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype,n_cols", IQ_CASES, ids=[f"{t.name}-{d}" for t, d in IQ_CASES])
+def test_iq_linear_matches_dequantize_then_matmul(qtype, n_cols):
+    """`linear` (a dense matrix, a few token rows) over random blocks: every grid index, sign and scale
+    bit pattern is valid, so random bytes reach all of each codebook."""
+    rng = np.random.default_rng(int(qtype) * 7 + n_cols)
+    F, T = 40, 3
+    w_FR = random_tensor_bytes(rng, qtype, (F, n_cols), 0.02)
+    x_TD = rng.standard_normal((T, n_cols)).astype(np.float32)
+    w = QTensor(jnp.asarray(w_FR), qtype, n_cols)
+    on = Kernels(qmatvec="on")
+    assert qm.supported(qtype, n_cols) and qm.linear_ok(w, T, on)
+    y = np.asarray(qm.linear(jnp.asarray(x_TD), w, on))
+    ref = x_TD.astype(np.float64) @ gguf_dequantize(w_FR, qtype).astype(np.float64).T
+    assert y.shape == (T, F) and np.abs(ref).max() > 0
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL], ids=lambda t: t.name)
+def test_iq_kernel_lowers_to_triton(qtype):
+    """The Triton lowering (run here without a GPU: Pallas' lowering rules emit Triton IR on the host)
+    takes the IQ decoders' ops, the codebook gathers included; the GPU compile itself is for
+    benchmarks/decode_profile.py."""
+    part = qm.dense_part(qtype, 40, 512)
+    w = jax.ShapeDtypeStruct((3, 40 * part.row_bytes), jnp.uint8)
+    x = jax.ShapeDtypeStruct((4, 1, 512), jnp.float32)
+    fn = jax.jit(lambda x, w, s: qm.stacked_matvec(x, w, s, parts=(part,), block_rows=16, interpret=False))
+    text = fn.trace(x, w, jax.ShapeDtypeStruct((4,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"qmatvec_{qtype.name.lower()}_r16w4" in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_swiglu_over_fused_rows_of_two_iq_types():
+    """gate IQ3_S and up IQ1_M in one call: two codebook inputs, each part reading its own."""
+    rng = np.random.default_rng(8)
+    F, D, S = 24, 256, 3
+    g = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
+    u = random_tensor_bytes(rng, Q.IQ1_M, (S, F, D), 0.02)
+    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
+    parts = (qm.Part(Q.IQ3_S, F, g.shape[-1], 0, D), qm.Part(Q.IQ1_M, F, u.shape[-1], F * g.shape[-1], D))
+    assert qm._tables(parts) == ("iq3s_grid", "iq1s_grid")
+    x = rng.standard_normal((2, 1, D)).astype(np.float32)
+    slots = np.array([2, 0], np.int32)
+    y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(slots), parts=parts, swiglu=True,
+                          block_rows=16, interpret=True)
+    gx = _reference(x, g, slots, Q.IQ3_S, D)
+    ux = _reference(x, u, slots, Q.IQ1_M, D)
+    ref = gx / (1 + np.exp(-gx)) * ux
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 def test_swiglu_over_fused_rows_of_two_types():
@@ -94,6 +147,9 @@ def test_modes():
     assert qm.use_kernel(k4, 1, gpu)  # 256 programs of 16 rows
     assert not qm.use_kernel(small, 1, gpu) and qm.use_kernel(small, 8, gpu)  # 32 programs; 8 experts x 32
     assert not qm.use_kernel(q8, 1, gpu)  # auto takes only the K-quants measured faster
+    iq = (qm.dense_part(Q.IQ3_S, 4096, 2048),)
+    assert qm.use_kernel(iq, 1, on) and not qm.use_kernel(iq, 8, gpu)  # IQ: not measured on a GPU yet
+    assert not qm.use_kernel((qm.dense_part(Q.TQ2_0, 8, 256),), 1, on)  # no kernel decoder for TQ types
 
 
 def test_kernels_from_environment(monkeypatch):
@@ -170,3 +226,29 @@ def test_kernel_is_in_the_decode_step(kmoe_path, monkeypatch):
     assert (Q.Q4_K, 256, 2) in kinds  # routed experts: gate + up in one call
     assert (Q.Q6_K, 256, 1) in kinds  # an odd layer's down projection
     assert (Q.Q4_K, 512, 1) in kinds  # the LM head (vocab 512)
+
+
+# routed experts IQ3_S, the odd layer's down projections IQ1_M (as tests/test_quant.py's IQ model)
+IQ_SPEC = dataclasses.replace(SPEC, qtype="Q8_0", expert_qtype="IQ3_S", odd_down_qtype="IQ1_M", seed=11)
+
+
+@pytest.mark.slow  # three whole-model decodes, two of them in Pallas' interpreter (~2 min on CPU)
+def test_iq_experts_decode_through_the_kernel(tmp_path, monkeypatch):
+    """IQ3_S / IQ1_M experts read from their slots by the kernel (resident and offloaded) decode the
+    tokens and log-probabilities of the same model whose experts are gguf-py's F32 dequantization of the
+    same blocks, decoded by dequantize + matmul."""
+    iq_path = write_synthetic_gguf(tmp_path / "iq.gguf", IQ_SPEC)
+    ref_path = write_synthetic_gguf(tmp_path / "f32.gguf", dataclasses.replace(IQ_SPEC, dequantize_experts=True))
+    ref_tokens, ref_lp, _ = _decode_run(ref_path, "0")
+    calls = []
+    real = qm.stacked_matvec
+    monkeypatch.setattr(qm, "stacked_matvec", lambda *a, **k: calls.append(k["parts"]) or real(*a, **k))
+    for kw in ({}, {"expert_slots": 6}):
+        tokens, lp, st = _decode_run(iq_path, "1", **kw)
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
+        if kw:
+            assert st["misses"] > 0
+    kinds = {(p[0].qtype, p[0].n_rows, len(p)) for p in calls}
+    assert (Q.IQ3_S, 256, 2) in kinds  # gate + up in one call
+    assert (Q.IQ3_S, 256, 1) in kinds and (Q.IQ1_M, 256, 1) in kinds  # the down projections

@@ -26,7 +26,18 @@ def layout(qtype) -> BlockLayout:
     return LAYOUTS[GGMLQuantizationType(qtype)]
 
 
+# the K-quant family proper (llama.cpp's k_quants: 6- or 8-bit sub-block scales in a 256-value
+# super-block); the IQ and TQ types also come in 256-value blocks but are different formats
+K_QUANTS = frozenset(GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"))
+
+
 def is_k_quant(qtype) -> bool:
+    """Whether qtype is one of the K-quants (Q2_K ... Q8_K); False for IQ/TQ types."""
+    return GGMLQuantizationType(qtype) in K_QUANTS
+
+
+def is_super_block(qtype) -> bool:
+    """Whether qtype's blocks are 256-value super-blocks (K-quants, most IQ types, TQ types)."""
     return layout(qtype).block_size == QK_K
 
 

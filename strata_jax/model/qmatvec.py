@@ -13,13 +13,18 @@ The routed experts' gate and up projections run in one call that produces silu(g
 
 Layout: a matrix is `n_rows` GGML rows of `row_bytes` bytes at byte `offset` of a stack row (a slot of
 the fused expert rows, or the whole dense matrix). Each program computes `block_rows` outputs of one
-pair, walking the row a unit at a time (a 256-value K-quant super-block, or up to 8 blocks of a 32-value
-type). Within a unit every field is loaded as a [rows, groups, values] tensor through index arithmetic:
-Triton tensors need power-of-two shapes and cannot be sliced in registers.
+pair, walking the row a unit at a time (a 256-value super-block of a K-quant or IQ type, or up to 8
+blocks of a 32-value type). Within a unit every field is loaded as a [rows, groups, values] tensor through
+index arithmetic: Triton tensors need power-of-two shapes and cannot be sliced in registers. The IQ types'
+codebooks (grids, IQ4 values) are small constant inputs of the call, gathered like the weight bytes.
+
+Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S, IQ4_NL, IQ4_XS (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
 "auto" (on a GPU, K-quant matrices with enough rows to fill the chip: where it is faster,
-docs/benchmarks.md), "on" (every supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
+docs/benchmarks.md; the IQ types wait for their GPU measurement), "on" (every supported matrix; on CPU
+through Pallas' interpreter, for tests), "off" (never).
 
 Numerics: float32 dot products of the decoded integers with x, scaled per sub-block (llama.cpp's
 formulation); the summation order differs from dequantize-then-matmul, so results agree to float32
@@ -39,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType
 
-from strata_jax.gguf.layout import QK_K, is_k_quant, layout, row_bytes
+from strata_jax.gguf import iq_tables as iqt
+from strata_jax.gguf.layout import QK_K, is_k_quant, is_super_block, layout, row_bytes
 from strata_jax.gguf.quant import dequantize
 from strata_jax.model.kernels import Kernels
 
@@ -192,6 +198,167 @@ def _q5_terms(ld, G, size, qh_at, qs_at, with_min):
     return out
 
 
+# ---- IQ types: lattice grid points, sign patterns, non-linear values -------------------------------
+# Their codebooks reach the kernel as small constant inputs (`_TABLES`: the grid rows flattened to
+# uint8/int8, value j of point i at i * width + j, at most 16 KiB). A lookup is one more gather load,
+# the same pointer-tensor load the weight bytes take (Triton has no register-indexed arrays), served
+# from L1/L2; bytes rather than packed uint32 words, so no unpacking shifts follow the load. `tab(idx)`
+# loads the entries at idx (int32, any shape) of the part's table. The seven-bit sign indices of
+# IQ2_XXS/IQ2_XS/IQ3_XXS need no table: their eighth sign is the parity of the seven (iq_tables).
+# Terms are one per grid point: A points of Q values, the point's sub-block scale repeated per point.
+
+
+def _u16_at(ld, at):
+    return _u(ld(at)) | (_u(ld(at + 1)) << 8)
+
+
+def _u32_at(ld, at):
+    # bit 31 may land in the sign of the int32: callers only shift right by <= 28 and mask
+    return _u16_at(ld, at) | (_u16_at(ld, at + 2) << 16)
+
+
+def _ksign_bits(s_OA, bit_AQ):
+    """Sign bits (1 = negative) of seven-bit sign indices s [O, A] at bits bit_AQ (0-7): [O, A, Q]."""
+    par = s_OA ^ (s_OA >> 4)
+    par = par ^ (par >> 2)
+    par = (par ^ (par >> 1)) & 1
+    return ((s_OA | (par << 7))[:, :, None] >> bit_AQ[None]) & 1
+
+
+def _points(tab, ix_OA, j_AQ, width):
+    """Values j of grid points ix: float32 [O, A, Q]."""
+    return tab(ix_OA[:, :, None] * width + j_AQ[None]).astype(jnp.float32)
+
+
+def _signed(v, neg):
+    return jnp.where(neg != 0, -v, v)
+
+
+def _d(ld, n):
+    return _f16(ld(_const(n, 0)), ld(_const(n, 1)))
+
+
+def _iq2_scale(d, sc):
+    return d * (0.5 + sc.astype(jnp.float32)) * 0.25
+
+
+def _terms_iq2_xxs(ld, tab):
+    # 8 sub-blocks of 8 bytes: 4 grid indices (points of 8), a uint32 of four 7-bit sign indices + scale
+    p, j = _grid(32, 8)
+    p_A = _iota(32)
+    at = 2 + 8 * (p_A // 4)
+    grid = _points(tab, _u(ld(at + p_A % 4)), j, 8)
+    s = (_u32_at(ld, at + 4) >> (7 * (p_A % 4))) & 0x7F
+    return [(_signed(grid, _ksign_bits(s, j)), _iq2_scale(_d(ld, 32), _u(ld(at + 7)) >> 4), None, 8 * p + j)]
+
+
+def _terms_iq2_xs(ld, tab):
+    # a uint16 per point: 9-bit grid index, 7-bit sign index; a nibble scale per 2 points
+    p, j = _grid(32, 8)
+    p_A = _iota(32)
+    w = _u16_at(ld, 2 + 2 * p_A)
+    sc = (_u(ld(66 + p_A // 4)) >> (4 * ((p_A // 2) % 2))) & 0x0F
+    grid = _points(tab, w & 0x1FF, j, 8)
+    return [(_signed(grid, _ksign_bits(w >> 9, j)), _iq2_scale(_d(ld, 32), sc), None, 8 * p + j)]
+
+
+def _terms_iq2_s(ld, tab):
+    # 10-bit grid indices (qs byte, 2 bits of qh), an explicit sign byte per point, a nibble per 2 points
+    p, j = _grid(32, 8)
+    p_A = _iota(32)
+    ix = _u(ld(2 + p_A)) | (((_u(ld(66 + p_A // 4)) >> (2 * (p_A % 4))) & 3) << 8)
+    neg = (_u(ld(34 + p_A))[:, :, None] >> j[None]) & 1
+    sc = (_u(ld(74 + p_A // 4)) >> (4 * ((p_A // 2) % 2))) & 0x0F
+    return [(_signed(_points(tab, ix, j, 8), neg), _iq2_scale(_d(ld, 32), sc), None, 8 * p + j)]
+
+
+def _terms_iq3_xxs(ld, tab):
+    # 64 grid indices (points of 4), then per 32-value sub-block (8 points) a uint32 as in IQ2_XXS
+    p, j = _grid(64, 4)
+    p_A = _iota(64)
+    at = 66 + 4 * (p_A // 8)
+    s = (_u32_at(ld, at) >> (7 * ((p_A % 8) // 2))) & 0x7F  # one sign index per 8 values (2 points)
+    neg = _ksign_bits(s, 4 * (p % 2) + j)
+    db = _d(ld, 64) * (0.5 + (_u(ld(at + 3)) >> 4).astype(jnp.float32)) * 0.5
+    return [(_signed(_points(tab, _u(ld(2 + p_A)), j, 4), neg), db, None, 4 * p + j)]
+
+
+def _terms_iq3_s(ld, tab):
+    # 9-bit grid indices (qs byte, qh bit p), one sign bit per value, a nibble scale per 8 points
+    p, j = _grid(64, 4)
+    p_A = _iota(64)
+    ix = _u(ld(2 + p_A)) | (((_u(ld(66 + p_A // 8)) >> (p_A % 8)) & 1) << 8)
+    neg = (_u(ld(74 + p_A // 2))[:, :, None] >> (4 * (p % 2) + j)[None]) & 1
+    sc = (_u(ld(106 + p_A // 16)) >> (4 * ((p_A // 8) % 2))) & 0x0F
+    db = _d(ld, 64) * (1 + 2 * sc).astype(jnp.float32)
+    return [(_signed(_points(tab, ix, j, 4), neg), db, None, 4 * p + j)]
+
+
+def _iq1_delta(neg_OA):
+    return jnp.where(neg_OA != 0, -iqt.IQ1S_DELTA, iqt.IQ1S_DELTA)
+
+
+def _terms_iq1_s(ld, tab):
+    # per 4 points a uint16: their 3 high index bits, a 3-bit scale, the delta's sign; dl * (grid + delta)
+    # as dl * grid + dl * delta (the bias)
+    p, j = _grid(32, 8)
+    p_A = _iota(32)
+    qh = _u16_at(ld, 34 + 2 * (p_A // 4))
+    ix = _u(ld(2 + p_A)) | (((qh >> (3 * (p_A % 4))) & 7) << 8)
+    dl = _d(ld, 32) * (2 * ((qh >> 12) & 7) + 1).astype(jnp.float32)
+    return [(_points(tab, ix, j, 8), dl, dl * _iq1_delta(qh & 0x8000), 8 * p + j)]
+
+
+def _terms_iq1_m(ld, tab):
+    # d: the top nibbles of the four uint16 scale words; 3-bit scales per 2 points; a qh nibble per
+    # point: 3 high index bits, the delta's sign
+    p, j = _grid(32, 8)
+    p_A = _iota(32)
+    top = [_u(ld(_const(32, 49 + 2 * w))) >> 4 for w in range(4)]
+    d = _f16(top[0] | (top[1] << 4), top[2] | (top[3] << 4))
+    a = p_A // 2
+    s = (_u16_at(ld, 48 + 2 * (a // 4)) >> (3 * (a % 4))) & 7
+    h = (_u(ld(32 + p_A // 2)) >> (4 * (p_A % 2))) & 0x0F
+    dl = d * (2 * s + 1).astype(jnp.float32)
+    return [(_points(tab, _u(ld(p_A)) | ((h & 7) << 8), j, 8), dl, dl * _iq1_delta(h & 8), 8 * p + j)]
+
+
+def _terms_iq4_xs(ld, tab):
+    # 8 sub-blocks of 32: six-bit scales (low nibbles at 4-7, top bit pairs in the uint16 at 2-3) - 32;
+    # value k of sub-block a: nibble k // 16 of qs byte 8 + 16a + k % 16, through the 16 non-linear values
+    a, k = _grid(8, 32)
+    a_A = _iota(8)
+    nib = (_u(ld(8 + 16 * a + k % 16)) >> (4 * (k // 16))) & 0x0F
+    lo = (_u(ld(4 + a_A // 2)) >> (4 * (a_A % 2))) & 0x0F
+    hi = (_u(ld(2 + a_A // 4)) >> (2 * (a_A % 4))) & 3
+    dl = _d(ld, 8) * ((lo | (hi << 4)) - 32).astype(jnp.float32)
+    return [(tab(nib).astype(jnp.float32), dl, None, 32 * a + k)]
+
+
+def _terms_iq4_nl(ld, G, tab):
+    g, l = _grid(G, 16)  # Q4_0's layout, the nibbles through the 16 non-linear values
+    qs = _u(ld(18 * g + 2 + l))
+    d = _blocks_f16(ld, G, 18)
+    return [(tab((qs >> (4 * half)) & 0x0F).astype(jnp.float32), d, None, 32 * g + 16 * half + l)
+            for half in (0, 1)]
+
+
+_TABLES = {  # name -> flat table; a part's table is _TABLES[_TABLE_OF[qtype]]
+    "iq2xxs_grid": iqt.IQ2XXS_GRID.reshape(-1),
+    "iq2xs_grid": iqt.IQ2XS_GRID.reshape(-1),
+    "iq2s_grid": iqt.IQ2S_GRID.reshape(-1),
+    "iq3xxs_grid": iqt.IQ3XXS_GRID.reshape(-1),
+    "iq3s_grid": iqt.IQ3S_GRID.reshape(-1),
+    "iq1s_grid": iqt.IQ1S_GRID.reshape(-1),
+    "iq4nl_values": iqt.KVALUES_IQ4NL,
+}
+_TABLE_OF = {
+    Q.IQ2_XXS: "iq2xxs_grid", Q.IQ2_XS: "iq2xs_grid", Q.IQ2_S: "iq2s_grid", Q.IQ3_XXS: "iq3xxs_grid",
+    Q.IQ3_S: "iq3s_grid", Q.IQ1_S: "iq1s_grid", Q.IQ1_M: "iq1s_grid", Q.IQ4_XS: "iq4nl_values",
+    Q.IQ4_NL: "iq4nl_values",
+}
+
+
 _TERMS = {
     Q.Q4_K: _terms_q4_k,
     Q.Q5_K: _terms_q5_k,
@@ -201,6 +368,15 @@ _TERMS = {
     Q.Q4_1: _terms_q4_1,
     Q.Q5_0: lambda ld, G: _q5_terms(ld, G, 22, 2, 6, False),
     Q.Q5_1: lambda ld, G: _q5_terms(ld, G, 24, 4, 8, True),
+    Q.IQ2_XXS: _terms_iq2_xxs,
+    Q.IQ2_XS: _terms_iq2_xs,
+    Q.IQ2_S: _terms_iq2_s,
+    Q.IQ3_XXS: _terms_iq3_xxs,
+    Q.IQ3_S: _terms_iq3_s,
+    Q.IQ1_S: _terms_iq1_s,
+    Q.IQ1_M: _terms_iq1_m,
+    Q.IQ4_XS: _terms_iq4_xs,
+    Q.IQ4_NL: _terms_iq4_nl,
 }
 
 SUPPORTED = frozenset(_TERMS)
@@ -208,12 +384,12 @@ SUPPORTED = frozenset(_TERMS)
 
 def _group(qtype, n_cols: int) -> tuple[int, int, int] | None:
     """(values, bytes, G) of the unit a program decodes at a time along a row: one 256-value super-block
-    of a K-quant, or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
+    (K-quant, IQ), or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
     if the row cannot be walked so."""
     block, size = layout(qtype).block_size, layout(qtype).type_size
     if n_cols % block:
         return None
-    if block == SUPER:
+    if is_super_block(qtype):
         return SUPER, size, 1
     n_blocks = n_cols // block
     G = 8
@@ -230,13 +406,22 @@ def supported(qtype, n_cols: int) -> bool:
 # ---- the kernel ------------------------------------------------------------------------------------
 
 
-def _row_dot(w_ref, x_ref, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bool):
-    """[T] list of float32[O]: the program's rows of `part` dotted with each of the pair's T rows."""
+def _tables(parts) -> tuple[str, ...]:
+    """Names of the tables the parts' types look up, each once, in the order of the kernel's inputs."""
+    return tuple(dict.fromkeys(_TABLE_OF[p.qtype] for p in parts if p.qtype in _TABLE_OF))
+
+
+def _row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bool):
+    """[T] list of float32[O]: the program's rows of `part` dotted with each of the pair's T rows.
+    tab_refs: {table name: ref} of the call's lookup tables."""
     from jax.experimental.pallas import triton as plgpu
 
     values, nbytes, G = _group(part.qtype, part.n_cols)
-    k_quant = is_k_quant(part.qtype)
-    terms = _TERMS[part.qtype] if k_quant else functools.partial(_TERMS[part.qtype], G=G)
+    kw = {} if is_super_block(part.qtype) else {"G": G}
+    if part.qtype in _TABLE_OF:
+        tab_ref = tab_refs[_TABLE_OF[part.qtype]]
+        kw["tab"] = lambda idx: tab_ref[idx]  # indices in range by construction (masked fields)
+    terms = functools.partial(_TERMS[part.qtype], **kw)
 
     def unit(b, acc):
         base_O = part.offset + rows_O * part.row_bytes + b * nbytes
@@ -267,15 +452,18 @@ def _row_dot(w_ref, x_ref, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bo
     return list(jax.lax.fori_loop(0, n_units, unit, acc))
 
 
-def _kernel(slot_ref, x_ref, w_ref, o_ref, *, parts, T, block_rows, swiglu, unroll):
+def _kernel(slot_ref, x_ref, w_ref, *refs, parts, tables, T, block_rows, swiglu, unroll):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
+
+    *tab, o_ref = refs
+    tab_refs = dict(zip(tables, tab))
 
     m = pl.program_id(0)
     rows_O = pl.program_id(1) * block_rows + _iota(block_rows)
     ok_O = rows_O < parts[0].n_rows if parts[0].n_rows % block_rows else None
     slot = slot_ref[m]
-    ys = [_row_dot(w_ref, x_ref, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
+    ys = [_row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
     for t in range(T):
         y = jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t]
         plgpu.store(o_ref.at[m, t, rows_O], y.astype(o_ref.dtype), mask=ok_O)
@@ -307,7 +495,9 @@ def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool
         raise ValueError(f"a stack of {w_XP.nbytes} bytes is between 2 and 4 GiB: see stack_ok")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    kernel = functools.partial(_kernel, parts=parts, T=T, block_rows=block_rows, swiglu=swiglu, unroll=unroll)
+    tables = _tables(parts)
+    kernel = functools.partial(_kernel, parts=parts, tables=tables, T=T, block_rows=block_rows, swiglu=swiglu,
+                               unroll=unroll)
     kw = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -320,7 +510,7 @@ def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool
         interpret=interpret,
         name=f"qmatvec_{parts[0].qtype.name.lower()}{'_swiglu' if swiglu else ''}_r{block_rows}w{num_warps}",
         **kw,
-    )(slot_I.astype(jnp.int32), x_ITD, w_XP)
+    )(slot_I.astype(jnp.int32), x_ITD, w_XP, *(jnp.asarray(_TABLES[t]) for t in tables))
 
 
 def dense_part(qtype, n_rows: int, n_cols: int) -> Part:
@@ -364,7 +554,8 @@ def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels) -> bool:
     """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only where
     it is faster than dequantize + matmul: K-quant matrices with at least MIN_PROGRAMS programs. Small
     projections (few programs) and 32-value block types (Q5_0/Q8_0 rows) are slower on the kernel
-    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel")."""
+    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel"); the IQ types are not measured on a GPU
+    yet (benchmarks/decode_profile.py times them), so only "on" takes them."""
     if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
     if kernels.qmatvec == "on":
