@@ -169,7 +169,38 @@ for _v in QWEN4EXP_VARIANTS:
     ARCH_SPECS[f"qwen4exp-{_v}"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", "qwen4exp", "qwen2-512",
                                    dict(_QWEN4EXP, **_QWEN4EXP_VARIANT_KWARGS[_v]))
 QWEN4EXP_ARCHS = tuple(f"qwen4exp-{v}" for v in QWEN4EXP_VARIANTS)
-assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS)
+
+# qwen3next / qwen35moe / qwen35 (the seed model's relatives: the same hybrid without hyper-connections,
+# QSA or PLE; plain residual + zero-centred RMSNorms): 4 layers (linear, full, linear, full), GQA 4/2
+# heads of 32 with partial rotary 0.25, DeltaNet 2 key / 4 value heads of 16 (qwen3next keeps HF's
+# grouped value-head order, the qwen35 converters reorder them to tiled), MoE 8 experts top-2 of
+# width 32 + a sigmoid-gated shared expert of 96; qwen35 dense has a SwiGLU MLP of 96 instead.
+# Each is converted twice: with --no-mtp (what transformers saves: no MTP weights) and with one
+# random MTP block added to the checkpoint (HYBRID_MTP: "-mtp" suffixed archs).
+QWEN3NEXT_RECIPE_VERSION = 1
+_HYBRID = dict(
+    _Q4_SPECIAL, vocab_size=_Q4_SMALL_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False, full_attention_interval=2,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+_HYBRID_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2)
+_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+              mrope_interleaved=True)
+HYBRID_BASE_ARCHS: tuple[str, ...] = ("qwen3next", "qwen35moe", "qwen35")
+ARCH_SPECS["qwen3next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", "qwen3next", "qwen2-512", dict(
+    _HYBRID, **_HYBRID_MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)))
+ARCH_SPECS["qwen35moe"] = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "qwen35moe", "qwen2-512", dict(
+    _HYBRID, **_HYBRID_MOE, rope_parameters=_MROPE))
+# tied, like the small real Qwen3.5 models: covers a file without output.weight
+ARCH_SPECS["qwen35"] = ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen35", "qwen2-512", dict(
+    _HYBRID, intermediate_size=96, rope_parameters=_MROPE, tie_word_embeddings=True))
+for _a in HYBRID_BASE_ARCHS:
+    ARCH_SPECS[f"{_a}-mtp"] = ARCH_SPECS[_a]
+HYBRID_ARCHS = HYBRID_BASE_ARCHS + tuple(f"{a}-mtp" for a in HYBRID_BASE_ARCHS)
+assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS)
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -306,11 +337,11 @@ def _run_converter(hf_dir: Path, outfile: Path, outtype: str, *extra: str, pre: 
                            f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Run the converter in a subprocess; `out` appears only when the conversion succeeded."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        _run_converter(hf_dir, tmp, outtype, pre=pre)
+        _run_converter(hf_dir, tmp, outtype, *extra, pre=pre)
         if not tmp.is_file():
             raise RuntimeError(f"convert_hf_to_gguf.py wrote no {tmp} for {hf_dir} ({outtype})")
         GGUFFile(tmp)  # readable, or raise now rather than in every test that uses it
@@ -454,6 +485,9 @@ def _hf_key(arch: str) -> str:
     cfg_cls, model_cls, _, tok_kind, kwargs = ARCH_SPECS[arch]
     tok_id = DEFAULT_MODEL_SHA256 if tok_kind == "qwen2" else _spm_tokenizer_name()
     stds = (WEIGHT_STD, EMBED_STD, ROUTER_STD, NORM_JITTER)
+    if arch in HYBRID_ARCHS:
+        return _key(QWEN3NEXT_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
+                    f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     if arch in QWEN4EXP_ARCHS:
         return _key(QWEN4EXP_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
@@ -511,6 +545,52 @@ def _init_weights_qwen4exp(model, seed: int) -> None:
             p.copy_(torch.from_numpy(v.astype(np.float32)))
 
 
+def _hybrid_value(name: str, shape: tuple[int, ...], rng) -> np.ndarray:
+    """_init_weights' scales for a qwen3next / qwen35 parameter: its RMSNorms are zero-centred (the
+    model multiplies by 1 + w, the converter writes w + 1) but for the DeltaNet's gated norm."""
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + NORM_JITTER * rng.standard_normal(shape)
+    if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
+        return NORM_JITTER * rng.standard_normal(shape)
+    if name.endswith("linear_attn.A_log"):  # decay rates exp(A_log) in [0.5, 8]
+        return np.log(rng.uniform(0.5, 8.0, shape))
+    if name.endswith("linear_attn.dt_bias"):
+        return 1.0 + NORM_JITTER * rng.standard_normal(shape)
+    if "embed_tokens" in name:
+        return EMBED_STD * rng.standard_normal(shape)
+    if name.endswith("mlp.gate.weight"):  # router
+        return ROUTER_STD * rng.standard_normal(shape)
+    return WEIGHT_STD * rng.standard_normal(shape)
+
+
+def _init_weights_hybrid(model, seed: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            p.copy_(torch.from_numpy(_hybrid_value(name, tuple(p.shape), rng).astype(np.float32)))
+
+
+def _add_mtp_block(hf_dir: Path, hidden: int, like_layer: int, seed: int) -> None:
+    """Add one random MTP block to the saved checkpoint, named as the real Qwen3-Next / Qwen3.5 ones are
+    (transformers never creates them and ignores them on load): mtp.fc [D, 2D], the two pre-fc norms,
+    the final norm, and mtp.layers.0.* shaped like full-attention layer `like_layer`'s tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    (path,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(str(path))
+    pre = f"model.layers.{like_layer}."
+    new = {f"mtp.layers.0.{k[len(pre):]}": v for k, v in tensors.items() if k.startswith(pre)}
+    new["mtp.fc.weight"] = np.zeros((hidden, 2 * hidden), np.float32)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        new[f"mtp.{n}.weight"] = np.zeros((hidden,), np.float32)
+    for k, v in new.items():
+        rng = np.random.default_rng([seed, zlib.crc32(k.encode())])
+        tensors[k] = _hybrid_value(k, v.shape, rng).astype(np.float32)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def _restore_checkpoint_config(hf_dir: Path, kwargs: dict[str, Any]) -> None:
     """Put back into config.json what transformers drops or renames on save and a real checkpoint has:
     `full_attention_interval` and "full_attention" layer types (the converter reads both)."""
@@ -518,6 +598,8 @@ def _restore_checkpoint_config(hf_dir: Path, kwargs: dict[str, Any]) -> None:
     config = json.loads(path.read_text())
     config["full_attention_interval"] = kwargs["full_attention_interval"]
     config["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in config["layer_types"]]
+    if "mtp_num_hidden_layers" in kwargs:
+        config["mtp_num_hidden_layers"] = kwargs["mtp_num_hidden_layers"]
     path.write_text(json.dumps(config, indent=2))
 
 
@@ -539,15 +621,28 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        (_init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights)(model, SEED)
+        init = (_init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights_hybrid if arch in HYBRID_ARCHS
+                else _init_weights)
+        init(model, SEED)
         with _building(final) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
-            if arch in QWEN4EXP_ARCHS:
-                _restore_checkpoint_config(tmp, kwargs)
+            if arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS:
+                # the qwen35 converters want the MTP layer count in config.json (Qwen3-Next's has none)
+                mtp = {"mtp_num_hidden_layers": 1} if arch.endswith("-mtp") and not arch.startswith("qwen3next") else {}
+                _restore_checkpoint_config(tmp, dict(kwargs, **mtp))
+            if arch.endswith("-mtp"):
+                _add_mtp_block(tmp, kwargs["hidden_size"], like_layer=1, seed=SEED)
             for f in tok_dir.iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
     return final
+
+
+def hybrid_model(arch: str, outtype: str = "f32") -> TinyModel:
+    """A tiny qwen3next / qwen35moe / qwen35 model (HYBRID_ARCHS; "-mtp": with one MTP block)."""
+    if arch not in HYBRID_ARCHS:
+        raise ValueError(f"unknown hybrid arch {arch!r}; choose from {HYBRID_ARCHS}")
+    return tiny_model(arch, outtype)
 
 
 def qwen4exp_model(variant: str, outtype: str = "f32") -> TinyModel:
@@ -565,16 +660,18 @@ def tiny_model(arch: str, outtype: str = "f32") -> TinyModel:
         raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
     hf_dir = tiny_hf_dir(arch)
     _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
-    q4 = arch in QWEN4EXP_ARCHS
+    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS
+    # the hybrids' converter refuses a checkpoint without MTP weights unless told to skip them
+    extra = ("--no-mtp",) if arch in HYBRID_BASE_ARCHS else ()
     key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype,
-               *([_sha256_file(_QWEN4EXP_WRAPPER)] if q4 else []))
+               *([_sha256_file(_QWEN4EXP_WRAPPER)] if q4 else []), *extra)
     out = artifacts_dir() / "gguf" / f"{arch}-{outtype}-{key}.gguf"
     if not out.is_file():
         llama_cpp_converter()
         with _lock(f"gguf-{arch}-{outtype}"):
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
-                convert(hf_dir, out, outtype, pre="qwen2" if q4 else None)
+                convert(hf_dir, out, outtype, pre="qwen2" if q4 else None, extra=extra)
     return TinyModel(out, hf_dir, arch, gguf_arch, outtype, dict(kwargs))
 
 

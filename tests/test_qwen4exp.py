@@ -228,18 +228,18 @@ def _rel_err(ours, ref):
 def test_dims_are_the_modules_own_readers(variant):
     """ModelConfig's qwen4exp dims give each layer module the dims its own GGUF reader gives."""
     from strata_jax.gguf.reader import metadata_view
-    from strata_jax.model import deltanet, ple, qsa, qwen4exp
+    from strata_jax.model import deltanet, hybrid, ple, qsa
     from strata_jax.model.config import ModelConfig
 
     g = GGUFFile(qwen4exp_model(variant).gguf_path)
     cfg = ModelConfig.from_gguf(g)
-    assert qwen4exp.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, "qwen4exp")
-    assert qwen4exp.deltanet_dims(cfg).output_gate == "sigmoid"
-    assert qwen4exp.qsa_layers(cfg) == (1, 3)
-    for i in qwen4exp.qsa_layers(cfg):
-        assert qwen4exp.qsa_dims(cfg, i) == qsa.QSADims.from_metadata(metadata_view(g.metadata, "qwen4exp"), i)
+    assert hybrid.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, "qwen4exp")
+    assert hybrid.deltanet_dims(cfg).output_gate == "sigmoid"
+    assert hybrid.qsa_layers(cfg) == (1, 3)
+    for i in hybrid.qsa_layers(cfg):
+        assert hybrid.qsa_dims(cfg, i) == qsa.QSADims.from_metadata(metadata_view(g.metadata, "qwen4exp"), i)
     if variant == "ple":
-        assert qwen4exp.ple_dims(cfg) == ple.PLEDims.from_gguf(g)
+        assert hybrid.ple_dims(cfg) == ple.PLEDims.from_gguf(g)
     else:
         assert cfg.ple is None and ple.PLEDims.from_gguf(g) is None
 

@@ -135,11 +135,12 @@ class EngineConfig:
                             ", ".join(given), model_config.arch)
         if self.ple_table != "auto" and getattr(model_config, "ple", None) is None:
             log.warning("ple_table=%r ignored: the model has no PLE table", self.ple_table)
-        if self.prefetch and model_config.arch == "qwen4exp":
-            # each qwen4exp MoE layer routes its own hyper-connection mix, which only that layer computes:
-            # no earlier residual stream predicts it
-            raise ConfigError(f"prefetch={self.prefetch} (--prefetch-depth) is not supported for qwen4exp: its "
-                              "routers read a mix computed only at their own layer; use prefetch=0.")
+        if self.prefetch and model_config.is_hybrid:
+            # model/hybrid.py does not prefetch (each qwen4exp MoE layer routes its own hyper-connection mix,
+            # which only that layer computes: no earlier residual stream predicts it)
+            raise ConfigError(f"prefetch={self.prefetch} (--prefetch-depth) is not supported for "
+                              f"{model_config.arch}: the hybrid forward (gated DeltaNet layers) does not prefetch "
+                              "experts; use prefetch=0.")
         return dataclasses.replace(self, ctx=ctx)
 
     def resolved(self, platform: str) -> "EngineConfig":

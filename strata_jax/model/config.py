@@ -24,7 +24,14 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "olmoe": ("neox", False),
     # text positions make its interleaved mrope one neox rope (see _qwen4exp); top-k renormalised
     "qwen4exp": ("neox", True),
+    # the seed model's relatives (the same hybrid, plain residual + norms): qwen3next's rope is neox,
+    # qwen35's interleaved mrope is one neox rope for text, as qwen4exp's; both renormalise top-k
+    "qwen3next": ("neox", True),
+    "qwen35moe": ("neox", True),
+    "qwen35": ("neox", True),
 }
+# gated DeltaNet + gated full attention layers: model/hybrid.py's forward
+HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
 
 LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
@@ -41,6 +48,8 @@ class LinearAttnDims:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    output_gate: str = "sigmoid"  # the gated output norm's activation (qwen4exp sigmoid, the others silu)
+    v_head_order: str = "tiled"  # model/deltanet.py's DeltaNetDims.v_head_order (qwen3next: "grouped")
 
     @property
     def conv_channels(self) -> int:
@@ -110,7 +119,8 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     shared_expert_ffn_dim: int = 0  # qwen2moe: always-on expert, gated by sigmoid(x @ w)
     moe_layers: tuple[int, ...] = ()
-    # qwen4exp (empty / 0 / None elsewhere: every layer is attention + pre-norm residual)
+    # the hybrid family (HYBRID_ARCHITECTURES; empty / 0 / None elsewhere: every layer is attention +
+    # pre-norm residual); hc_count, indexer, ple: qwen4exp only
     layer_kinds: tuple[str, ...] = ()  # per layer: ATTENTION or LINEAR (gated DeltaNet)
     attn_output_gate: bool = False  # attn_q holds [q | gate] per head; output *= sigmoid(gate)
     hc_count: int = 0  # hyper-connection residual streams (0: a plain residual with norms)
@@ -119,6 +129,8 @@ class ModelConfig:
     linear: LinearAttnDims | None = None
     indexer: IndexerDims | None = None
     ple: PLEDims | None = None
+    # MTP ("nextn") blocks stored after the text layers (blk.{n_layers + j}): loaded, not run
+    n_nextn_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -145,6 +157,11 @@ class ModelConfig:
         return len(self.attention_layers)
 
     @property
+    def is_hybrid(self) -> bool:
+        """model/hybrid.py's forward (per-layer kinds, gated attention) rather than model/forward.py's."""
+        return bool(self.layer_kinds)
+
+    @property
     def has_recurrent_state(self) -> bool:
         return bool(self.layer_kinds) and LINEAR in self.layer_kinds
 
@@ -158,8 +175,8 @@ class ModelConfig:
             )
         rope_style, norm_topk = _ARCH_TRAITS[arch]
         m = metadata_view(gguf.metadata, arch)
-        if arch == "qwen4exp":
-            return _qwen4exp(cls, gguf, m)
+        if arch in HYBRID_ARCHITECTURES:
+            return _hybrid(cls, gguf, m, arch)
         d_model = int(m("embedding_length"))
         n_heads = int(m("attention.head_count"))
         n_kv = m("attention.head_count_kv", n_heads)
@@ -222,24 +239,36 @@ def _refuse(gguf: GGUFFile, what: str, fix: str = "") -> None:
     raise UnsupportedArchitectureError(f"{gguf.path}: {what} is not supported{'; ' + fix if fix else ''}.")
 
 
-def _qwen4exp(cls, gguf: GGUFFile, m) -> ModelConfig:
-    """qwen4exp: gated DeltaNet ("linear") and gated full attention layers with a QSA indexer, a MoE
-    block (softmax top-k, renormalised, sigmoid-gated shared expert) on every layer, hyper-connections
-    in place of every norm, optional PLE. Key names as conversion/qwen4exp.py writes them."""
-    n_layers = int(m("block_count"))
+def _hybrid(cls, gguf: GGUFFile, m, arch: str) -> ModelConfig:
+    """The hybrid family: gated DeltaNet ("linear") and gated full attention layers, a MoE block
+    (softmax top-k, renormalised, sigmoid-gated shared expert) on every layer, or (qwen35) a dense
+    SwiGLU MLP. qwen4exp adds hyper-connections in place of every norm, a QSA indexer and optional PLE
+    (_qwen4exp_parts); the others have a plain residual with (1 + w)-folded RMSNorms and may carry MTP
+    ("nextn") blocks after the text layers. Key names as llama.cpp's converters write them
+    (conversion/qwen.py, conversion/qwen4exp.py)."""
+    block_count = int(m("block_count"))
+    nextn = int(m("nextn_predict_layers", 0) or 0)
     # refused by name: parts a text-only forward pass would silently skip
-    if int(m("nextn_predict_layers", 0) or 0):
+    if nextn and arch == "qwen4exp":
         _refuse(gguf, f"qwen4exp.nextn_predict_layers = {m('nextn_predict_layers')} (MTP draft layers)",
                 "convert without the MTP block")
+    if not 0 <= nextn < block_count:
+        _refuse(gguf, f"{arch}.nextn_predict_layers = {nextn} of {block_count} blocks")
+    n_layers = block_count - nextn
     vision = sorted(n for n in gguf.tensors if n.startswith(("v.", "mm.")))
     if vision:
         _refuse(gguf, f"the vision tower ({len(vision)} tensors, e.g. {vision[0]!r})", "use a text-only GGUF")
-    if not gguf.has("blk.0.ffn_gate_inp.weight"):
-        _refuse(gguf, "a qwen4exp file without MoE layers")
+    n_experts = int(m("expert_count", 0) or 0)
+    if arch != "qwen35" and not (n_experts and gguf.has("blk.0.ffn_gate_inp.weight")):
+        _refuse(gguf, f"a {arch} file without MoE layers")
     recurrent = list(m("attention.recurrent_layers", []))
     if not recurrent:
         interval = int(m("full_attention_interval", 4))
         recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    elif nextn and len(recurrent) == block_count:  # the converter lists the MTP blocks too (full attention)
+        if any(recurrent[n_layers:]):
+            _refuse(gguf, "a recurrent MTP block")
+        recurrent = recurrent[:n_layers]
     if len(recurrent) != n_layers:
         _refuse(gguf, f"attention.recurrent_layers of {len(recurrent)} entries for {n_layers} blocks",
                 "MTP/nextn blocks past the text layers")
@@ -255,12 +284,65 @@ def _qwen4exp(cls, gguf: GGUFFile, m) -> ModelConfig:
     if sections and sum(sections) * 2 != rope_dim:
         _refuse(gguf, f"rope.dimension_sections {list(sections)} for {rope_dim} rotary dims")
 
+    first_linear = kinds.index(LINEAR) if LINEAR in kinds else None
+    if first_linear is not None and not gguf.has(f"blk.{first_linear}.attn_qkv.weight"):
+        _refuse(gguf, f"a {arch} DeltaNet without attn_qkv (a legacy fused ssm_in file)", "reconvert it")
     inner = int(m("ssm.inner_size"))
     n_v = int(m("ssm.time_step_rank"))
     linear = LinearAttnDims(n_k_heads=int(m("ssm.group_count")), n_v_heads=n_v, k_head_dim=int(m("ssm.state_size")),
-                            v_head_dim=inner // n_v, conv_kernel=int(m("ssm.conv_kernel")))
+                            v_head_dim=inner // n_v, conv_kernel=int(m("ssm.conv_kernel")),
+                            output_gate="sigmoid" if arch == "qwen4exp" else "silu",
+                            v_head_order="grouped" if arch == "qwen3next" else "tiled")
     if linear.n_v_heads % linear.n_k_heads:
         _refuse(gguf, f"{linear.n_v_heads} DeltaNet value heads over {linear.n_k_heads} key heads")
+
+    expert_ffn = shared_ffn = ffn_dim = 0
+    if n_experts:
+        gate_name = "blk.0.ffn_gate_exps.weight"
+        fused = not gguf.has(gate_name) and gguf.has("blk.0.ffn_gate_up_exps.weight")
+        if fused:
+            expert_ffn = int(gguf.tensor("blk.0.ffn_gate_up_exps.weight").shape[1]) // 2
+        else:
+            expert_ffn = int(gguf.tensor(gate_name).shape[1])
+        shared_ffn = int(m("expert_shared_feed_forward_length", 0))
+    else:
+        ffn_dim = int(_scalar_or_first(m("feed_forward_length")))
+    extra = _qwen4exp_parts(gguf, m, n_layers, kinds) if arch == "qwen4exp" else {}
+    return cls(
+        arch=arch,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(_scalar_or_first(m("attention.head_count_kv", n_heads))),
+        head_dim=head_dim,
+        ffn_dim=ffn_dim,
+        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
+        context_length=int(m("context_length", 4096)),
+        rope_theta=float(m("rope.freq_base", 10000.0)),
+        rope_style="neox",
+        rope_dim=rope_dim,
+        rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        qkv_bias=False,
+        qk_norm="head",
+        tied_embeddings=not gguf.has("output.weight"),
+        n_experts=n_experts,
+        n_experts_used=int(m("expert_used_count", 0)),
+        expert_ffn_dim=expert_ffn,
+        norm_topk=bool(m("expert_weights_norm", True)),
+        expert_weights_scale=float(m("expert_weights_scale", 1.0) or 1.0),
+        shared_expert_ffn_dim=shared_ffn,
+        moe_layers=tuple(range(n_layers)) if n_experts else (),
+        layer_kinds=kinds,
+        attn_output_gate=True,
+        rope_sections=sections,
+        linear=linear,
+        n_nextn_layers=nextn,
+        **extra,
+    )
+
+
+def _qwen4exp_parts(gguf: GGUFFile, m, n_layers: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """qwen4exp's own parts: the QSA indexer, PLE and the hyper-connections."""
     ratios = tuple(int(x) for x in m("attention.compress_ratios", [0] * n_layers))
     indexer = IndexerDims(n_heads=int(m("attention.indexer.head_count")), head_dim=int(m("attention.indexer.key_length")),
                           budget=int(m("attention.indexer.top_k")), compress_ratios=ratios)
@@ -289,43 +371,4 @@ def _qwen4exp(cls, gguf: GGUFFile, m) -> ModelConfig:
     hc = int(m("hyper_connection.count"))
     if hc < 2:
         _refuse(gguf, f"hyper_connection.count = {hc} (qwen4exp mixes at least 2 streams)")
-    n_experts = int(m("expert_count"))
-    gate_name = "blk.0.ffn_gate_exps.weight"
-    fused = not gguf.has(gate_name) and gguf.has("blk.0.ffn_gate_up_exps.weight")
-    if fused:
-        expert_ffn = int(gguf.tensor("blk.0.ffn_gate_up_exps.weight").shape[1]) // 2
-    else:
-        expert_ffn = int(gguf.tensor(gate_name).shape[1])
-    return cls(
-        arch="qwen4exp",
-        n_layers=n_layers,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(_scalar_or_first(m("attention.head_count_kv", n_heads))),
-        head_dim=head_dim,
-        ffn_dim=0,
-        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
-        context_length=int(m("context_length", 4096)),
-        rope_theta=float(m("rope.freq_base", 10000.0)),
-        rope_style="neox",
-        rope_dim=rope_dim,
-        rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
-        qkv_bias=False,
-        qk_norm="head",
-        tied_embeddings=not gguf.has("output.weight"),
-        n_experts=n_experts,
-        n_experts_used=int(m("expert_used_count")),
-        expert_ffn_dim=expert_ffn,
-        norm_topk=bool(m("expert_weights_norm", True)),
-        expert_weights_scale=float(m("expert_weights_scale", 1.0) or 1.0),
-        shared_expert_ffn_dim=int(m("expert_shared_feed_forward_length", 0)),
-        moe_layers=tuple(range(n_layers)),
-        layer_kinds=kinds,
-        attn_output_gate=True,
-        hc_count=hc,
-        hc_rank=int(m("hyper_connection.low_rank")),
-        rope_sections=sections,
-        linear=linear,
-        indexer=indexer,
-        ple=ple,
-    )
+    return dict(hc_count=hc, hc_rank=int(m("hyper_connection.low_rank")), indexer=indexer, ple=ple)

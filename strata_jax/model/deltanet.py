@@ -52,8 +52,13 @@ class DeltaNetDims:
     v_head_dim: int  # Dv: {arch}.ssm.inner_size / Hv (llama.cpp assumes Dv == Dk; this does not)
     conv_kernel: int  # Kc: {arch}.ssm.conv_kernel (linear_conv_kernel_dim)
     rms_eps: float  # {arch}.attention.layer_norm_rms_epsilon: the gated output norm
-    # No GGUF key carries HF's output_gate_type: llama.cpp's qwen4exp graph hard-codes sigmoid.
+    # No GGUF key carries HF's output_gate_type: llama.cpp's qwen4exp graph hard-codes sigmoid (its
+    # qwen3next / qwen35 graphs silu, as their transformers models).
     output_gate: str = "sigmoid"
+    # Value heads' order in the file: "tiled" (head h reads key head h % Hk: the qwen35 / qwen4exp
+    # converters reorder them so) or "grouped" (HF's order, head h reads key head h // (Hv / Hk): the
+    # qwen3next converter keeps it). Every per-value-head tensor and the state follow the same order.
+    v_head_order: str = "tiled"
     chunk_size: int = 64  # tokens per chunk of the parallel form, as the reference
     l2_eps: float = 1e-6  # the q/k l2norm's eps, fixed in transformers (llama.cpp uses rms_eps: equal in practice)
 
@@ -62,6 +67,8 @@ class DeltaNetDims:
             raise ValueError(f"value heads ({self.n_v_heads}) must be a multiple of key heads ({self.n_k_heads})")
         if self.output_gate not in OUTPUT_GATES:
             raise ValueError(f"output_gate={self.output_gate!r}: choose one of {OUTPUT_GATES}")
+        if self.v_head_order not in ("tiled", "grouped"):
+            raise ValueError(f"v_head_order={self.v_head_order!r}: choose 'tiled' or 'grouped'")
         if self.conv_kernel < 1 or self.chunk_size < 1:
             raise ValueError(f"conv_kernel ({self.conv_kernel}) and chunk_size ({self.chunk_size}) must be >= 1")
 
@@ -131,7 +138,7 @@ class DeltaNetState:
     be zeroed by the caller first (`zeros`, `reset_rows`): `apply` always continues from what it gets."""
 
     conv_BKcCc: jax.Array  # the last Kc-1 inputs of the short conv (x W_qkv before the conv), oldest first
-    ssm_BHvDkDv: jax.Array  # the delta-rule state S, value heads in the GGUF's (tiled) order
+    ssm_BHvDkDv: jax.Array  # the delta-rule state S, value heads in the GGUF's order (dims.v_head_order)
 
     @classmethod
     def zeros(cls, B: int, dims: DeltaNetDims) -> "DeltaNetState":
@@ -240,8 +247,10 @@ def apply(p: DeltaNetParams, x_BTD: jax.Array, state: DeltaNetState, *, n_valid_
     v = conv[..., 2 * d.key_dim:].reshape(B, T, Hv, Dv)
     q = _l2norm(q, d.l2_eps) * (Dk ** -0.5)
     k = _l2norm(k, d.l2_eps)
-    q = jnp.tile(q, (1, 1, Hv // Hk, 1))  # value head h reads key head h % Hk (the tiled order)
-    k = jnp.tile(k, (1, 1, Hv // Hk, 1))
+    if d.v_head_order == "grouped":  # value head h reads key head h // (Hv / Hk)
+        q, k = jnp.repeat(q, Hv // Hk, axis=2), jnp.repeat(k, Hv // Hk, axis=2)
+    else:  # value head h reads key head h % Hk (the tiled order)
+        q, k = jnp.tile(q, (1, 1, Hv // Hk, 1)), jnp.tile(k, (1, 1, Hv // Hk, 1))
 
     if T == 1:
         o, S = _step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm_BHvDkDv)

@@ -29,7 +29,7 @@ from strata_jax.model.weights import Params
 @struct.dataclass
 class KVCache:
     """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers)
-    and, for a model with recurrent layers (qwen4exp), `rec`: their per-row state, a pytree whose every
+    and, for a model with recurrent layers (the hybrid family), `rec`: their per-row state, a pytree whose every
     leaf has the batch axis first (None otherwise, so other models' programs are what they were). Both
     are donated and updated in place by the two programs."""
 
@@ -43,9 +43,9 @@ class KVCache:
         make = functools.partial(jnp.zeros, shape, dtype)
         rec = None
         if cfg.has_recurrent_state:
-            from strata_jax.model import qwen4exp  # noqa: PLC0415 - the one family with recurrent state
+            from strata_jax.model import hybrid  # noqa: PLC0415 - the one family with recurrent state
 
-            rec = qwen4exp.state_zeros(cfg, batch, length)
+            rec = hybrid.state_zeros(cfg, batch, length)
         kv = cls(make(), make(), rec)
         return jax.device_put(kv, device) if device is not None else kv
 
@@ -102,10 +102,10 @@ def forward(
     Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
     """
-    if cfg.arch == "qwen4exp":
-        from strata_jax.model import qwen4exp  # noqa: PLC0415 - its layer modules load only for it
+    if cfg.is_hybrid:
+        from strata_jax.model import hybrid  # noqa: PLC0415 - its layer modules load only for it
 
-        return qwen4exp.forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
+        return hybrid.forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
                                 kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced_MNk)
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]

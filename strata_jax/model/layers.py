@@ -139,10 +139,10 @@ def gated_attention(
     attn_len: int | None = None,
     select_BTS: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """qwen4exp's full attention (transformers' Qwen3_5Attention): q and an output gate from one
-    projection (per head Dh query values then Dh gate values), per-head q/k RMSNorm, partial neox RoPE
-    over the first rope_dim dims, GQA over the cache, then out * sigmoid(gate) and the output
-    projection. The rope is the interleaved mrope of rope.dimension_sections with all three position
+    """The hybrid family's full attention (transformers' Qwen3_5Attention, Qwen3NextAttention): q and an
+    output gate from one projection (per head Dh query values then Dh gate values), per-head q/k RMSNorm,
+    partial neox RoPE over the first rope_dim dims, GQA over the cache, then out * sigmoid(gate) and the
+    output projection. The rope is the interleaved mrope of rope.dimension_sections with all three position
     ids equal (text), which makes every section the same rope: one neox rope of rope_dim dims."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

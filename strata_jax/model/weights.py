@@ -96,23 +96,46 @@ class GatedAttnParams:
 
 
 @struct.dataclass
-class Q4LayerParams:
-    """One qwen4exp block: attention (full, gated) or linear (gated DeltaNet), optional PLE before it,
-    the hyper-connections around both blocks, and the MoE block."""
+class HybridLayerParams:
+    """One block of the hybrid family (model/hybrid.py): attention (full, gated) or linear (gated
+    DeltaNet), then the MoE block or (qwen35) a dense MLP. qwen4exp: optional PLE before it and the
+    hyper-connections around both sub-blocks; the others: the two pre-norms of a plain residual."""
 
     attn: GatedAttnParams | None
     linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
     ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
-    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*)
-    moe: MoEParams
+    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
+    moe: MoEParams | None
+    mlp: MLPParams | None = None  # qwen35's dense SwiGLU
+    attn_norm_D: jax.Array | None = None  # attn_norm (no hyper-connections)
+    ffn_norm_D: jax.Array | None = None  # post_attention_norm: before the MoE block / MLP
 
 
 @struct.dataclass
-class Q4Params:
+class NextNParams:
+    """An MTP ("nextn") block, loaded for speculative decoding, not run by the forward pass: the
+    embedding and hidden-state norms, eh_proj over their concatenation [D, 2D], the block itself (a
+    full-attention HybridLayerParams, its routed experts left in the file: `expert_names`), and the
+    optional shared head norm / head / embedding (the main model's where absent)."""
+
+    enorm_D: jax.Array
+    hnorm_D: jax.Array
+    eh_proj: QTensor  # [D, 2D]
+    block: HybridLayerParams
+    shared_head_norm_D: jax.Array | None
+    shared_head: QTensor | None  # [V, D]
+    embed: QTensor | None  # [V, D]
+    expert_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
+
+
+@struct.dataclass
+class HybridParams:
     embed: QTensor  # [V, D]
-    layers: tuple[Q4LayerParams, ...]
-    hc_head: Any  # the final hyper-connection mixer (output_hc_*), in place of the output norm
-    lm_head: QTensor  # [V, D]
+    layers: tuple[HybridLayerParams, ...]
+    hc_head: Any  # qwen4exp: the final hyper-connection mixer (output_hc_*), in place of the output norm
+    lm_head: QTensor  # [V, D]; the embedding when tied
+    out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
+    nextn: tuple[NextNParams, ...] = ()  # the MTP blocks (cfg.n_nextn_layers), not run
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -203,6 +226,12 @@ class WeightLoader:
     def optional_f32(self, name: str, shape: tuple[int, ...]) -> jax.Array | None:
         return self.f32(name, shape) if self.gguf.has(name) else None
 
+    def qtensor_rows(self, name: str, shape: tuple[int, int], rows: np.ndarray) -> QTensor:
+        """Some rows of matrix `name` (GGML rows are quantized independently: a row subset is a valid
+        matrix), e.g. one of two projections a file stores fused."""
+        t = self.info(name, shape)
+        return self._qtensor(np.ascontiguousarray(np.asarray(t.data)[rows]), t.ggml_type, t.shape[-1])
+
 
 def expert_tensor_names(gguf: GGUFFile, layer: int) -> tuple[str, ...]:
     """The routed-expert tensors of block `layer`: gate, up, down, or (a fused file) gate_up, down."""
@@ -249,49 +278,118 @@ def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
                      shared_gate_D=shared_gate)
 
 
-def load_qwen4exp_params(loader: WeightLoader, ple_table_memory: str = "device") -> Q4Params:
-    """qwen4exp's params; the layer modules build their own (model/deltanet.py, qsa.py, ple.py, hyper.py).
-    ple_table_memory: where per_layer_token_embd lives ("device", or "pinned_host": gathered on the host)."""
+def _beta_alpha_split(loader: WeightLoader, layer: int, dims):
+    """qwen3next stores ssm_beta and ssm_alpha as one ssm_ba matrix, per key head j its R = Hv / Hk beta
+    rows then its R alpha rows (HF's in_proj_ba): a qtensor getter that serves each as its own rows,
+    value heads in the grouped order (h = j * R + r) the rest of the layer uses."""
+    name = f"blk.{layer}.ssm_ba.weight"
+    if not loader.gguf.has(name):
+        return loader.qtensor
+    Hk, Hv = dims.n_k_heads, dims.n_v_heads
+    R = Hv // Hk
+    rows = np.arange(2 * Hv).reshape(Hk, 2, R)
+    split = {f"blk.{layer}.ssm_beta.weight": rows[:, 0].reshape(-1), f"blk.{layer}.ssm_alpha.weight": rows[:, 1].reshape(-1)}
+
+    def get(n: str, shape):
+        if n in split:
+            return loader.qtensor_rows(name, (2 * Hv, dims.d_model), split[n])
+        return loader.qtensor(n, shape)
+
+    return get
+
+
+def _gated_attn_params(loader: WeightLoader, p: str, indexer=None) -> GatedAttnParams:
+    cfg = loader.cfg
+    D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return GatedAttnParams(
+        qkv=loader.projections([(p + "attn_q", 2 * H * Dh), (p + "attn_k", K * Dh), (p + "attn_v", K * Dh)], D),
+        wo=loader.qtensor(p + "attn_output.weight", (D, H * Dh)),
+        q_norm=loader.f32(p + "attn_q_norm.weight", (Dh,)),
+        k_norm=loader.f32(p + "attn_k_norm.weight", (Dh,)),
+        indexer=indexer,
+    )
+
+
+def _ffn_params(loader: WeightLoader, p: str) -> tuple[MoEParams | None, MLPParams | None]:
+    cfg = loader.cfg
+    if cfg.is_moe:
+        return _moe_params(loader, p), None
+    F, D = cfg.ffn_dim, cfg.d_model
+    return None, MLPParams(gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
+                           w_down=loader.qtensor(p + "ffn_down.weight", (D, F)))
+
+
+def _nextn_params(loader: WeightLoader, layer: int) -> NextNParams:
+    """MTP block `layer` (past the text layers): everything but its routed experts, which stay in the file."""
+    cfg = loader.cfg
+    D, V, p = cfg.d_model, cfg.vocab_size, f"blk.{layer}."
+    moe, mlp = _ffn_params(loader, p)
+    block = HybridLayerParams(attn=_gated_attn_params(loader, p), linear=None, ple=None, hc=None, moe=moe, mlp=mlp,
+                              attn_norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+                              ffn_norm_D=loader.f32(p + "post_attention_norm.weight", (D,)))
+    optional_q = lambda n: loader.qtensor(n, (V, D)) if loader.gguf.has(n) else None  # noqa: E731
+    return NextNParams(
+        enorm_D=loader.f32(p + "nextn.enorm.weight", (D,)), hnorm_D=loader.f32(p + "nextn.hnorm.weight", (D,)),
+        eh_proj=loader.qtensor(p + "nextn.eh_proj.weight", (D, 2 * D)), block=block,
+        shared_head_norm_D=loader.optional_f32(p + "nextn.shared_head_norm.weight", (D,)),
+        shared_head=optional_q(p + "nextn.shared_head_head.weight"), embed=optional_q(p + "nextn.embed_tokens.weight"),
+        expert_names=expert_tensor_names(loader.gguf, layer) if cfg.is_moe else ())
+
+
+def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -> HybridParams:
+    """The hybrid family's params (model/hybrid.py); the layer modules build their own (model/deltanet.py,
+    qsa.py, ple.py, hyper.py). ple_table_memory: where qwen4exp's per_layer_token_embd lives ("device",
+    or "pinned_host": gathered on the host)."""
     # noqa below: these modules import layers, which imports this module
-    from strata_jax.model import deltanet, hyper, ple, qsa, qwen4exp  # noqa: PLC0415
+    from strata_jax.model import deltanet, hybrid  # noqa: PLC0415
 
     cfg = loader.cfg
-    hd = qwen4exp.hyper_dims(cfg)
-    D, V, H, K, Dh = cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    dn = qwen4exp.deltanet_dims(cfg)
+    hc = cfg.hc_count > 0
+    if hc:
+        from strata_jax.model import hyper, ple, qsa  # noqa: PLC0415
+
+        hd = hybrid.hyper_dims(cfg)
+    D, V = cfg.d_model, cfg.vocab_size
+    dn = hybrid.deltanet_dims(cfg)
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        attn = linear = ple_p = None
+        attn = linear = ple_p = hc_p = attn_norm = ffn_norm = None
         if cfg.kind(i) == ATTENTION:
             indexer = None
-            if cfg.indexer.compress_ratios[i]:
-                indexer = qsa.QSAParams.from_gguf(loader.get, i, qwen4exp.qsa_dims(cfg, i), D)
-            attn = GatedAttnParams(
-                qkv=loader.projections([(p + "attn_q", 2 * H * Dh), (p + "attn_k", K * Dh), (p + "attn_v", K * Dh)], D),
-                wo=loader.qtensor(p + "attn_output.weight", (D, H * Dh)),
-                q_norm=loader.f32(p + "attn_q_norm.weight", (Dh,)),
-                k_norm=loader.f32(p + "attn_k_norm.weight", (Dh,)),
-                indexer=indexer,
-            )
+            if cfg.indexer is not None and cfg.indexer.compress_ratios[i]:
+                indexer = qsa.QSAParams.from_gguf(loader.get, i, hybrid.qsa_dims(cfg, i), D)
+            attn = _gated_attn_params(loader, p, indexer)
         else:
-            linear = deltanet.load_params(loader.qtensor, loader.f32, i, dn)
+            linear = deltanet.load_params(_beta_alpha_split(loader, i, dn), loader.f32, i, dn)
         if cfg.ple is not None and i in cfg.ple.layers:
-            ple_p = ple.PLEParams.from_gguf(ple.loader_get(loader), i, qwen4exp.ple_dims(cfg),
+            ple_p = ple.PLEParams.from_gguf(ple.loader_get(loader), i, hybrid.ple_dims(cfg),
                                             table_memory_kind=ple_table_memory, device=loader.device)
-        hc = hyper.LayerHyper.from_gguf(loader.get, i, hd)
-        layers.append(Q4LayerParams(attn=attn, linear=linear, ple=ple_p, hc=hc, moe=_moe_params(loader, p)))
-    if not loader.gguf.has("output.weight"):
-        raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
-    return Q4Params(embed=loader.qtensor("token_embd.weight", (V, D)), layers=tuple(layers),
-                    hc_head=hyper.head_mixer_from_gguf(loader.get, hd), lm_head=loader.qtensor("output.weight", (V, D)))
+        if hc:
+            hc_p = hyper.LayerHyper.from_gguf(loader.get, i, hd)
+        else:
+            attn_norm = loader.f32(p + "attn_norm.weight", (D,))
+            ffn_norm = loader.f32(p + "post_attention_norm.weight", (D,))
+        moe, mlp = _ffn_params(loader, p)
+        layers.append(HybridLayerParams(attn=attn, linear=linear, ple=ple_p, hc=hc_p, moe=moe, mlp=mlp,
+                                        attn_norm_D=attn_norm, ffn_norm_D=ffn_norm))
+    embed = loader.qtensor("token_embd.weight", (V, D))
+    if hc:
+        if not loader.gguf.has("output.weight"):
+            raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
+        return HybridParams(embed=embed, layers=tuple(layers), hc_head=hyper.head_mixer_from_gguf(loader.get, hd),
+                            lm_head=loader.qtensor("output.weight", (V, D)))
+    lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
+    nextn = tuple(_nextn_params(loader, cfg.n_layers + j) for j in range(cfg.n_nextn_layers))
+    return HybridParams(embed=embed, layers=tuple(layers), hc_head=None, lm_head=lm_head,
+                        out_norm_D=loader.f32("output_norm.weight", (D,)), nextn=nextn)
 
 
-def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Params | Q4Params:
-    """ple_table_memory: qwen4exp's PLE table placement (load_qwen4exp_params); the other families have none."""
+def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Params | HybridParams:
+    """ple_table_memory: qwen4exp's PLE table placement (load_hybrid_params); the other families have none."""
     cfg = loader.cfg
-    if cfg.arch == "qwen4exp":
-        return load_qwen4exp_params(loader, ple_table_memory)
+    if cfg.is_hybrid:
+        return load_hybrid_params(loader, ple_table_memory)
     D, V = cfg.d_model, cfg.vocab_size
     layers = []
     for i in range(cfg.n_layers):

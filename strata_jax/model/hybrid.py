@@ -1,18 +1,24 @@
-"""qwen4exp's forward pass: heterogeneous layers over hyper-connection streams, with per-row recurrent
-state carried next to the KV cache (KVCache.rec).
+"""The hybrid family's forward pass (config.HYBRID_ARCHITECTURES: qwen4exp, qwen3next, qwen35moe,
+qwen35): heterogeneous layers, gated DeltaNet or gated full attention, with per-row recurrent state
+carried next to the KV cache (KVCache.rec).
 
-Per block (transformers' Qwen4ExpTextDecoderLayer): PLE adds hashed n-gram features to the streams
-(its layers only); the attention hyper-connection mixes the streams into the block input, the block
-is gated full attention (KV cache + the QSA indexer's selection) or gated DeltaNet (recurrent), its
-output goes back into every stream; the same around the MoE block. The final mixer replaces the
+Per block, qwen4exp (transformers' Qwen4ExpTextDecoderLayer): PLE adds hashed n-gram features to the
+streams (its layers only); the attention hyper-connection mixes the streams into the block input, the
+block is gated full attention (KV cache + the QSA indexer's selection) or gated DeltaNet (recurrent),
+its output goes back into every stream; the same around the MoE block. The final mixer replaces the
 output norm before the head.
 
-State (`Q4State`, every leaf batch-first, float32 or int32, fixed shape): per linear layer the
+The others (hc_count == 0: transformers' Qwen3NextDecoderLayer, Qwen3_5(Moe)DecoderLayer): a plain
+pre-norm residual, attn_norm before the mixer and post_attention_norm before the MoE block (or, qwen35,
+the dense MLP), output_norm before the head. Their MTP blocks are loaded (params.nextn), not run.
+
+State (`HybridState`, every leaf batch-first, float32 or int32, fixed shape): per linear layer the
 DeltaNet conv + delta state, per PLE layer its n-gram context and conv state, per QSA layer its
 compressed block keys. Rows starting a sequence (start_B == 0) start from fresh state; a token past
 n_valid_B (bucket padding, a dead row in decode) changes no state.
 
 The layer modules (model/deltanet.py, model/qsa.py, model/ple.py) load only for this family.
+Prefetch is not done here (EngineConfig refuses it for the family).
 
 Shape legend: strata_jax/core/shapes.py
 """
@@ -30,9 +36,9 @@ from strata_jax.gguf.quant import dequant, take_rows
 from strata_jax.model import hyper, qmatvec
 from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import gated_attention
+from strata_jax.model.layers import gated_attention, rms_norm, swiglu
 from strata_jax.model.moe import moe_block
-from strata_jax.model.weights import Q4Params
+from strata_jax.model.weights import HybridParams
 
 
 def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:
@@ -41,6 +47,8 @@ def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:
 
 def qsa_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Attention layers with a compress ratio (QSA on): the others attend densely."""
+    if cfg.indexer is None:
+        return ()
     return tuple(i for i in cfg.attention_layers if cfg.indexer.compress_ratios[i])
 
 
@@ -49,7 +57,7 @@ def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
 
 
 @struct.dataclass
-class Q4State:
+class HybridState:
     linear: tuple[Any, ...]  # DeltaNet state per linear layer (linear_layers order)
     ple: tuple[Any, ...]  # PLE state per PLE layer (cfg.ple.layers order)
     qsa: tuple[Any, ...]  # QSA indexer state per QSA layer (qsa_layers order)
@@ -64,11 +72,11 @@ def _modules():
     return deltanet, qsa, ple
 
 
-def state_zeros(cfg: ModelConfig, batch: int, length: int) -> Q4State:
+def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
     deltanet, qsa, ple = _modules()
     dn = deltanet_dims(cfg)
-    return Q4State(
+    return HybridState(
         linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in linear_layers(cfg)),
         ple=tuple(ple.PLEState.zeros(batch, ple_dims(cfg)) for _ in (cfg.ple.layers if cfg.ple else ())),
         qsa=tuple(qsa.QSAState.zeros(batch, length, qsa_dims(cfg, i)) for i in qsa_layers(cfg)),
@@ -78,10 +86,10 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> Q4State:
 def deltanet_dims(cfg: ModelConfig):
     deltanet, _, _ = _modules()
     d = cfg.linear
-    # output_gate: the module's default, sigmoid, which llama.cpp's graph hard-codes (no GGUF key says)
+    # output_gate: no GGUF key says; config.py takes what llama.cpp's graph of the arch hard-codes
     return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
                                  k_head_dim=d.k_head_dim, v_head_dim=d.v_head_dim, conv_kernel=d.conv_kernel,
-                                 rms_eps=cfg.rms_eps)
+                                 rms_eps=cfg.rms_eps, output_gate=d.output_gate, v_head_order=d.v_head_order)
 
 
 def qsa_dims(cfg: ModelConfig, layer: int):
@@ -106,19 +114,21 @@ def _fresh(state, fresh_B: jax.Array, zeros):
     return jax.tree.map(lambda a, z: jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), z, a), state, zeros)
 
 
-def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, start_B, n_valid_B, *,
+def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT, start_B, n_valid_B, *,
             cfg: ModelConfig, dtype, kernels: Kernels, all_logits: bool = False, attn_len: int | None = None,
             forced_MNk: jax.Array | None = None):
-    """model/forward.py's forward for qwen4exp (same arguments and results). Routed-expert prefetch is
-    not done (each layer's router input is its own hyper-connection mix, known only there):
-    EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is ignored."""
+    """model/forward.py's forward for the hybrid family (same arguments and results). Routed-expert
+    prefetch is not done (qwen4exp: each layer's router input is its own hyper-connection mix, known
+    only there): EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is
+    ignored."""
     deltanet, qsa, ple = _modules()
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     # real tokens (model/forward.py's rule): not bucket padding, not an idle row (at a position past the
     # cache); the others look no experts up and come back routed to -1
     valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
-    hd = hyper_dims(cfg)
+    hc = cfg.hc_count > 0  # qwen4exp: hyper-connection streams; the others: a plain residual
+    hd = hyper_dims(cfg) if hc else None
     rec = _fresh(kv.rec, start_B == 0, state_zeros(cfg, B, kv.length))
     lin_state, ple_state, qsa_state = list(rec.linear), list(rec.ple), list(rec.qsa)
     lin_idx = {layer: j for j, layer in enumerate(linear_layers(cfg))}
@@ -128,7 +138,16 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
     moe_idx = {layer: j for j, layer in enumerate(cfg.moe_layers)}
     k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
 
-    xs = hyper.streams(take_rows(params.embed, tokens_BT, dtype), hd)  # [B, T, Hc, D]
+    x = take_rows(params.embed, tokens_BT, dtype)  # [B, T, D]
+    xs = hyper.streams(x, hd) if hc else x  # qwen4exp: [B, T, Hc, D]
+
+    def block_input(xs, hyper_p, norm_D):
+        """The sub-block's input and what puts its output back: the hyper-connection mix, or a pre-norm."""
+        if hc:
+            h, w = hyper.mix(hyper_p, xs, hd, kernels)
+            return h, lambda xs, out: hyper.combine(xs, out, w)
+        return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
+
     routed = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer{i}"):
@@ -138,7 +157,7 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
                     out, ple_state[j] = ple.apply(layer.ple, xs, tokens_BT, ple_state[j], n_valid_B=n_valid_B,
                                                   dims=ple_dims(cfg), kernels=kernels)
                     xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
-            h, w = hyper.mix(layer.hc.attn, xs, hd, kernels)
+            h, put_back = block_input(xs, layer.hc.attn if hc else None, layer.attn_norm_D)
             if i in kv_idx:
                 with jax.named_scope("attn"):
                     select = None
@@ -154,18 +173,25 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
                     j = lin_idx[i]
                     out, lin_state[j] = deltanet.apply(layer.linear, h, lin_state[j], n_valid_B=n_valid_B,
                                                        dims=deltanet_dims(cfg), kernels=kernels)
-            xs = hyper.combine(xs, out, w)
-            with jax.named_scope("moe"):
-                h, w = hyper.mix(layer.hc.ffn, xs, hd, kernels)
-                mi = moe_idx[i]
-                out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
-                                              None if forced_MNk is None else forced_MNk[mi], valid_N)
-                routed.append(ids)
-                xs = hyper.combine(xs, out, w)
+            xs = put_back(xs, out)
+            h, put_back = block_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
+            if layer.moe is not None:
+                with jax.named_scope("moe"):
+                    mi = moe_idx[i]
+                    out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
+                                                  None if forced_MNk is None else forced_MNk[mi], valid_N)
+                    routed.append(ids)
+            else:
+                with jax.named_scope("mlp"):
+                    out = swiglu(h, layer.mlp, kernels)
+            xs = put_back(xs, out)
     with jax.named_scope("head"):
         if not all_logits:
             xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]
-        x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
+        if hc:
+            x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
+        else:
+            x = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
         n_rows = x.shape[0] * x.shape[1]
         if qmatvec.linear_ok(params.lm_head, n_rows, kernels):
             logits = qmatvec.linear(x.reshape(n_rows, -1), params.lm_head, kernels).reshape(*x.shape[:2], -1)
@@ -173,8 +199,9 @@ def forward(params: Q4Params, experts: ExpertProvider | None, kv, tokens_BT, sta
             logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
+    routed_MNk = (jnp.where(valid_N[None, :, None], jnp.stack(routed), -1) if routed
+                  else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32))
     if experts is not None:
         experts = experts.finish(routed_MNk)
-    out_kv = type(kv)(k_all, v_all, Q4State(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))
+    out_kv = type(kv)(k_all, v_all, HybridState(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))
     return logits, out_kv, experts, routed_MNk
