@@ -113,8 +113,8 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
     """The resident reference in a child process that sees the whole card (it does not fit the budget).
     It runs after our capped rows, the ones the targets need, while this process still holds its capped
     pool: so the child allocates on demand (no preallocation) beside it. It measures decode only: it is
-    there for token equality, and each prefill length would cost compilations (four attention spans for
-    a 4096-token prompt, per routing mode) that a GPU sitting of 30 minutes cannot spare."""
+    there for token equality, and prefill would cost compilations (its token buckets, per routing mode)
+    that a GPU sitting of 30 minutes cannot spare."""
     fd, out = tempfile.mkstemp(prefix="bench-resident-", suffix=".json")
     os.close(fd)
     argv = [sys.executable, "-m", "strata_jax.bench", "--resident-only", "--model", path, "--label", shape,

@@ -107,7 +107,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
 
 def _prefill(model, ids) -> tuple[float, float]:
     """Warm prefill tok/s of one prompt, and the host->device GB/s its streamed experts took."""
-    model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)  # compiles every attention span
+    model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)  # compiles the chunk buckets and spans
     model.reset_stats()
     g = model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)
     return g.timings["prompt_per_second"], model.stats().get("bytes_h2d", 0) / max(g.timings["prompt_ms"], 1e-6) / 1e6

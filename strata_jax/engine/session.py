@@ -47,13 +47,28 @@ from strata_jax.engine.streaming import GenerationChunk, TextStream, request_tim
 log = logging.getLogger("strata_jax")
 
 SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
-MIN_ATTN_BUCKET = 256  # attention spans are powers of two from here up to the context length
+MIN_ATTN_BUCKET = 256  # static attention spans are powers of two from here
+ATTN_BLOCK = 1024  # cache positions per step of the blocked attention loop (model/layers.py attend_blocked)
+DECODE_STATIC_SPAN = 4096  # decode reads static spans up to here (no loop in a short step), then blocks
 QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
 
 
 def attn_bucket(end: int, ctx: int) -> int:
     """Cache positions attention reads when the furthest position written is end - 1."""
     return min(max(MIN_ATTN_BUCKET, 1 << (max(end, 1) - 1).bit_length()), ctx)
+
+
+def attn_span(end: int, ctx: int, prefill: bool, blocked_ok: bool = True) -> dict[str, int | None]:
+    """The programs' attention arguments (attn_len, attn_block) for a call whose furthest position
+    written is end - 1. Every span a static bucket would be its own program of the whole model, so a
+    prefill chunk attends in blocks (one program per token bucket, whatever the span) and so does
+    decode past DECODE_STATIC_SPAN; a short decode step keeps its static span (a loop there adds
+    kernels to every layer of a launch-bound step). blocked_ok False (QSA models: the indexer's mask
+    spans attn_len): static spans throughout."""
+    static = attn_bucket(end, ctx)
+    if blocked_ok and (prefill or static > DECODE_STATIC_SPAN):
+        return {"attn_len": ctx, "attn_block": ATTN_BLOCK}
+    return {"attn_len": static, "attn_block": None}
 
 
 def bucket(n: int, max_chunk: int) -> int:
@@ -387,7 +402,7 @@ class Session:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
-                                     np.array([len(chunk)], np.int32), req, self._stop_I, end=pos + T,
+                                     np.array([len(chunk)], np.int32), req, self._stop_I, end=pos + T, prefill=True,
                                      all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
@@ -407,9 +422,10 @@ class Session:
         idx = (np.asarray(pos)[None, :] + np.arange(self.decode_chunk)[:, None]) % len(trace)  # [C, B]
         return {"forced": jnp.asarray(trace[idx].transpose(0, 2, 1, 3))}
 
-    def _call(self, fn, *args, end: int, **static):
+    def _call(self, fn, *args, end: int, prefill: bool = False, **static):
         """One jitted call over the donated state (KV cache, rows, slot table, counters); puts it back
-        after. Returns the call's first output and its routed ids."""
+        after; end - 1: the furthest position it writes. Returns the call's first output and its routed
+        ids."""
         m, e = self.model, self.model.experts
         kv, self._kv = self._kv, None
         if kv is None:
@@ -422,7 +438,7 @@ class Session:
         try:
             out, kv_out, experts_out, routed, rows_out = fn(
                 m.params, experts, fixed, kv, rows, *args, cfg=m.config, dtype=m.dtype, kernels=m.kernels,
-                attn_len=attn_bucket(end, m.ctx), **static)
+                **attn_span(end, m.ctx, prefill, not m.config.has_qsa), **static)
         except BaseException:
             # a call that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:

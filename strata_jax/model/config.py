@@ -165,6 +165,11 @@ class ModelConfig:
     def has_recurrent_state(self) -> bool:
         return bool(self.layer_kinds) and LINEAR in self.layer_kinds
 
+    @property
+    def has_qsa(self) -> bool:
+        """Some attention layer masks by QSA's selection (qwen4exp's compress ratios)."""
+        return self.indexer is not None and any(self.indexer.compress_ratios[i] for i in self.attention_layers)
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "ModelConfig":
         arch = gguf.architecture

@@ -33,7 +33,7 @@ from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
 
-STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len")  # both programs' static arguments
+STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "attn_block")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
 
 
@@ -103,7 +103,8 @@ def _set_row(tree, row, value):
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
-            stop_I, *, cfg, dtype, kernels, attn_len, all_logits: bool, forced=None):
+            stop_I, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
+            forced=None):
     """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
@@ -113,7 +114,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     row_kv = kv if B == 1 else kv.take_row(row)
     logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
                                               n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
-                                              attn_len=attn_len, forced_MNk=forced)
+                                              attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
     experts = split_provider(experts)[0]
     kv = row_kv if B == 1 else kv.put_row(row, row_kv)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
@@ -129,7 +130,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I, limit, *, cfg, dtype, kernels,
-           attn_len, mode: SamplingMode, n_max: int, forced=None):
+           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [C, M, B, k]): step i replays
@@ -150,7 +151,8 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I,
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
             params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
-            dtype=dtype, kernels=kernels, attn_len=attn_len, forced_MNk=None if forced is None else forced[i])
+            dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
+            forced_MNk=None if forced is None else forced[i])
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live)

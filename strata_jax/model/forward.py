@@ -79,6 +79,7 @@ def forward(
     kernels: Kernels,
     all_logits: bool = False,
     attn_len: int | None = None,
+    attn_block: int | None = None,
     forced_MNk: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, ExpertProvider | None, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
@@ -96,6 +97,8 @@ def forward(
     kernels (static): the implementation choices (model/kernels.py).
     attn_len (static): attention reads only the first attn_len cache positions; every position this
     step writes must lie below it.
+    attn_block (static): attention runs over those positions in blocks of attn_block, as many as the
+    furthest position needs at run time (model/layers.py attend_blocked): one program for every span.
     forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
     (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
 
@@ -106,7 +109,8 @@ def forward(
         from strata_jax.model import hybrid  # noqa: PLC0415 - its layer modules load only for it
 
         return hybrid.forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
-                                kernels=kernels, all_logits=all_logits, attn_len=attn_len, forced_MNk=forced_MNk)
+                              kernels=kernels, all_logits=all_logits, attn_len=attn_len, attn_block=attn_block,
+                              forced_MNk=forced_MNk)
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     # real tokens: not bucket padding, not an idle row (which runs at a position past the cache)
@@ -123,7 +127,8 @@ def forward(
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attn"):
                 h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
-                h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len)
+                h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
+                                            attn_block)
                 x = x + h
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
             if layer.moe is not None:

@@ -116,7 +116,7 @@ def _fresh(state, fresh_B: jax.Array, zeros):
 
 def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT, start_B, n_valid_B, *,
             cfg: ModelConfig, dtype, kernels: Kernels, all_logits: bool = False, attn_len: int | None = None,
-            forced_MNk: jax.Array | None = None):
+            attn_block: int | None = None, forced_MNk: jax.Array | None = None):
     """model/forward.py's forward for the hybrid family (same arguments and results). Routed-expert
     prefetch is not done (qwen4exp: each layer's router input is its own hyper-connection mix, known
     only there): EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is
@@ -167,7 +167,7 @@ def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT,
                                                          n_valid_B=n_valid_B, dims=qsa_dims(cfg, i), kernels=kernels,
                                                          attn_len=attn_len)
                     out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all, kv_idx[i], cfg, kernels,
-                                                        attn_len, select)
+                                                        attn_len, select, attn_block)
             else:
                 with jax.named_scope("linear"):
                     j = lin_idx[i]

@@ -77,12 +77,15 @@ def attention(
     cfg: ModelConfig,
     kernels: Kernels,
     attn_len: int | None = None,
+    attn_block: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal GQA attention for `layer`. The new keys/values are scattered straight into the whole
     (donated) cache at `pos_BT` — one in-place update, never a copy of a layer's cache — then every
     query attends to cache positions <= its own; stale entries past a sequence's end are masked.
     attn_len (static): attend over the first attn_len cache positions only, a power-of-two bucket above
-    the furthest position, so a short sequence does not pay for the whole context."""
+    the furthest position, so a short sequence does not pay for the whole context. attn_block (static):
+    instead, attend over the first attn_len positions in blocks of attn_block with a trip count set at
+    run time by the furthest position (`attend_blocked`), so one program serves every span."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = project(x_BTD, p.qkv, kernels)
@@ -97,16 +100,18 @@ def attention(
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
-    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len)
+    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len, attn_block=attn_block)
     return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
 
 
 def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
-           select_BTS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+           select_BTS: jax.Array | None = None, attn_block: int | None = None
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
-    GQA attention over its first attn_len positions (see `attention`). select_BTS (bool): the cache
-    positions each query may attend to besides causality (QSA's selected blocks). Returns the heads'
-    outputs [B, T, H * Dh] in float32 and the cache."""
+    GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
+    `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
+    causality (QSA's selected blocks). Returns the heads' outputs [B, T, H * Dh] in float32 and the
+    cache."""
     B, T, H, Dh = q_BTHDh.shape
     K = k_BTKDh.shape[2]
     b_idx = jnp.arange(B)[:, None]
@@ -114,6 +119,8 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
     v_LBSKDh = v_LBSKDh.at[layer, b_idx, pos_BT].set(v_BTKDh.astype(v_LBSKDh.dtype), mode="drop")
 
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
+    if attn_block:
+        return attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS), k_LBSKDh, v_LBSKDh
     k_att, v_att = k_LBSKDh[layer, :, :S], v_LBSKDh[layer, :, :S]
     q = q_BTHDh.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_att, preferred_element_type=jnp.float32)
@@ -127,6 +134,51 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
     return out.reshape(B, T, H * Dh), k_LBSKDh, v_LBSKDh
 
 
+def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, block: int,
+                   select_BTS: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written),
+    `block` positions at a time with an online softmax (float32 running max, sum and output), for as
+    many blocks as reach the furthest position below S in pos_BT: the trip count is a run-time value, so
+    the program does not depend on the span. A query at or past S (an idle row) extends no loop; the
+    blocks it is given are all it sees. Heads' outputs [B, T, H * Dh] in float32."""
+    B, T, H, Dh = q_BTHDh.shape
+    _, _, _, K, _ = k_LBSKDh.shape
+    G = H // K
+    block = min(block, S)
+    q = q_BTHDh.reshape(B, T, K, G, Dh)
+    scale = 1.0 / jnp.sqrt(jnp.float32(Dh))
+    reach = jnp.max(jnp.where(pos_BT < S, pos_BT, 0))
+    n_blocks = reach // block + 1
+
+    def body(j, carry):
+        m_BKGT, l_BKGT, acc_BKGTDh = carry
+        lo = j * block
+        # the last block ends at S (a dynamic slice never reads past it): positions below lo, which the
+        # block before covered, are masked out of it
+        at = jnp.minimum(lo, S - block)
+        k_blk = jax.lax.dynamic_slice(k_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
+        v_blk = jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
+        s_S = at + jnp.arange(block)
+        mask_BTS = (s_S[None, None, :] <= pos_BT[:, :, None]) & (s_S >= lo)[None, None, :]
+        if select_BTS is not None:
+            mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m_BKGT, jnp.max(scores, axis=-1))
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp(-inf - 0) = 0, not nan
+        p = jnp.exp(scores - m_ref[..., None])
+        corr = jnp.exp(m_BKGT - m_ref)
+        l_BKGT = l_BKGT * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        return m_new, l_BKGT, acc_BKGTDh * corr[..., None] + pv
+
+    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, Dh), jnp.float32))
+    _, l_BKGT, acc_BKGTDh = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc_BKGTDh / l_BKGT[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
+
+
 def gated_attention(
     p: GatedAttnParams,
     x_BTD: jax.Array,
@@ -138,6 +190,7 @@ def gated_attention(
     kernels: Kernels,
     attn_len: int | None = None,
     select_BTS: jax.Array | None = None,
+    attn_block: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The hybrid family's full attention (transformers' Qwen3_5Attention, Qwen3NextAttention): q and an
     output gate from one projection (per head Dh query values then Dh gate values), per-head q/k RMSNorm,
@@ -154,7 +207,7 @@ def gated_attention(
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
     out, k_LBSKDh, v_LBSKDh = attend(q, k, v.reshape(B, T, K, Dh), pos_BT, k_LBSKDh, v_LBSKDh, kv_layer, attn_len,
-                                     select_BTS)
+                                     select_BTS, attn_block)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
     return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
 
