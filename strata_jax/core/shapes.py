@@ -24,6 +24,7 @@ Model and serving:
   F   ffn dim (dense, shared or routed expert)
   V   vocab
   W   repeat-penalty window
+  St  stop token ids (-1 padded)
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
 

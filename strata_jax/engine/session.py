@@ -18,7 +18,7 @@ position, where they neither write the cache nor look experts up (forward). MoE 
 per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
 the batch routes to once, shared by all rows.
 
-Shape legend: strata_jax/core/shapes.py; the letter that differs here: C steps of a decode chunk (N there).
+Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ class Session:
         p = self._pending.popleft()
         t_w = time.perf_counter()
         n_B = np.asarray(p.out.n_B)
-        toks_CB = np.asarray(p.out.tokens_CB)
+        toks_NB = np.asarray(p.out.tokens_NB)
         lps = jax.device_get(p.out.logprobs) if p.out.logprobs is not None else None
         now = time.perf_counter()
         steps = int(n_B.max()) if len(n_B) else 0
@@ -298,7 +298,7 @@ class Session:
         m.note_steps(now - self._t_last, steps)  # wall time between the calls' results: the device's pace
         self._t_last = now
         if m.routing is not None and steps:
-            routed = np.asarray(p.out.routed_CMBk)
+            routed = np.asarray(p.out.routed_NMBk)
             for c in range(steps):
                 rows = [r for r in range(self.n_rows) if n_B[r] > c and p.owners[r] is not None]
                 if rows:
@@ -309,7 +309,7 @@ class Session:
                 continue
             chunks = []
             for j in range(int(n_B[r])):
-                tok = int(toks_CB[j, r])
+                tok = int(toks_NB[j, r])
                 lp = (token_logprob(jax.tree.map(lambda a: a[j], lps), r, tok, q.n_top, 0)
                       if q.n_top is not None else None)
                 chunks += self._push(r, q, tok, lp)
@@ -340,7 +340,7 @@ class Session:
 
     # -- internals ------------------------------------------------------------------------------------
     @property
-    def _stop_I(self) -> jax.Array:
+    def _stop_St(self) -> jax.Array:
         """The tokenizer's stop ids on the device (made again if they were changed)."""
         ids = frozenset(self.model.tokenizer.stop_ids)
         if self._stops is None or self._stops[0] != ids:
@@ -375,7 +375,7 @@ class Session:
         end = max(pos[r] for r, _ in live) + n
         t_d = time.perf_counter()
         try:
-            out, _ = self._call(programs.decode, alive, self._stop_I, np.int32(n), end=end, mode=mode,
+            out, _ = self._call(programs.decode, alive, self._stop_St, np.int32(n), end=end, mode=mode,
                                 n_max=self.decode_chunk, **self._forced_decode(pos))
         except BaseException:
             for r, _ in live:  # the call did not happen: every request it was to serve ends here
@@ -402,7 +402,7 @@ class Session:
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
             out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
-                                     np.array([len(chunk)], np.int32), req, self._stop_I, end=pos + T, prefill=True,
+                                     np.array([len(chunk)], np.int32), req, self._stop_St, end=pos + T, prefill=True,
                                      all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
@@ -414,7 +414,7 @@ class Session:
         return outs if all_logits else out
 
     def _forced_decode(self, pos: list[int]) -> dict:
-        """The forced-routing argument of a decode call ({} when not forcing): [C, M, B, k] by each row's
+        """The forced-routing argument of a decode call ({} when not forcing): [N, M, B, k] by each row's
         positions."""
         trace = self.model.forced_TMk
         if trace is None:

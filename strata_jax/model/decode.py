@@ -17,7 +17,7 @@ The expert provider (core/experts.py) travels split: its changing part (slot poo
 counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
 its own, never donated.
 
-Shape legend: strata_jax/core/shapes.py (here C: steps of a decode chunk, n_max; I: stop ids).
+Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk, n_max).
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ class PrefillOut:
 
 @struct.dataclass
 class ChunkOut:
-    tokens_CB: jax.Array  # int32: each step's sampled token per row; row b's first n_B[b] are valid
+    tokens_NB: jax.Array  # int32: each step's sampled token per row; row b's first n_B[b] are valid
     n_B: jax.Array  # int32: tokens each row produced in this call
-    routed_CMBk: jax.Array  # int32: each step's routed experts per MoE layer and row
-    logprobs: Logprobs | None  # fields stacked over C (mode.logprobs), else None
+    routed_NMBk: jax.Array  # int32: each step's routed experts per MoE layer and row
+    logprobs: Logprobs | None  # fields stacked over N (mode.logprobs), else None
 
 
 def stop_array(stop_ids) -> jax.Array:
@@ -91,8 +91,8 @@ def stop_array(stop_ids) -> jax.Array:
     return jnp.asarray(ids + [-1] * (n - len(ids)), jnp.int32)
 
 
-def _is_stop(tok_B, stop_I):
-    return jnp.any(tok_B[:, None] == stop_I[None, :], axis=1)
+def _is_stop(tok_B, stop_St):
+    return jnp.any(tok_B[:, None] == stop_St[None, :], axis=1)
 
 
 def _set_row(tree, row, value):
@@ -103,7 +103,7 @@ def _set_row(tree, row, value):
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
-            stop_I, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
+            stop_St, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
             forced=None):
     """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
@@ -123,17 +123,17 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
     left_1 = req.max_tokens.reshape(1) - 1
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
-                     ~_is_stop(tok_1, stop_I) & (left_1 > 0), req.key_2[None], req.sp, pen)
+                     ~_is_stop(tok_1, stop_St) & (left_1 > 0), req.key_2[None], req.sp, pen)
     rows = _set_row(rows, row, state)
     return PrefillOut(logits, tok_1, lp), kv, experts, routed, rows
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
-def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I, limit, *, cfg, dtype, kernels,
+def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
            attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
-    is one plain step with neither loop nor conditional. forced (int32 [C, M, B, k]): step i replays
+    is one plain step with neither loop nor conditional. forced (int32 [N, M, B, k]): step i replays
     forced[i] as the routed experts. Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
     outputs (routed is in the ChunkOut; its place holds None)."""
     B = rows.tok_B.shape[0]
@@ -159,10 +159,10 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_I,
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
-        live_next = live & ~_is_stop(tok_B, stop_I) & (left > 0)
+        live_next = live & ~_is_stop(tok_B, stop_St) & (left > 0)
         r = RowState(tok_B, jnp.where(live_next, r.pos_B + inc, ctx), r.step_B + inc, left, live_next,
                      r.key_B2, r.sp, pen)
-        out = ChunkOut(out.tokens_CB.at[i].set(tok_B), out.n_B + inc, out.routed_CMBk.at[i].set(routed_MBk),
+        out = ChunkOut(out.tokens_NB.at[i].set(tok_B), out.n_B + inc, out.routed_NMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
         return i + 1, r, kv, experts, out
 
