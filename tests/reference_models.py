@@ -169,7 +169,28 @@ for _v in QWEN4EXP_VARIANTS:
     ARCH_SPECS[f"qwen4exp-{_v}"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", "qwen4exp", "qwen2-512",
                                    dict(_QWEN4EXP, **_QWEN4EXP_VARIANT_KWARGS[_v]))
 QWEN4EXP_ARCHS = tuple(f"qwen4exp-{v}" for v in QWEN4EXP_VARIANTS)
-assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS)
+
+# glm4moe: 3 layers (layer 0 a dense MLP: first_k_dense_replace 1), GQA 4/2 heads of 32 with q/k/v
+# biases, per-head q/k norms and partial rotary 0.5 (16 of 32 dims, neox); 8 routed experts of width
+# 32 in 4 groups of 2, top-3 from the best 2 groups (sigmoid scores + the e_score_correction_bias),
+# renormalised and scaled by 2.5, plus a shared expert of 3 x 32; one MTP (nextn) block after the
+# trunk, which transformers does not build: its tensors are written into the checkpoint
+# (_add_glm4moe_mtp) the way a real GLM-4.5 checkpoint carries model.layers.{N}.*.
+_GLM_SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")  # what the converter reads
+_GLM4MOE = dict(
+    vocab_size=_Q4_SMALL_VOCAB, eos_token_id=_Q4_SMALL_VOCAB - 4, bos_token_id=_Q4_SMALL_VOCAB - 3,
+    pad_token_id=_Q4_SMALL_VOCAB - 4, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    intermediate_size=96, moe_intermediate_size=32, n_shared_experts=3, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, num_nextn_predict_layers=1,
+)
+ARCH_SPECS["glm4moe"] = ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4moe", "glm-512", _GLM4MOE)
+GLM4MOE_RECIPE_VERSION = 1  # bump to rebuild the glm4moe model only
+SCORE_BIAS_STD = 0.3  # e_score_correction_bias: sigmoid scores lie in (0, 1), so this moves the top-k
+assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | {"glm4moe"}
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -306,11 +327,11 @@ def _run_converter(hf_dir: Path, outfile: Path, outtype: str, *extra: str, pre: 
                            f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Run the converter in a subprocess; `out` appears only when the conversion succeeded."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        _run_converter(hf_dir, tmp, outtype, pre=pre)
+        _run_converter(hf_dir, tmp, outtype, *extra, pre=pre)
         if not tmp.is_file():
             raise RuntimeError(f"convert_hf_to_gguf.py wrote no {tmp} for {hf_dir} ({outtype})")
         GGUFFile(tmp)  # readable, or raise now rather than in every test that uses it
@@ -414,34 +435,48 @@ def _spm_tokenizer_dir() -> Path:
     return final
 
 
-def _small_qwen2_tokenizer_dir(vocab: int = _Q4_SMALL_VOCAB) -> Path:
+def _small_qwen2_tokenizer_dir(vocab: int = _Q4_SMALL_VOCAB, specials: tuple[str, ...] | None = None) -> Path:
     """The Qwen2 tokenizer cut to its first vocab - 3 pieces (the 256 byte-level pieces and the first
     merges, so any text still encodes) plus <|endoftext|>, <|im_start|>, <|im_end|> as the last 3 ids.
-    Its pre-tokenizer is Qwen2's; only its hash is new to the converter."""
-    final = artifacts_dir() / f"tokenizer-qwen2-{vocab}-{DEFAULT_MODEL_SHA256[:12]}"
+    Its pre-tokenizer is Qwen2's; only its hash is new to the converter. `specials`: other special
+    tokens in their place (GLM's, which its converter looks up by name), <|endoftext|> the eos."""
+    tag = "" if specials is None else "-" + _key(specials)[:8]
+    final = artifacts_dir() / f"tokenizer-qwen2-{vocab}{tag}-{DEFAULT_MODEL_SHA256[:12]}"
     if final.is_dir():
         return final
     src = _qwen2_tokenizer_dir()
-    with _lock(f"tokenizer-qwen2-{vocab}"):
+    with _lock(f"tokenizer-qwen2-{vocab}{tag}"):
         if final.is_dir():
             return final
-        n_base = vocab - 3
+        n_special = 3 if specials is None else len(specials)
+        n_base = vocab - n_special
         tok = json.loads((src / "tokenizer.json").read_text())
         pieces = {k: v for k, v in tok["model"]["vocab"].items() if v < n_base}
         tok["model"]["vocab"] = pieces
         tok["model"]["merges"] = [m for m in tok["model"]["merges"]
                                   if m[0] in pieces and m[1] in pieces and m[0] + m[1] in pieces]
-        tok["added_tokens"] = [dict(a, id=n_base + i) for i, a in enumerate(tok["added_tokens"][:3])]
-        assert [a["content"] for a in tok["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        if specials is None:
+            tok["added_tokens"] = [dict(a, id=n_base + i) for i, a in enumerate(tok["added_tokens"][:3])]
+            assert [a["content"] for a in tok["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        else:
+            template = tok["added_tokens"][0]
+            tok["added_tokens"] = [dict(template, id=n_base + i, content=c) for i, c in enumerate(specials)]
         with _building(final) as tmp:
             (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-            shutil.copy2(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+            if specials is None:
+                shutil.copy2(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+            else:
+                config = json.loads((src / "tokenizer_config.json").read_text())
+                config.update(bos_token=specials[1], eos_token=specials[0], pad_token=specials[0])
+                (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return final
 
 
 def _tokenizer_dir(kind: str) -> Path:
     if kind == "qwen2-512":
         return _small_qwen2_tokenizer_dir()
+    if kind == "glm-512":
+        return _small_qwen2_tokenizer_dir(specials=_GLM_SPECIAL_TOKENS)
     return _qwen2_tokenizer_dir() if kind == "qwen2" else _spm_tokenizer_dir()
 
 
@@ -456,6 +491,9 @@ def _hf_key(arch: str) -> str:
     stds = (WEIGHT_STD, EMBED_STD, ROUTER_STD, NORM_JITTER)
     if arch in QWEN4EXP_ARCHS:
         return _key(QWEN4EXP_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
+                    f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
+    if arch == "glm4moe":
+        return _key(GLM4MOE_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, SCORE_BIAS_STD,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     return _key(RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, tok_id, transformers.__version__)
 
@@ -511,6 +549,46 @@ def _init_weights_qwen4exp(model, seed: int) -> None:
             p.copy_(torch.from_numpy(v.astype(np.float32)))
 
 
+def _init_weights_glm4moe(model, seed: int) -> None:
+    """_init_weights, and the routers' e_score_correction_bias (a buffer, zero at init) made random so
+    that it changes which experts are picked."""
+    import torch
+
+    _init_weights(model, seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+                b.copy_(torch.from_numpy((SCORE_BIAS_STD * rng.standard_normal(tuple(b.shape))).astype(np.float32)))
+
+
+def _glm4moe_mtp_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return (1.0 + NORM_JITTER * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (SCORE_BIAS_STD * rng.standard_normal(shape)).astype(np.float32)
+    std = ROUTER_STD if name.endswith("mlp.gate.weight") else WEIGHT_STD
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _add_glm4moe_mtp(hf_dir: Path, kwargs: dict[str, Any], seed: int) -> None:
+    """Append the MTP block model.layers.{N}.* to the saved checkpoint: a decoder layer shaped like the
+    last (MoE) trunk layer, plus eh_proj [D, 2D], enorm, hnorm and shared_head.norm, as GLM-4.5's
+    checkpoints have it (transformers skips these keys on load; the converter turns them into blk.N)."""
+    from safetensors.numpy import load_file, save_file
+
+    n, d = kwargs["num_hidden_layers"], kwargs["hidden_size"]
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    last = f"model.layers.{n - 1}."
+    mtp = {f"model.layers.{n}." + k[len(last):]: v.shape for k, v in tensors.items() if k.startswith(last)}
+    mtp.update({f"model.layers.{n}.eh_proj.weight": (d, 2 * d), f"model.layers.{n}.enorm.weight": (d,),
+                f"model.layers.{n}.hnorm.weight": (d,), f"model.layers.{n}.shared_head.norm.weight": (d,)})
+    tensors.update({k: _glm4moe_mtp_value(k, tuple(shape), seed) for k, shape in mtp.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _restore_checkpoint_config(hf_dir: Path, kwargs: dict[str, Any]) -> None:
     """Put back into config.json what transformers drops or renames on save and a real checkpoint has:
     `full_attention_interval` and "full_attention" layer types (the converter reads both)."""
@@ -539,11 +617,15 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        (_init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights)(model, SEED)
+        init = {"glm4moe": _init_weights_glm4moe}.get(arch, _init_weights_qwen4exp if arch in QWEN4EXP_ARCHS
+                                                      else _init_weights)
+        init(model, SEED)
         with _building(final) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             if arch in QWEN4EXP_ARCHS:
                 _restore_checkpoint_config(tmp, kwargs)
+            if arch == "glm4moe":
+                _add_glm4moe_mtp(tmp, kwargs, SEED)
             for f in tok_dir.iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
@@ -556,6 +638,27 @@ def qwen4exp_model(variant: str, outtype: str = "f32") -> TinyModel:
     if variant not in QWEN4EXP_VARIANTS:
         raise ValueError(f"unknown qwen4exp variant {variant!r}; choose from {QWEN4EXP_VARIANTS}")
     return tiny_model(f"qwen4exp-{variant}", outtype)
+
+
+@functools.lru_cache(maxsize=None)
+def glm4moe_model(outtype: str = "f32", mtp: bool = True) -> TinyModel:
+    """The tiny glm4moe model (see _GLM4MOE), converted with its MTP block (blk.{N}.nextn.*, the
+    converter's default) or without it (`--no-mtp`: no nextn_predict_layers, N blocks). Through
+    tests/qwen4exp_convert.py for the pre-tokenizer name, as the qwen4exp models."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
+    arch = "glm4moe"
+    hf_dir = tiny_hf_dir(arch)
+    extra = () if mtp else ("--no-mtp",)
+    key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype, _sha256_file(_QWEN4EXP_WRAPPER), *extra)
+    out = artifacts_dir() / "gguf" / f"{arch}{'' if mtp else '-nomtp'}-{outtype}-{key}.gguf"
+    if not out.is_file():
+        llama_cpp_converter()
+        with _lock(f"gguf-{arch}-{outtype}-{mtp}"):
+            if not out.is_file():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                convert(hf_dir, out, outtype, pre="qwen2", extra=extra)
+    return TinyModel(out, hf_dir, arch, "glm4moe", outtype, dict(ARCH_SPECS[arch][4]))
 
 
 @functools.lru_cache(maxsize=None)

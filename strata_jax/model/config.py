@@ -24,7 +24,14 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "olmoe": ("neox", False),
     # text positions make its interleaved mrope one neox rope (see _qwen4exp); top-k renormalised
     "qwen4exp": ("neox", True),
+    # sigmoid scores with a selection bias, optional expert groups, leading dense layers, MTP block
+    "glm4moe": ("neox", True),
 }
+# llama.cpp's expert_gating_func values, and the default where a file has no such key
+_GATING = {1: "softmax", 2: "sigmoid"}
+_DEFAULT_GATING = {"glm4moe": "sigmoid"}  # llama.cpp's glm4moe loader: none means sigmoid
+# the norm before the FFN block: llama.cpp's glm4moe names it attn_post_norm (post_attention_norm)
+_FFN_NORM_TENSOR = {"glm4moe": "post_attention_norm"}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
 
 LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
@@ -110,6 +117,17 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     shared_expert_ffn_dim: int = 0  # qwen2moe: always-on expert, gated by sigmoid(x @ w)
     moe_layers: tuple[int, ...] = ()
+    # router scoring: "softmax" over the experts, or "sigmoid" per expert (glm4moe); a MoE layer's
+    # exp_probs_b (MoEParams.score_bias_E) is added to the scores for the choice only
+    expert_gating: str = "softmax"
+    # group-limited routing (0 or 1: none): experts in expert_groups equal groups, top-k taken only
+    # from the expert_groups_used groups whose best two biased scores sum highest
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+    ffn_norm_tensor: str = "ffn_norm"  # blk.N.{this}.weight normalises the FFN block's input
+    # MTP (nextn) blocks stored after the n_layers trunk blocks (blk.{n_layers + i}); loaded into
+    # Params.nextn when their tensors are in the file (draft_layers), never run by forward
+    nextn_layers: int = 0
     # qwen4exp (empty / 0 / None elsewhere: every layer is attention + pre-norm residual)
     layer_kinds: tuple[str, ...] = ()  # per layer: ATTENTION or LINEAR (gated DeltaNet)
     attn_output_gate: bool = False  # attn_q holds [q | gate] per head; output *= sigmoid(gate)
@@ -164,7 +182,8 @@ class ModelConfig:
         n_heads = int(m("attention.head_count"))
         n_kv = m("attention.head_count_kv", n_heads)
         head_dim = int(m("attention.key_length", d_model // n_heads))
-        n_layers = int(m("block_count"))
+        n_nextn = int(m("nextn_predict_layers", 0) or 0)
+        n_layers = int(m("block_count")) - n_nextn  # MTP blocks come after the trunk's
         emb = gguf.tensor("token_embd.weight")
         vocab = emb.shape[0]
 
@@ -172,6 +191,20 @@ class ModelConfig:
         moe_layers: tuple[int, ...] = ()
         if n_experts:
             moe_layers = tuple(i for i in range(n_layers) if gguf.has(f"blk.{i}.ffn_gate_inp.weight"))
+        if n_nextn and arch != "glm4moe":
+            _refuse(gguf, f"{arch}.nextn_predict_layers = {n_nextn} (MTP blocks)", "convert without them")
+        n_dense_lead = m("leading_dense_block_count", None)
+        if n_dense_lead is not None and n_experts and moe_layers != tuple(range(int(n_dense_lead), n_layers)):
+            _refuse(gguf, f"MoE layers {list(moe_layers)} with leading_dense_block_count = {n_dense_lead}")
+        gating_id = m("expert_gating_func", None)
+        gating = _DEFAULT_GATING.get(arch, "softmax") if gating_id in (None, 0) else _GATING.get(int(gating_id))
+        if gating is None:
+            _refuse(gguf, f"expert_gating_func = {gating_id}", f"supported: {_GATING}")
+        groups, groups_used = int(m("expert_group_count", 0) or 0), int(m("expert_group_used_count", 0) or 0)
+        if groups > 1 and (n_experts % groups or not 0 < groups_used <= groups
+                           or groups_used * (n_experts // groups) < int(m("expert_used_count", 0))):
+            _refuse(gguf, f"{groups_used} of {groups} expert groups over {n_experts} experts "
+                          f"top-{m('expert_used_count', 0)}")
         expert_ffn = 0
         if moe_layers:
             expert_ffn = int(gguf.tensor(f"blk.{moe_layers[0]}.ffn_gate_exps.weight").shape[1])
@@ -207,6 +240,11 @@ class ModelConfig:
             expert_weights_scale=float(m("expert_weights_scale", 1.0) or 1.0),
             shared_expert_ffn_dim=shared_ffn,
             moe_layers=moe_layers,
+            expert_gating=gating,
+            expert_groups=groups if groups > 1 else 0,
+            expert_groups_used=groups_used if groups > 1 else 0,
+            ffn_norm_tensor=_FFN_NORM_TENSOR.get(arch, "ffn_norm"),
+            nextn_layers=n_nextn,
         )
 
 

@@ -65,6 +65,7 @@ class MoEParams:
     router_ED: jax.Array  # float32
     shared: MLPParams | None
     shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
+    score_bias_E: jax.Array | None = None  # exp_probs_b: added to the router's scores to choose experts
 
 
 @struct.dataclass
@@ -76,11 +77,29 @@ class LayerParams:
 
 
 @struct.dataclass
+class NextNParams:
+    """One MTP (nextn) block, for speculative drafting; forward never runs it. llama.cpp's graph_mtp:
+    h' = block(eh_proj @ [enorm(embed(t)) | hnorm(h)]), its logits lm_head(shared_head_norm(h')).
+    Its routed experts stay in the file (expert_tensors names them): they go to an expert store when
+    drafting lands, as the trunk's do."""
+
+    eh_proj: QTensor  # [D, 2D]
+    enorm_D: jax.Array
+    hnorm_D: jax.Array
+    block: LayerParams  # attention + the MoE block's router, bias and shared expert
+    shared_head_norm_D: jax.Array | None  # None: the model's output norm
+    shared_head_head: QTensor | None  # [V, D]; None: the model's lm_head
+    embed: QTensor | None  # [V, D]; None: the model's embedding
+    expert_tensors: tuple[str, ...] = struct.field(pytree_node=False, default=())
+
+
+@struct.dataclass
 class Params:
     embed: QTensor  # [V, D]
     layers: tuple[LayerParams, ...]
     out_norm_D: jax.Array
     lm_head: QTensor  # [V, D]; the embedding when tied
+    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (ModelConfig.nextn_layers), when the file has them
 
 
 @struct.dataclass
@@ -246,7 +265,7 @@ def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
             gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
             shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
     return MoEParams(router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)), shared=shared,
-                     shared_gate_D=shared_gate)
+                     shared_gate_D=shared_gate, score_bias_E=loader.optional_f32(p + "exp_probs_b.bias", (cfg.n_experts,)))
 
 
 def load_qwen4exp_params(loader: WeightLoader, ple_table_memory: str = "device") -> Q4Params:
@@ -292,46 +311,65 @@ def load_params(loader: WeightLoader) -> Params | Q4Params:
     if cfg.arch == "qwen4exp":
         return load_qwen4exp_params(loader)
     D, V = cfg.d_model, cfg.vocab_size
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
-        kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
-        attn = AttnParams(
-            norm_D=loader.f32(p + "attn_norm.weight", (D,)),
-            qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)],
-                                   D),
-            wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
-            q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
-            k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
-        )
-        mlp = moe = None
-        if i in cfg.moe_layers:
-            shared = shared_gate = None
-            if cfg.shared_expert_ffn_dim:
-                Fs = cfg.shared_expert_ffn_dim
-                shared = MLPParams(
-                    gate_up=loader.projections([(p + "ffn_gate_shexp", Fs), (p + "ffn_up_shexp", Fs)], D),
-                    w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
-                )
-                # llama.cpp's converter writes this gate as a [1, D] matrix; older files as a [D] vector
-                gate_name = p + "ffn_gate_inp_shexp.weight"
-                if loader.gguf.has(gate_name):
-                    gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
-                    shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
-            moe = MoEParams(
-                router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)),
-                shared=shared,
-                shared_gate_D=shared_gate,
-            )
-        else:
-            F = cfg.ffn_dim
-            mlp = MLPParams(
-                gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
-                w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
-            )
-        layers.append(LayerParams(attn=attn, ffn_norm_D=loader.f32(p + "ffn_norm.weight", (D,)), mlp=mlp, moe=moe))
-
+    layers = tuple(_layer_params(loader, i, moe=i in cfg.moe_layers) for i in range(cfg.n_layers))
     embed = loader.qtensor("token_embd.weight", (V, D))
     lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
-    return Params(embed=embed, layers=tuple(layers), out_norm_D=loader.f32("output_norm.weight", (D,)), lm_head=lm_head)
+    return Params(embed=embed, layers=layers, out_norm_D=loader.f32("output_norm.weight", (D,)), lm_head=lm_head,
+                  nextn=_nextn_params(loader))
+
+
+def _layer_params(loader: WeightLoader, i: int, moe: bool) -> LayerParams:
+    """Block i: attention, the FFN norm, and a MoE block (its routed experts excepted) or a dense MLP."""
+    cfg = loader.cfg
+    D = cfg.d_model
+    p = f"blk.{i}."
+    qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
+    kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
+    attn = AttnParams(
+        norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+        qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)], D),
+        wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
+        q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
+        k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
+    )
+    mlp = moe_p = None
+    if moe:
+        moe_p = _moe_params(loader, p)
+    else:
+        F = cfg.ffn_dim
+        mlp = MLPParams(
+            gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
+            w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
+        )
+    return LayerParams(attn=attn, ffn_norm_D=loader.f32(f"{p}{cfg.ffn_norm_tensor}.weight", (D,)), mlp=mlp, moe=moe_p)
+
+
+def _nextn_params(loader: WeightLoader) -> tuple[NextNParams, ...]:
+    """The MTP blocks after the trunk, where the file has them (a converter's --no-mtp leaves them out;
+    a file may also keep the count and drop the tensors, which llama.cpp reads as trunk only)."""
+    cfg, g = loader.cfg, loader.gguf
+    D, V = cfg.d_model, cfg.vocab_size
+    out = []
+    for i in range(cfg.n_layers, cfg.n_layers + cfg.nextn_layers):
+        p = f"blk.{i}."
+        if not g.has(p + "nextn.eh_proj.weight"):
+            continue
+        moe = g.has(p + "ffn_gate_inp.weight")
+        experts = ()
+        if moe:  # shape- and type-checked here, read when drafting puts them in an expert store
+            E, F = cfg.n_experts, cfg.expert_ffn_dim
+            experts = tuple(p + n for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+            for name, shape in zip(experts, expert_shapes(E, F, D)):
+                loader.info(name, shape)
+        opt_q = (lambda name: loader.qtensor(name, (V, D)) if g.has(name) else None)
+        out.append(NextNParams(
+            eh_proj=loader.qtensor(p + "nextn.eh_proj.weight", (D, 2 * D)),
+            enorm_D=loader.f32(p + "nextn.enorm.weight", (D,)),
+            hnorm_D=loader.f32(p + "nextn.hnorm.weight", (D,)),
+            block=_layer_params(loader, i, moe=moe),
+            shared_head_norm_D=loader.optional_f32(p + "nextn.shared_head_norm.weight", (D,)),
+            shared_head_head=opt_q(p + "nextn.shared_head_head.weight"),
+            embed=opt_q(p + "nextn.embed_tokens.weight"),
+            expert_tensors=experts,
+        ))
+    return tuple(out)
