@@ -20,6 +20,10 @@ qwen4exp (`qwen4exp_model(variant)`): tiny text-only Qwen4ExpForCausalLM models 
 gated full attention with the QSA indexer, MoE with a gated shared expert, hyper-connections, PLE),
 converted through tests/qwen4exp_convert.py (the converter, untouched, with the pre-tokenizer name
 and the config's layer types supplied around it). Their tokenizer is the Qwen2 one cut to 512 pieces.
+
+glm4moe (`glm4moe_model(outtype, mtp)`): a tiny Glm4MoeForCausalLM with an MTP block added to its
+checkpoint, converted through the same wrapper (for the pre-tokenizer name), with or without
+`--no-mtp`. Its tokenizer is the cut Qwen2 one with GLM's special tokens, which its converter looks up.
 """
 
 from __future__ import annotations
