@@ -173,19 +173,21 @@ def test_greedy_decode_matches_transformers():
 
 
 def test_offloaded_equals_resident():
-    """Half the experts in device slots (LRU, misses fetched in the step): logits and greedy tokens
+    """Half the experts in device slots (LRU, misses fetched in the step; with and without the next
+    layer's router predicting its experts, the selection bias included): logits and greedy tokens
     are the all-resident run's, bit for bit."""
     tm = glm4moe_model("f32")
     ids = _ids(tm)
     res = _engine(tm)
     assert res.cache_plan.resident
     ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
-    off = _engine(tm, expert_slots=2 * 4, expert_pools="per-layer")
-    assert not off.cache_plan.resident
-    np.testing.assert_array_equal(off.logits(ids), ref_logits)
-    assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
-    st = off.stats()
-    assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+    for prefetch in (0, 1):
+        off = _engine(tm, expert_slots=2 * 4, expert_pools="per-layer", prefetch=prefetch)
+        assert not off.cache_plan.resident
+        np.testing.assert_array_equal(off.logits(ids), ref_logits)
+        assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
+        st = off.stats()
+        assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
 
 
 def _without_bias(params):
