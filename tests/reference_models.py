@@ -20,6 +20,10 @@ qwen4exp (`qwen4exp_model(variant)`): tiny text-only Qwen4ExpForCausalLM models 
 gated full attention with the QSA indexer, MoE with a gated shared expert, hyper-connections, PLE),
 converted through tests/qwen4exp_convert.py (the converter, untouched, with the pre-tokenizer name
 and the config's layer types supplied around it). Their tokenizer is the Qwen2 one cut to 512 pieces.
+
+glm4moe (`glm4moe_model(outtype, mtp)`): a tiny Glm4MoeForCausalLM with an MTP block added to its
+checkpoint, converted through the same wrapper (for the pre-tokenizer name), with or without
+`--no-mtp`. Its tokenizer is the cut Qwen2 one with GLM's special tokens, which its converter looks up.
 """
 
 from __future__ import annotations
@@ -200,7 +204,28 @@ ARCH_SPECS["qwen35"] = ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen35", "qw
 for _a in HYBRID_BASE_ARCHS:
     ARCH_SPECS[f"{_a}-mtp"] = ARCH_SPECS[_a]
 HYBRID_ARCHS = HYBRID_BASE_ARCHS + tuple(f"{a}-mtp" for a in HYBRID_BASE_ARCHS)
-assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS)
+
+# glm4moe: 3 layers (layer 0 a dense MLP: first_k_dense_replace 1), GQA 4/2 heads of 32 with q/k/v
+# biases, per-head q/k norms and partial rotary 0.5 (16 of 32 dims, neox); 8 routed experts of width
+# 32 in 4 groups of 2, top-3 from the best 2 groups (sigmoid scores + the e_score_correction_bias),
+# renormalised and scaled by 2.5, plus a shared expert of 3 x 32; one MTP (nextn) block after the
+# trunk, which transformers does not build: its tensors are written into the checkpoint
+# (_add_glm4moe_mtp) the way a real GLM-4.5 checkpoint carries model.layers.{N}.*.
+_GLM_SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")  # what the converter reads
+_GLM4MOE = dict(
+    vocab_size=_Q4_SMALL_VOCAB, eos_token_id=_Q4_SMALL_VOCAB - 4, bos_token_id=_Q4_SMALL_VOCAB - 3,
+    pad_token_id=_Q4_SMALL_VOCAB - 4, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    intermediate_size=96, moe_intermediate_size=32, n_shared_experts=3, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, num_nextn_predict_layers=1,
+)
+ARCH_SPECS["glm4moe"] = ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4moe", "glm-512", _GLM4MOE)
+GLM4MOE_RECIPE_VERSION = 1  # bump to rebuild the glm4moe model only
+SCORE_BIAS_STD = 0.3  # e_score_correction_bias: sigmoid scores lie in (0, 1), so this moves the top-k
+assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS) | {"glm4moe"}
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -445,34 +470,48 @@ def _spm_tokenizer_dir() -> Path:
     return final
 
 
-def _small_qwen2_tokenizer_dir(vocab: int = _Q4_SMALL_VOCAB) -> Path:
+def _small_qwen2_tokenizer_dir(vocab: int = _Q4_SMALL_VOCAB, specials: tuple[str, ...] | None = None) -> Path:
     """The Qwen2 tokenizer cut to its first vocab - 3 pieces (the 256 byte-level pieces and the first
     merges, so any text still encodes) plus <|endoftext|>, <|im_start|>, <|im_end|> as the last 3 ids.
-    Its pre-tokenizer is Qwen2's; only its hash is new to the converter."""
-    final = artifacts_dir() / f"tokenizer-qwen2-{vocab}-{DEFAULT_MODEL_SHA256[:12]}"
+    Its pre-tokenizer is Qwen2's; only its hash is new to the converter. `specials`: other special
+    tokens in their place (GLM's, which its converter looks up by name), <|endoftext|> the eos."""
+    tag = "" if specials is None else "-" + _key(specials)[:8]
+    final = artifacts_dir() / f"tokenizer-qwen2-{vocab}{tag}-{DEFAULT_MODEL_SHA256[:12]}"
     if final.is_dir():
         return final
     src = _qwen2_tokenizer_dir()
-    with _lock(f"tokenizer-qwen2-{vocab}"):
+    with _lock(f"tokenizer-qwen2-{vocab}{tag}"):
         if final.is_dir():
             return final
-        n_base = vocab - 3
+        n_special = 3 if specials is None else len(specials)
+        n_base = vocab - n_special
         tok = json.loads((src / "tokenizer.json").read_text())
         pieces = {k: v for k, v in tok["model"]["vocab"].items() if v < n_base}
         tok["model"]["vocab"] = pieces
         tok["model"]["merges"] = [m for m in tok["model"]["merges"]
                                   if m[0] in pieces and m[1] in pieces and m[0] + m[1] in pieces]
-        tok["added_tokens"] = [dict(a, id=n_base + i) for i, a in enumerate(tok["added_tokens"][:3])]
-        assert [a["content"] for a in tok["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        if specials is None:
+            tok["added_tokens"] = [dict(a, id=n_base + i) for i, a in enumerate(tok["added_tokens"][:3])]
+            assert [a["content"] for a in tok["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        else:
+            template = tok["added_tokens"][0]
+            tok["added_tokens"] = [dict(template, id=n_base + i, content=c) for i, c in enumerate(specials)]
         with _building(final) as tmp:
             (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-            shutil.copy2(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+            if specials is None:
+                shutil.copy2(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+            else:
+                config = json.loads((src / "tokenizer_config.json").read_text())
+                config.update(bos_token=specials[1], eos_token=specials[0], pad_token=specials[0])
+                (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return final
 
 
 def _tokenizer_dir(kind: str) -> Path:
     if kind == "qwen2-512":
         return _small_qwen2_tokenizer_dir()
+    if kind == "glm-512":
+        return _small_qwen2_tokenizer_dir(specials=_GLM_SPECIAL_TOKENS)
     return _qwen2_tokenizer_dir() if kind == "qwen2" else _spm_tokenizer_dir()
 
 
@@ -490,6 +529,9 @@ def _hf_key(arch: str) -> str:
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     if arch in QWEN4EXP_ARCHS:
         return _key(QWEN4EXP_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
+                    f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
+    if arch == "glm4moe":
+        return _key(GLM4MOE_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, SCORE_BIAS_STD,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     return _key(RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, tok_id, transformers.__version__)
 
@@ -591,6 +633,46 @@ def _add_mtp_block(hf_dir: Path, hidden: int, like_layer: int, seed: int) -> Non
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _init_weights_glm4moe(model, seed: int) -> None:
+    """_init_weights, and the routers' e_score_correction_bias (a buffer, zero at init) made random so
+    that it changes which experts are picked."""
+    import torch
+
+    _init_weights(model, seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+                b.copy_(torch.from_numpy((SCORE_BIAS_STD * rng.standard_normal(tuple(b.shape))).astype(np.float32)))
+
+
+def _glm4moe_mtp_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return (1.0 + NORM_JITTER * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (SCORE_BIAS_STD * rng.standard_normal(shape)).astype(np.float32)
+    std = ROUTER_STD if name.endswith("mlp.gate.weight") else WEIGHT_STD
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _add_glm4moe_mtp(hf_dir: Path, kwargs: dict[str, Any], seed: int) -> None:
+    """Append the MTP block model.layers.{N}.* to the saved checkpoint: a decoder layer shaped like the
+    last (MoE) trunk layer, plus eh_proj [D, 2D], enorm, hnorm and shared_head.norm, as GLM-4.5's
+    checkpoints have it (transformers skips these keys on load; the converter turns them into blk.N)."""
+    from safetensors.numpy import load_file, save_file
+
+    n, d = kwargs["num_hidden_layers"], kwargs["hidden_size"]
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    last = f"model.layers.{n - 1}."
+    mtp = {f"model.layers.{n}." + k[len(last):]: v.shape for k, v in tensors.items() if k.startswith(last)}
+    mtp.update({f"model.layers.{n}.eh_proj.weight": (d, 2 * d), f"model.layers.{n}.enorm.weight": (d,),
+                f"model.layers.{n}.hnorm.weight": (d,), f"model.layers.{n}.shared_head.norm.weight": (d,)})
+    tensors.update({k: _glm4moe_mtp_value(k, tuple(shape), seed) for k, shape in mtp.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _restore_checkpoint_config(hf_dir: Path, kwargs: dict[str, Any]) -> None:
     """Put back into config.json what transformers drops or renames on save and a real checkpoint has:
     `full_attention_interval` and "full_attention" layer types (the converter reads both)."""
@@ -621,8 +703,9 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        init = (_init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights_hybrid if arch in HYBRID_ARCHS
-                else _init_weights)
+        init = {"glm4moe": _init_weights_glm4moe}.get(
+            arch, _init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights_hybrid if arch in HYBRID_ARCHS
+            else _init_weights)
         init(model, SEED)
         with _building(final) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
@@ -632,6 +715,8 @@ def tiny_hf_dir(arch: str) -> Path:
                 _restore_checkpoint_config(tmp, dict(kwargs, **mtp))
             if arch.endswith("-mtp"):
                 _add_mtp_block(tmp, kwargs["hidden_size"], like_layer=1, seed=SEED)
+            if arch == "glm4moe":
+                _add_glm4moe_mtp(tmp, kwargs, SEED)
             for f in tok_dir.iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
@@ -653,26 +738,48 @@ def qwen4exp_model(variant: str, outtype: str = "f32") -> TinyModel:
     return tiny_model(f"qwen4exp-{variant}", outtype)
 
 
+def glm4moe_model(outtype: str = "f32", mtp: bool = True) -> TinyModel:
+    """The tiny glm4moe model (see _GLM4MOE), converted with its MTP block (blk.{N}.nextn.*, the
+    converter's default) or without it (`--no-mtp`: no nextn_predict_layers, N blocks). Through
+    tests/qwen4exp_convert.py for the pre-tokenizer name, as the qwen4exp models."""
+    return tiny_model("glm4moe", outtype, mtp=mtp)
+
+
 @functools.lru_cache(maxsize=None)
-def tiny_model(arch: str, outtype: str = "f32") -> TinyModel:
-    """A tiny random model of `arch` as GGUF (`outtype` f32 or q8_0) plus the HF directory it came from."""
+def tiny_model(arch: str, outtype: str = "f32", mtp: bool = True) -> TinyModel:
+    """A tiny random model of `arch` as GGUF (`outtype` f32 or q8_0) plus the HF directory it came from.
+    mtp=False: converted with --no-mtp, its checkpoint's MTP block left out (glm4moe)."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
     hf_dir = tiny_hf_dir(arch)
     _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
-    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS
+    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS or arch == "glm4moe"  # through the wrapper
     # the hybrids' converter refuses a checkpoint without MTP weights unless told to skip them
-    extra = ("--no-mtp",) if arch in HYBRID_BASE_ARCHS else ()
+    extra = ("--no-mtp",) if arch in HYBRID_BASE_ARCHS or not mtp else ()
     key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype,
                *([_sha256_file(_QWEN4EXP_WRAPPER)] if q4 else []), *extra)
-    out = artifacts_dir() / "gguf" / f"{arch}-{outtype}-{key}.gguf"
+    name = f"{arch}{'' if mtp else '-nomtp'}-{outtype}"
+    out = artifacts_dir() / "gguf" / f"{name}-{key}.gguf"
     if not out.is_file():
         llama_cpp_converter()
-        with _lock(f"gguf-{arch}-{outtype}"):
+        with _lock(f"gguf-{name}"):
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 convert(hf_dir, out, outtype, pre="qwen2" if q4 else None, extra=extra)
     return TinyModel(out, hf_dir, arch, gguf_arch, outtype, dict(kwargs))
+
+
+def load_weights(tm: TinyModel):
+    """A tiny model's GGUF as the engine reads it: (file, config, loader, params, the routed experts'
+    ExpertSpec or None for a dense model)."""
+    from strata_jax.model.config import ModelConfig
+    from strata_jax.model.weights import WeightLoader, expert_spec, load_params
+
+    g = GGUFFile(tm.gguf_path)
+    cfg = ModelConfig.from_gguf(g)
+    loader = WeightLoader(g, cfg)
+    params = load_params(loader)
+    return g, cfg, loader, params, expert_spec(loader) if cfg.is_moe else None
 
 
 def build_all(archs=TINY_ARCHS, outtypes=OUTTYPES, jobs: int | None = None) -> list[TinyModel]:

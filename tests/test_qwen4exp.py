@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from reference_models import QWEN4EXP_VARIANTS, hf_logits, qsa_ties_to_lowest_block, qwen4exp_model
+from reference_models import load_weights as _load
 from strata_jax.gguf.reader import GGUFFile
 
 pytestmark = pytest.mark.slow  # converter-made models (~20 s each on a cold cache)
@@ -52,17 +53,6 @@ def test_sparse_selection_changes_the_reference():
     dense, sparse = hf_logits(qwen4exp_model("dense"), ids), hf_logits(qwen4exp_model("sparse"), ids)
     np.testing.assert_allclose(dense[:11], sparse[:11], rtol=1e-5, atol=1e-5)
     assert np.abs(dense[16:] - sparse[16:]).max() > 1e-2 * np.abs(dense).max()
-
-
-def _load(tm):
-    from strata_jax.model.config import ModelConfig
-    from strata_jax.model.weights import WeightLoader, expert_spec, load_params
-
-    g = GGUFFile(tm.gguf_path)
-    cfg = ModelConfig.from_gguf(g)
-    loader = WeightLoader(g, cfg)
-    params = load_params(loader)
-    return g, cfg, loader, params, expert_spec(loader)
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

@@ -29,9 +29,19 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "qwen3next": ("neox", True),
     "qwen35moe": ("neox", True),
     "qwen35": ("neox", True),
+    # sigmoid scores with a selection bias, optional expert groups, leading dense layers, MTP block
+    "glm4moe": ("neox", True),
 }
 # gated DeltaNet + gated full attention layers: model/hybrid.py's forward
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
+# the architectures whose MTP ("nextn") blocks are loaded (ModelConfig.n_nextn_layers); any other
+# file with nextn_predict_layers is refused by name (qwen4exp: convert without the MTP block)
+MTP_ARCHITECTURES = ("qwen3next", "qwen35moe", "qwen35", "glm4moe")
+# llama.cpp's expert_gating_func values, and the default where a file has no such key
+_GATING = {1: "softmax", 2: "sigmoid"}
+_DEFAULT_GATING = {"glm4moe": "sigmoid"}  # llama.cpp's glm4moe loader: none means sigmoid
+# the norm before the FFN block: llama.cpp's glm4moe names it attn_post_norm (post_attention_norm)
+_FFN_NORM_TENSOR = {"glm4moe": "post_attention_norm"}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
 
 LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
@@ -119,6 +129,17 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     shared_expert_ffn_dim: int = 0  # qwen2moe: always-on expert, gated by sigmoid(x @ w)
     moe_layers: tuple[int, ...] = ()
+    # router scoring: "softmax" over the experts, or "sigmoid" per expert (glm4moe); a MoE layer's
+    # exp_probs_b (MoEParams.score_bias_E) is added to the scores for the choice only
+    expert_gating: str = "softmax"
+    # group-limited routing (0 or 1: none): experts in expert_groups equal groups, top-k taken only
+    # from the expert_groups_used groups whose best two biased scores sum highest
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+    ffn_norm_tensor: str = "ffn_norm"  # blk.N.{this}.weight normalises the FFN block's input
+    # MTP ("nextn") blocks stored after the n_layers text blocks (blk.{n_layers + j}; MTP_ARCHITECTURES):
+    # loaded into params.nextn where their tensors are in the file, never run by the forward pass
+    n_nextn_layers: int = 0
     # the hybrid family (HYBRID_ARCHITECTURES; empty / 0 / None elsewhere: every layer is attention +
     # pre-norm residual); hc_count, indexer, ple: qwen4exp only
     layer_kinds: tuple[str, ...] = ()  # per layer: ATTENTION or LINEAR (gated DeltaNet)
@@ -129,8 +150,6 @@ class ModelConfig:
     linear: LinearAttnDims | None = None
     indexer: IndexerDims | None = None
     ple: PLEDims | None = None
-    # MTP ("nextn") blocks stored after the text layers (blk.{n_layers + j}): loaded, not run
-    n_nextn_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -180,13 +199,20 @@ class ModelConfig:
             )
         rope_style, norm_topk = _ARCH_TRAITS[arch]
         m = metadata_view(gguf.metadata, arch)
+        block_count = int(m("block_count"))
+        n_nextn = int(m("nextn_predict_layers", 0) or 0)
+        # refused by name: blocks a forward pass would silently skip
+        if n_nextn and arch not in MTP_ARCHITECTURES:
+            _refuse(gguf, f"{arch}.nextn_predict_layers = {n_nextn} (MTP draft layers)", "convert without the MTP block")
+        if not 0 <= n_nextn < block_count:
+            _refuse(gguf, f"{arch}.nextn_predict_layers = {n_nextn} of {block_count} blocks")
+        n_layers = block_count - n_nextn  # the MTP blocks come after the text layers
         if arch in HYBRID_ARCHITECTURES:
-            return _hybrid(cls, gguf, m, arch)
+            return _hybrid(cls, gguf, m, arch, n_layers, n_nextn)
         d_model = int(m("embedding_length"))
         n_heads = int(m("attention.head_count"))
         n_kv = m("attention.head_count_kv", n_heads)
         head_dim = int(m("attention.key_length", d_model // n_heads))
-        n_layers = int(m("block_count"))
         emb = gguf.tensor("token_embd.weight")
         vocab = emb.shape[0]
 
@@ -194,6 +220,18 @@ class ModelConfig:
         moe_layers: tuple[int, ...] = ()
         if n_experts:
             moe_layers = tuple(i for i in range(n_layers) if gguf.has(f"blk.{i}.ffn_gate_inp.weight"))
+        n_dense_lead = m("leading_dense_block_count", None)
+        if n_dense_lead is not None and n_experts and moe_layers != tuple(range(int(n_dense_lead), n_layers)):
+            _refuse(gguf, f"MoE layers {list(moe_layers)} with leading_dense_block_count = {n_dense_lead}")
+        gating_id = m("expert_gating_func", None)
+        gating = _DEFAULT_GATING.get(arch, "softmax") if gating_id in (None, 0) else _GATING.get(int(gating_id))
+        if gating is None:
+            _refuse(gguf, f"expert_gating_func = {gating_id}", f"supported: {_GATING}")
+        groups, groups_used = int(m("expert_group_count", 0) or 0), int(m("expert_group_used_count", 0) or 0)
+        if groups > 1 and (n_experts % groups or not 0 < groups_used <= groups
+                           or groups_used * (n_experts // groups) < int(m("expert_used_count", 0))):
+            _refuse(gguf, f"{groups_used} of {groups} expert groups over {n_experts} experts "
+                          f"top-{m('expert_used_count', 0)}")
         expert_ffn = 0
         if moe_layers:
             expert_ffn = int(gguf.tensor(f"blk.{moe_layers[0]}.ffn_gate_exps.weight").shape[1])
@@ -229,6 +267,11 @@ class ModelConfig:
             expert_weights_scale=float(m("expert_weights_scale", 1.0) or 1.0),
             shared_expert_ffn_dim=shared_ffn,
             moe_layers=moe_layers,
+            expert_gating=gating,
+            expert_groups=groups if groups > 1 else 0,
+            expert_groups_used=groups_used if groups > 1 else 0,
+            ffn_norm_tensor=_FFN_NORM_TENSOR.get(arch, "ffn_norm"),
+            n_nextn_layers=n_nextn,
         )
 
 
@@ -244,22 +287,16 @@ def _refuse(gguf: GGUFFile, what: str, fix: str = "") -> None:
     raise UnsupportedArchitectureError(f"{gguf.path}: {what} is not supported{'; ' + fix if fix else ''}.")
 
 
-def _hybrid(cls, gguf: GGUFFile, m, arch: str) -> ModelConfig:
+def _hybrid(cls, gguf: GGUFFile, m, arch: str, n_layers: int, nextn: int) -> ModelConfig:
     """The hybrid family: gated DeltaNet ("linear") and gated full attention layers, a MoE block
     (softmax top-k, renormalised, sigmoid-gated shared expert) on every layer, or (qwen35) a dense
     SwiGLU MLP. qwen4exp adds hyper-connections in place of every norm, a QSA indexer and optional PLE
     (_qwen4exp_parts); the others have a plain residual with (1 + w)-folded RMSNorms and may carry MTP
     ("nextn") blocks after the text layers. Key names as llama.cpp's converters write them
-    (conversion/qwen.py, conversion/qwen4exp.py)."""
-    block_count = int(m("block_count"))
-    nextn = int(m("nextn_predict_layers", 0) or 0)
+    (conversion/qwen.py, conversion/qwen4exp.py). n_layers: the text layers, without the `nextn` MTP
+    blocks after them (from_gguf reads both)."""
+    block_count = n_layers + nextn
     # refused by name: parts a text-only forward pass would silently skip
-    if nextn and arch == "qwen4exp":
-        _refuse(gguf, f"qwen4exp.nextn_predict_layers = {m('nextn_predict_layers')} (MTP draft layers)",
-                "convert without the MTP block")
-    if not 0 <= nextn < block_count:
-        _refuse(gguf, f"{arch}.nextn_predict_layers = {nextn} of {block_count} blocks")
-    n_layers = block_count - nextn
     vision = sorted(n for n in gguf.tensors if n.startswith(("v.", "mm.")))
     if vision:
         _refuse(gguf, f"the vision tower ({len(vision)} tensors, e.g. {vision[0]!r})", "use a text-only GGUF")

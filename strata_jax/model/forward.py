@@ -139,7 +139,8 @@ def forward(
                         # a later MoE layer's router on this residual stream predicts its experts
                         nxt = params.layers[cfg.moe_layers[ahead]]
                         h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        pf.append((ahead, jnp.where(valid_N[:, None], route(h_next, nxt.moe.router_ED, cfg)[1], -1)))
+                        ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E)[1]
+                        pf.append((ahead, jnp.where(valid_N[:, None], ids, -1)))
                     if pf:
                         predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
                     h, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf), predicted.get(mi),

@@ -1,5 +1,6 @@
-"""The MoE block: router (fp32 softmax, top-k, optional renormalisation), routed experts reached
-through an ExpertProvider (core/experts.py), and qwen2moe's sigmoid-gated shared expert. Pure math:
+"""The MoE block: router (fp32 softmax or sigmoid scores, optional selection bias and expert groups,
+top-k, optional renormalisation), routed experts reached through an ExpertProvider
+(core/experts.py), and the shared expert (qwen2moe's sigmoid-gated, glm4moe's plain). Pure math:
 where the experts' bytes live (resident pools, offloaded slot tables, a test's fake) is the provider's.
 
 Two static code paths, chosen by the provider from the token count (a trace-time constant):
@@ -30,17 +31,32 @@ from strata_jax.model.weights import MoEParams
 
 
 def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
-          forced_Nk: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          forced_Nk: jax.Array | None = None, bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights, in float32 (routing decisions are precision-sensitive).
+    Scores are the router logits' softmax or sigmoid (cfg.expert_gating); bias_E (exp_probs_b) is added
+    to them for the choice only, and the weights are the unbiased scores of the chosen experts. With
+    cfg.expert_groups, only experts of the expert_groups_used groups with the highest sum of their two
+    best biased scores can be chosen (llama.cpp's build_moe_ffn, DeepSeek-V3's router).
     forced_Nk: use these experts instead of the top-k (benchmarks replaying a routing trace), weighted by
-    the router's probabilities for them."""
+    the router's scores for them."""
     logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
-    probs_NE = jax.nn.softmax(logits_NE, axis=-1)
+    if cfg.expert_gating == "sigmoid":
+        probs_NE = jax.nn.sigmoid(logits_NE)
+    else:
+        probs_NE = jax.nn.softmax(logits_NE, axis=-1)
     if forced_Nk is None:
-        w_Nk, ids_Nk = jax.lax.top_k(probs_NE, cfg.n_experts_used)
+        choice_NE = probs_NE if bias_E is None else probs_NE + bias_E
+        if cfg.expert_groups > 1:
+            N, E, G = choice_NE.shape[0], cfg.n_experts, cfg.expert_groups
+            choice_NGe = choice_NE.reshape(N, G, E // G)
+            group_NG = jnp.sum(jax.lax.top_k(choice_NGe, 2)[0], axis=-1)
+            keep_NG = jnp.zeros((N, G), bool).at[jnp.arange(N)[:, None],
+                                                 jax.lax.top_k(group_NG, cfg.expert_groups_used)[1]].set(True)
+            choice_NE = jnp.where(keep_NG[:, :, None], choice_NGe, -jnp.inf).reshape(N, E)
+        ids_Nk = jax.lax.top_k(choice_NE, cfg.n_experts_used)[1]
     else:
         ids_Nk = forced_Nk.astype(jnp.int32)
-        w_Nk = jnp.take_along_axis(probs_NE, ids_Nk, axis=-1)
+    w_Nk = jnp.take_along_axis(probs_NE, ids_Nk, axis=-1)
     if cfg.norm_topk:
         w_Nk = w_Nk / jnp.sum(w_Nk, axis=-1, keepdims=True)
     return w_Nk * cfg.expert_weights_scale, ids_Nk.astype(jnp.int32)
@@ -157,7 +173,7 @@ def moe_block(
     dtype = x_BTD.dtype
     N, k, E = B * T, cfg.n_experts_used, cfg.n_experts
     x_ND = x_BTD.reshape(N, D)
-    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk)
+    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E)
     if experts.few_path(moe_idx, N * k):
         experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk, valid_N)
         out_ND = _routed(x_ND, w_Nk, slot_Nk, pool, dtype, kernels)

@@ -65,6 +65,7 @@ class MoEParams:
     router_ED: jax.Array  # float32
     shared: MLPParams | None
     shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
+    score_bias_E: jax.Array | None = None  # exp_probs_b: added to the router's scores to choose experts
 
 
 @struct.dataclass
@@ -81,6 +82,7 @@ class Params:
     layers: tuple[LayerParams, ...]
     out_norm_D: jax.Array
     lm_head: QTensor  # [V, D]; the embedding when tied
+    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
 
 
 @struct.dataclass
@@ -113,18 +115,19 @@ class HybridLayerParams:
 
 @struct.dataclass
 class NextNParams:
-    """An MTP ("nextn") block, loaded for speculative decoding, not run by the forward pass: the
-    embedding and hidden-state norms, eh_proj over their concatenation [D, 2D], the block itself (a
-    full-attention HybridLayerParams, its routed experts left in the file: `expert_names`), and the
-    optional shared head norm / head / embedding (the main model's where absent)."""
+    """An MTP ("nextn") block, loaded for speculative drafting, never run by the forward pass (llama.cpp's
+    graph_mtp: h' = block(eh_proj @ [enorm(embed(t)) | hnorm(h)]), its logits head(shared_head_norm(h'))).
+    `block` is its family's layer: a LayerParams (glm4moe) or a full-attention HybridLayerParams
+    (qwen3next, qwen35*), with the MoE block's router, bias and shared expert; its routed experts stay in
+    the file (shape-checked at load, named by `expert_names`) until drafting puts them in an expert store."""
 
+    eh_proj: QTensor  # [D, 2D]
     enorm_D: jax.Array
     hnorm_D: jax.Array
-    eh_proj: QTensor  # [D, 2D]
-    block: HybridLayerParams
-    shared_head_norm_D: jax.Array | None
-    shared_head: QTensor | None  # [V, D]
-    embed: QTensor | None  # [V, D]
+    block: LayerParams | HybridLayerParams
+    shared_head_norm_D: jax.Array | None  # None: the model's output norm
+    shared_head: QTensor | None  # [V, D]; None: the model's lm_head
+    embed: QTensor | None  # [V, D]; None: the model's embedding
     expert_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
@@ -135,7 +138,7 @@ class HybridParams:
     hc_head: Any  # qwen4exp: the final hyper-connection mixer (output_hc_*), in place of the output norm
     lm_head: QTensor  # [V, D]; the embedding when tied
     out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
-    nextn: tuple[NextNParams, ...] = ()  # the MTP blocks (cfg.n_nextn_layers), not run
+    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -243,9 +246,14 @@ def expert_tensor_names(gguf: GGUFFile, layer: int) -> tuple[str, ...]:
 
 def expert_infos(loader: WeightLoader, moe_idx: int) -> list[TensorInfo]:
     """The expert tensors of MoE layer moe_idx (gate, up, down; or gate_up, down), shape- and type-checked."""
+    return _block_expert_infos(loader, loader.cfg.moe_layers[moe_idx])
+
+
+def _block_expert_infos(loader: WeightLoader, layer: int) -> list[TensorInfo]:
+    """The routed-expert tensors of block `layer` (a trunk MoE layer or an MTP block), shape- and type-checked."""
     cfg = loader.cfg
     E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model
-    names = expert_tensor_names(loader.gguf, cfg.moe_layers[moe_idx])
+    names = expert_tensor_names(loader.gguf, layer)
     shapes = expert_shapes(E, F, D) if len(names) == 3 else ((E, 2 * F, D), (E, D, F))
     return [loader.info(n, shape) for n, shape in zip(names, shapes)]
 
@@ -275,7 +283,7 @@ def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
             gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
             shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
     return MoEParams(router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)), shared=shared,
-                     shared_gate_D=shared_gate)
+                     shared_gate_D=shared_gate, score_bias_E=loader.optional_f32(p + "exp_probs_b.bias", (cfg.n_experts,)))
 
 
 def _beta_alpha_split(loader: WeightLoader, layer: int, dims):
@@ -319,21 +327,13 @@ def _ffn_params(loader: WeightLoader, p: str) -> tuple[MoEParams | None, MLPPara
                            w_down=loader.qtensor(p + "ffn_down.weight", (D, F)))
 
 
-def _nextn_params(loader: WeightLoader, layer: int) -> NextNParams:
-    """MTP block `layer` (past the text layers): everything but its routed experts, which stay in the file."""
-    cfg = loader.cfg
-    D, V, p = cfg.d_model, cfg.vocab_size, f"blk.{layer}."
+def _hybrid_nextn_block(loader: WeightLoader, p: str) -> HybridLayerParams:
+    """A qwen3next / qwen35* MTP block's layer: full gated attention with the plain residual's two norms."""
+    D = loader.cfg.d_model
     moe, mlp = _ffn_params(loader, p)
-    block = HybridLayerParams(attn=_gated_attn_params(loader, p), linear=None, ple=None, hc=None, moe=moe, mlp=mlp,
-                              attn_norm_D=loader.f32(p + "attn_norm.weight", (D,)),
-                              ffn_norm_D=loader.f32(p + "post_attention_norm.weight", (D,)))
-    optional_q = lambda n: loader.qtensor(n, (V, D)) if loader.gguf.has(n) else None  # noqa: E731
-    return NextNParams(
-        enorm_D=loader.f32(p + "nextn.enorm.weight", (D,)), hnorm_D=loader.f32(p + "nextn.hnorm.weight", (D,)),
-        eh_proj=loader.qtensor(p + "nextn.eh_proj.weight", (D, 2 * D)), block=block,
-        shared_head_norm_D=loader.optional_f32(p + "nextn.shared_head_norm.weight", (D,)),
-        shared_head=optional_q(p + "nextn.shared_head_head.weight"), embed=optional_q(p + "nextn.embed_tokens.weight"),
-        expert_names=expert_tensor_names(loader.gguf, layer) if cfg.is_moe else ())
+    return HybridLayerParams(attn=_gated_attn_params(loader, p), linear=None, ple=None, hc=None, moe=moe, mlp=mlp,
+                             attn_norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+                             ffn_norm_D=loader.f32(p + "post_attention_norm.weight", (D,)))
 
 
 def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -> HybridParams:
@@ -380,9 +380,8 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
         return HybridParams(embed=embed, layers=tuple(layers), hc_head=hyper.head_mixer_from_gguf(loader.get, hd),
                             lm_head=loader.qtensor("output.weight", (V, D)))
     lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
-    nextn = tuple(_nextn_params(loader, cfg.n_layers + j) for j in range(cfg.n_nextn_layers))
     return HybridParams(embed=embed, layers=tuple(layers), hc_head=None, lm_head=lm_head,
-                        out_norm_D=loader.f32("output_norm.weight", (D,)), nextn=nextn)
+                        out_norm_D=loader.f32("output_norm.weight", (D,)), nextn=_nextn_params(loader))
 
 
 def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Params | HybridParams:
@@ -391,46 +390,65 @@ def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Param
     if cfg.is_hybrid:
         return load_hybrid_params(loader, ple_table_memory)
     D, V = cfg.d_model, cfg.vocab_size
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
-        kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
-        attn = AttnParams(
-            norm_D=loader.f32(p + "attn_norm.weight", (D,)),
-            qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)],
-                                   D),
-            wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
-            q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
-            k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
-        )
-        mlp = moe = None
-        if i in cfg.moe_layers:
-            shared = shared_gate = None
-            if cfg.shared_expert_ffn_dim:
-                Fs = cfg.shared_expert_ffn_dim
-                shared = MLPParams(
-                    gate_up=loader.projections([(p + "ffn_gate_shexp", Fs), (p + "ffn_up_shexp", Fs)], D),
-                    w_down=loader.qtensor(p + "ffn_down_shexp.weight", (D, Fs)),
-                )
-                # llama.cpp's converter writes this gate as a [1, D] matrix; older files as a [D] vector
-                gate_name = p + "ffn_gate_inp_shexp.weight"
-                if loader.gguf.has(gate_name):
-                    gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
-                    shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
-            moe = MoEParams(
-                router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)),
-                shared=shared,
-                shared_gate_D=shared_gate,
-            )
-        else:
-            F = cfg.ffn_dim
-            mlp = MLPParams(
-                gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
-                w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
-            )
-        layers.append(LayerParams(attn=attn, ffn_norm_D=loader.f32(p + "ffn_norm.weight", (D,)), mlp=mlp, moe=moe))
-
+    layers = tuple(_layer_params(loader, i, moe=i in cfg.moe_layers) for i in range(cfg.n_layers))
     embed = loader.qtensor("token_embd.weight", (V, D))
     lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
-    return Params(embed=embed, layers=tuple(layers), out_norm_D=loader.f32("output_norm.weight", (D,)), lm_head=lm_head)
+    return Params(embed=embed, layers=layers, out_norm_D=loader.f32("output_norm.weight", (D,)), lm_head=lm_head,
+                  nextn=_nextn_params(loader))
+
+
+def _layer_params(loader: WeightLoader, i: int, moe: bool) -> LayerParams:
+    """Block i: attention, the FFN norm, and a MoE block (its routed experts excepted) or a dense MLP."""
+    cfg = loader.cfg
+    D = cfg.d_model
+    p = f"blk.{i}."
+    qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
+    kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
+    attn = AttnParams(
+        norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+        qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)], D),
+        wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
+        q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
+        k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
+    )
+    mlp = moe_p = None
+    if moe:
+        moe_p = _moe_params(loader, p)
+    else:
+        F = cfg.ffn_dim
+        mlp = MLPParams(
+            gate_up=loader.projections([(p + "ffn_gate", F), (p + "ffn_up", F)], D),
+            w_down=loader.qtensor(p + "ffn_down.weight", (D, F)),
+        )
+    return LayerParams(attn=attn, ffn_norm_D=loader.f32(f"{p}{cfg.ffn_norm_tensor}.weight", (D,)), mlp=mlp, moe=moe_p)
+
+
+def _nextn_params(loader: WeightLoader) -> tuple[NextNParams, ...]:
+    """The MTP blocks after the text layers (blk.{n_layers + j}), of either family (see NextNParams),
+    where the file has them: a converter's --no-mtp leaves them out, and a file may also keep the count
+    and drop the tensors, which llama.cpp reads as trunk only. Their routed experts are shape- and
+    type-checked here, read when drafting puts them in an expert store."""
+    cfg, g = loader.cfg, loader.gguf
+    D, V = cfg.d_model, cfg.vocab_size
+    out = []
+    for i in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn_layers):
+        p = f"blk.{i}."
+        if not g.has(p + "nextn.eh_proj.weight"):
+            continue
+        if cfg.is_hybrid:
+            block = _hybrid_nextn_block(loader, p)
+        else:
+            block = _layer_params(loader, i, moe=g.has(p + "ffn_gate_inp.weight"))
+        experts = tuple(t.name for t in _block_expert_infos(loader, i)) if block.moe is not None else ()
+        optional_q = lambda n: loader.qtensor(n, (V, D)) if g.has(n) else None  # noqa: E731
+        out.append(NextNParams(
+            eh_proj=loader.qtensor(p + "nextn.eh_proj.weight", (D, 2 * D)),
+            enorm_D=loader.f32(p + "nextn.enorm.weight", (D,)),
+            hnorm_D=loader.f32(p + "nextn.hnorm.weight", (D,)),
+            block=block,
+            shared_head_norm_D=loader.optional_f32(p + "nextn.shared_head_norm.weight", (D,)),
+            shared_head=optional_q(p + "nextn.shared_head_head.weight"),
+            embed=optional_q(p + "nextn.embed_tokens.weight"),
+            expert_names=experts,
+        ))
+    return tuple(out)
