@@ -17,12 +17,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.experts import ExpertProvider
-from strata_jax.gguf.quant import dequant, take_rows
-from strata_jax.model import qmatvec
+from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import attention, rms_norm, swiglu
-from strata_jax.model.moe import moe_block, route
+from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
+from strata_jax.model.moe import moe_block, route, routed_ids
 from strata_jax.model.weights import Params
 
 
@@ -154,15 +153,10 @@ def forward(
         if not all_logits:
             x = x[jnp.arange(B), n_valid_B - 1][:, None, :]
         x = rms_norm(x, params.out_norm_D, cfg.rms_eps)
-        n_rows = x.shape[0] * x.shape[1]
-        if qmatvec.linear_ok(params.lm_head, n_rows, kernels):  # decode: read the head's blocks once
-            logits = qmatvec.linear(x.reshape(n_rows, -1), params.lm_head, kernels).reshape(*x.shape[:2], -1)
-        else:
-            logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
+        logits = lm_head(x, params.lm_head, dtype, kernels)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = (jnp.where(valid_N[None, :, None], jnp.stack(routed), -1) if routed
-                  else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32))
+    routed_MNk = routed_ids(routed, valid_N, cfg)
     if experts is not None:
         experts = experts.finish(routed_MNk)
     return logits, KVCache(k_all, v_all), experts, routed_MNk

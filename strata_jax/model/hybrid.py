@@ -32,12 +32,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.experts import ExpertProvider
-from strata_jax.gguf.quant import dequant, take_rows
-from strata_jax.model import hyper, qmatvec
+from strata_jax.gguf.quant import take_rows
+from strata_jax.model import deltanet, hyper, ple, qsa
 from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import gated_attention, rms_norm, swiglu
-from strata_jax.model.moe import moe_block
+from strata_jax.model.layers import gated_attention, lm_head, rms_norm, swiglu
+from strata_jax.model.moe import moe_block, routed_ids
 from strata_jax.model.weights import HybridParams
 
 
@@ -63,18 +63,8 @@ class HybridState:
     qsa: tuple[Any, ...]  # QSA indexer state per QSA layer (qsa_layers order)
 
 
-def _modules():
-    """The layer modules of the other branches; imported here so that a missing one names itself."""
-    try:
-        from strata_jax.model import deltanet, ple, qsa  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - until every module is merged
-        raise NotImplementedError(f"qwen4exp needs {e.name} (branches q4-deltanet, q4-qsa-hc, q4-ple)") from e
-    return deltanet, qsa, ple
-
-
 def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
-    deltanet, qsa, ple = _modules()
     dn = deltanet_dims(cfg)
     return HybridState(
         linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in linear_layers(cfg)),
@@ -84,7 +74,6 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
 
 
 def deltanet_dims(cfg: ModelConfig):
-    deltanet, _, _ = _modules()
     d = cfg.linear
     # output_gate: no GGUF key says; config.py takes what llama.cpp's graph of the arch hard-codes
     return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
@@ -93,7 +82,6 @@ def deltanet_dims(cfg: ModelConfig):
 
 
 def qsa_dims(cfg: ModelConfig, layer: int):
-    _, qsa, _ = _modules()
     ix = cfg.indexer
     return qsa.QSADims(n_heads=ix.n_heads, head_dim=ix.head_dim, budget=ix.budget,
                        compress_ratio=ix.compress_ratios[layer], rope_dim=cfg.rope_dim, rope_theta=cfg.rope_theta,
@@ -101,7 +89,6 @@ def qsa_dims(cfg: ModelConfig, layer: int):
 
 
 def ple_dims(cfg: ModelConfig):
-    _, _, ple = _modules()
     p = cfg.ple
     return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, row_dim=p.head_dim, ngram_size=p.ngram_size,
                        heads_per_ngram=p.heads_per_ngram, conv_kernel=p.conv_kernel, eos_token_id=p.eos_token_id,
@@ -121,7 +108,6 @@ def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT,
     prefetch is not done (qwen4exp: each layer's router input is its own hyper-connection mix, known
     only there): EngineConfig refuses prefetch > 0 for this family, and a provider's prefetch_depth is
     ignored."""
-    deltanet, qsa, ple = _modules()
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     # real tokens (model/forward.py's rule): not bucket padding, not an idle row (at a position past the
@@ -192,15 +178,10 @@ def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT,
             x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
         else:
             x = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
-        n_rows = x.shape[0] * x.shape[1]
-        if qmatvec.linear_ok(params.lm_head, n_rows, kernels):
-            logits = qmatvec.linear(x.reshape(n_rows, -1), params.lm_head, kernels).reshape(*x.shape[:2], -1)
-        else:
-            logits = jnp.einsum("btd,vd->btv", x, dequant(params.lm_head, dtype), preferred_element_type=jnp.float32)
+        logits = lm_head(x, params.lm_head, dtype, kernels)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = (jnp.where(valid_N[None, :, None], jnp.stack(routed), -1) if routed
-                  else jnp.zeros((0, B * T, max(cfg.n_experts_used, 1)), jnp.int32))
+    routed_MNk = routed_ids(routed, valid_N, cfg)
     if experts is not None:
         experts = experts.finish(routed_MNk)
     out_kv = type(kv)(k_all, v_all, HybridState(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))

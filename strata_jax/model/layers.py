@@ -212,6 +212,15 @@ def gated_attention(
     return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
 
 
+def lm_head(x_BTD: jax.Array, w: QTensor, dtype, kernels: Kernels) -> jax.Array:
+    """float32 logits [B, T, V] of the normed final states: for a few rows (decode) the fused kernel reads
+    the head's blocks once, else dequantize + matmul."""
+    n_rows = x_BTD.shape[0] * x_BTD.shape[1]
+    if qmatvec.linear_ok(w, n_rows, kernels):
+        return qmatvec.linear(x_BTD.reshape(n_rows, -1), w, kernels).reshape(*x_BTD.shape[:2], -1)
+    return jnp.einsum("btd,vd->btv", x_BTD, dequant(w, dtype), preferred_element_type=jnp.float32)
+
+
 def swiglu(x: jax.Array, p: MLPParams, kernels: Kernels) -> jax.Array:
     g, u = project(x, p.gate_up, kernels)
     h = jax.nn.silu(g) * u

@@ -155,6 +155,14 @@ def _many_token_impl(kernels: Kernels):
     return _experts_grouped if kernels.moe_prefill == "grouped" else _experts_dense
 
 
+def routed_ids(routed: list[jax.Array], valid_N: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """int32 [M, N, k]: every MoE layer's routed experts for the step's N tokens, -1 for the tokens that
+    are not real (bucket padding, idle rows), as ExpertProvider.finish and the host's trace take them."""
+    if not routed:
+        return jnp.zeros((0, valid_N.shape[0], max(cfg.n_experts_used, 1)), jnp.int32)
+    return jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
+
+
 def moe_block(
     p: MoEParams, experts: ExpertProvider, moe_idx: int, x_BTD: jax.Array, cfg: ModelConfig, kernels: Kernels,
     prefetch: tuple[tuple[int, jax.Array], ...] = (), predicted_Nk: jax.Array | None = None,
