@@ -26,6 +26,8 @@ CASES = [(t, d) for t in K_QUANTS for d in (512, 768)] + [(t, d) for t in BLOCK_
 # the IQ types (grid codebooks as constant kernel inputs); IQ4_NL has 32-value blocks
 IQ_SUPER = [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_S, Q.IQ1_S, Q.IQ4_XS]
 IQ_CASES = [(t, 512) for t in IQ_SUPER] + [(Q.IQ4_NL, 96), (Q.IQ4_NL, 512)]
+# MXFP4 (gpt-oss's experts): 32-value blocks of e2m1 codes under an e8m0 exponent, through its value table
+MX_CASES = [(Q.MXFP4, 96), (Q.MXFP4, 512)]
 
 
 def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
@@ -37,7 +39,10 @@ def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("qtype,n_cols", CASES + IQ_CASES, ids=[f"{t.name}-{d}" for t, d in CASES + IQ_CASES])
+ALL_CASES = CASES + IQ_CASES + MX_CASES
+
+
+@pytest.mark.parametrize("qtype,n_cols", ALL_CASES, ids=[f"{t.name}-{d}" for t, d in ALL_CASES])
 def test_kernel_matches_gguf_dequantize(qtype, n_cols):
     rng = np.random.default_rng(int(qtype) * 1000 + n_cols)
     F = 40  # not a multiple of the 16-row blocks: the last program's rows are masked
@@ -53,7 +58,7 @@ def test_kernel_matches_gguf_dequantize(qtype, n_cols):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype,n_cols", IQ_CASES, ids=[f"{t.name}-{d}" for t, d in IQ_CASES])
+@pytest.mark.parametrize("qtype,n_cols", IQ_CASES + MX_CASES, ids=[f"{t.name}-{d}" for t, d in IQ_CASES + MX_CASES])
 def test_iq_linear_matches_dequantize_then_matmul(qtype, n_cols):
     """`linear` (a dense matrix, a few token rows) over random blocks: every grid index, sign and scale
     bit pattern is valid, so random bytes reach all of each codebook."""
@@ -70,7 +75,7 @@ def test_iq_linear_matches_dequantize_then_matmul(qtype, n_cols):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL, Q.MXFP4], ids=lambda t: t.name)
 def test_iq_kernel_lowers_to_triton(qtype):
     """The Triton lowering (run here without a GPU: Pallas' lowering rules emit Triton IR on the host)
     takes the IQ decoders' ops, the codebook gathers included; the GPU compile itself is for

@@ -22,7 +22,8 @@ from strata_jax.model.kernels import Kernels
 
 # the ternary and IQ types (lattice grids and sign tables: gguf/iq_tables.py)
 IQ = [T.TQ1_0, T.TQ2_0, T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS]
-ALL = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *IQ]
+ALL = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *IQ,
+       T.MXFP4]
 FLOATS = {T.F32: np.float32, T.F16: np.float16}
 
 # byte offsets of each block's fp16 scale fields: random bytes there would give NaN/inf scales (IQ1_M
@@ -32,9 +33,10 @@ F16_FIELDS = {
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
     T.TQ1_0: [52], T.TQ2_0: [64], T.IQ1_S: [0], T.IQ1_M: [], T.IQ2_XXS: [0], T.IQ2_XS: [0], T.IQ2_S: [0],
     T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ4_NL: [0], T.IQ4_XS: [0],
+    T.MXFP4: [],  # every e8m0 byte is a valid scale, the subnormal 2^-128 and 2^-127 included
 }
 # types gguf-py can also quantize (realistic bytes, not just random ones)
-QUANTIZABLE = [T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+QUANTIZABLE = [T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
 
 # (leading axes, n_blocks per row): one row, a matrix, an expert stack
 SHAPES = [((1,), 1), ((6,), 3), ((3, 4), 2)]
@@ -99,10 +101,11 @@ def test_iq_tables_equal_gguf_py():
         np.testing.assert_array_equal(table.astype(np.float32), cls.grid.reshape(cls.grid_shape))
     np.testing.assert_array_equal(iq_tables.KSIGNS_IQ2XS, np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8))
     np.testing.assert_array_equal(iq_tables.KVALUES_IQ4NL, gq.IQ4_NL.kvalues)
+    np.testing.assert_array_equal(iq_tables.KVALUES_MXFP4, gq.MXFP4.kvalues)
     assert iq_tables.IQ1S_DELTA == gq.IQ1_S.delta
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, *IQ], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, *IQ, T.MXFP4], ids=lambda t: t.name)
 def test_take_rows_and_dequant(qtype):
     """take_rows (the embedding lookup) of some rows, and dequant of the whole QTensor, under jit."""
     rng = np.random.default_rng([int(qtype), 7])
@@ -156,13 +159,13 @@ def test_check_supported():
     for t in ALL:
         check_supported(t, "x")
     with pytest.raises(UnsupportedQuantTypeError) as e:
-        check_supported(T.MXFP4, "blk.0.ffn_down_exps.weight")
+        check_supported(T.Q8_1, "blk.0.ffn_down_exps.weight")
     msg = str(e.value)
-    assert "MXFP4" in msg and "blk.0.ffn_down_exps.weight" in msg
+    assert "Q8_1" in msg and "blk.0.ffn_down_exps.weight" in msg
     assert "Supported types" in msg and all(t.name in msg for t in ALL)
     assert "llama-quantize" in msg and "Q4_K_M" in msg
-    with pytest.raises(UnsupportedQuantTypeError, match="MXFP4"):
-        dequantize(jnp.zeros((1, 17), jnp.uint8), T.MXFP4, 32)
+    with pytest.raises(UnsupportedQuantTypeError, match="Q8_1"):
+        dequantize(jnp.zeros((1, 36), jnp.uint8), T.Q8_1, 32)
     with pytest.raises(UnsupportedQuantTypeError, match="unknown GGML type id 9999"):
         check_supported(9999, "x")
 

@@ -72,6 +72,11 @@ def random_tensor_bytes(rng: np.random.Generator, qtype: Q, shape: tuple[int, ..
                 vals = (vals.view(np.uint32) >> 16).astype(np.uint16)
             out[r0 : r0 + len(vals)] = vals.view(np.uint8)
         return out.reshape(*shape[:-1], row_bytes)
+    if qtype == Q.MXFP4:  # an e8m0 exponent byte per block: 2^(e - 128) * (up to 12) near std
+        data = np.frombuffer(rng.bytes(rows * row_bytes), np.uint8).copy().reshape(-1, type_size)
+        e = 128 + int(np.floor(np.log2(std))) - 2 + rng.integers(-1, 2, data.shape[0])
+        data[:, 0] = np.clip(e, 0, 255).astype(np.uint8)
+        return data.reshape(*shape[:-1], row_bytes)
     offsets, d_mult, m_mult = _SCALES[qtype]
     data = np.frombuffer(rng.bytes(rows * row_bytes), np.uint8).copy().reshape(-1, type_size)
     n_blocks = data.shape[0]

@@ -1,4 +1,5 @@
-"""Lookup tables of the IQ quant types: lattice grids, sign patterns, non-linear 4-bit values.
+"""Lookup tables of the IQ quant types (lattice grids, sign patterns, non-linear 4-bit values) and
+MXFP4's e2m1 values.
 
 Values from gguf-py 0.19 (gguf/quants.py: its IQ classes' `grid_hex` / `grid_map`, `ksigns` and
 `kvalues`), which holds llama.cpp's tables (ggml-common.h) packed as hex: each grid row is 4 or 8 values,
@@ -28,6 +29,9 @@ KSIGNS_IQ2XS: np.ndarray = np.frombuffer(bytes.fromhex(
     "30b1b233b43536b7b8393abb3cbdbe3fc04142c344c5c64748c9ca4bcc4d4ecf50d1d253d45556d7d8595adb5cddde5f"
     "60e1e263e46566e7e8696aeb6cedee6ff07172f374f5f67778f9fa7bfc7d7eff"
 ), np.uint8)
+
+# MXFP4: the 16 e2m1 values a nibble selects, doubled (the block scale is half the e8m0 power of two)
+KVALUES_MXFP4: np.ndarray = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 # IQ4_NL / IQ4_XS: the 16 non-linear values a nibble selects
 KVALUES_IQ4NL: np.ndarray = np.array(

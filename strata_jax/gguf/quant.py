@@ -391,6 +391,23 @@ def _deq_iq4_xs(b_YZ):
     return (dl_YA1 * v_YAQ).reshape(*lead, QK_K)
 
 
+# ---- MXFP4 (OCP microscaling: an e8m0 exponent, 32 e2m1 values) -------------------------------------
+
+
+def _e8m0_half(e_Y: jax.Array) -> jax.Array:
+    """uint8 e8m0 exponents -> float32 2^(e - 128), half the scale they encode, built from its bits
+    (ggml_e8m0_to_fp32_half): e < 2 gives the subnormals 2^-128 and 2^-127."""
+    e = e_Y.astype(jnp.uint32)
+    bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _deq_mxfp4(b_YZ):
+    d_Y1 = _e8m0_half(b_YZ[..., 0])[..., None]
+    v_YQ = _lookup(iqt.KVALUES_MXFP4, _q4(b_YZ[..., 1:17])).astype(jnp.float32)
+    return d_Y1 * v_YQ
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     T.F32: _deq_f32,
     T.F16: _deq_f16,
@@ -416,6 +433,7 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     T.IQ3_S: _deq_iq3_s,
     T.IQ4_NL: _deq_iq4_nl,
     T.IQ4_XS: _deq_iq4_xs,
+    T.MXFP4: _deq_mxfp4,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)

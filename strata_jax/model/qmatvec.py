@@ -19,7 +19,7 @@ index arithmetic: Triton tensors need power-of-two shapes and cannot be sliced i
 codebooks (grids, IQ4 values) are small constant inputs of the call, gathered like the weight bytes.
 
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S, IQ4_NL, IQ4_XS (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
+IQ3_S, IQ4_NL, IQ4_XS, MXFP4 (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
 "auto" (on a GPU, K-quant matrices with enough rows to fill the chip: where it is faster,
@@ -343,6 +343,16 @@ def _terms_iq4_nl(ld, G, tab):
             for half in (0, 1)]
 
 
+def _terms_mxfp4(ld, G, tab):
+    g, l = _grid(G, 16)  # blocks of 17 bytes: an e8m0 exponent, then Q4_0's nibble order of e2m1 codes
+    qs = _u(ld(17 * g + 1 + l))
+    e = _u(ld(17 * _iota(G)))
+    # half the block's power of two, from its bits (quant._e8m0_half): e < 2 are the subnormals
+    d = jax.lax.bitcast_convert_type(jnp.where(e < 2, 0x00200000 << e, (e - 1) << 23), jnp.float32)
+    return [(tab((qs >> (4 * half)) & 0x0F).astype(jnp.float32), d, None, 32 * g + 16 * half + l)
+            for half in (0, 1)]
+
+
 _TABLES = {  # name -> flat table; a part's table is _TABLES[_TABLE_OF[qtype]]
     "iq2xxs_grid": iqt.IQ2XXS_GRID.reshape(-1),
     "iq2xs_grid": iqt.IQ2XS_GRID.reshape(-1),
@@ -351,11 +361,12 @@ _TABLES = {  # name -> flat table; a part's table is _TABLES[_TABLE_OF[qtype]]
     "iq3s_grid": iqt.IQ3S_GRID.reshape(-1),
     "iq1s_grid": iqt.IQ1S_GRID.reshape(-1),
     "iq4nl_values": iqt.KVALUES_IQ4NL,
+    "mxfp4_values": iqt.KVALUES_MXFP4,
 }
 _TABLE_OF = {
     Q.IQ2_XXS: "iq2xxs_grid", Q.IQ2_XS: "iq2xs_grid", Q.IQ2_S: "iq2s_grid", Q.IQ3_XXS: "iq3xxs_grid",
     Q.IQ3_S: "iq3s_grid", Q.IQ1_S: "iq1s_grid", Q.IQ1_M: "iq1s_grid", Q.IQ4_XS: "iq4nl_values",
-    Q.IQ4_NL: "iq4nl_values",
+    Q.IQ4_NL: "iq4nl_values", Q.MXFP4: "mxfp4_values",
 }
 
 
@@ -377,6 +388,7 @@ _TERMS = {
     Q.IQ1_M: _terms_iq1_m,
     Q.IQ4_XS: _terms_iq4_xs,
     Q.IQ4_NL: _terms_iq4_nl,
+    Q.MXFP4: _terms_mxfp4,
 }
 
 SUPPORTED = frozenset(_TERMS)
