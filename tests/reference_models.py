@@ -225,7 +225,32 @@ _GLM4MOE = dict(
 ARCH_SPECS["glm4moe"] = ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4moe", "glm-512", _GLM4MOE)
 GLM4MOE_RECIPE_VERSION = 1  # bump to rebuild the glm4moe model only
 SCORE_BIAS_STD = 0.3  # e_score_correction_bias: sigmoid scores lie in (0, 1), so this moves the top-k
-assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS) | {"glm4moe"}
+
+# gpt-oss: 3 layers (sliding, full, sliding: transformers' and llama.cpp's alternation, window 8 so a
+# test sequence outruns it), GQA 4/2 heads of 32 with q/k/v/o biases and a learned sink per head,
+# YaRN rope (factor 4 over an original context of 64: the rotary dims on both sides of the ramp
+# differ; `truncate` left at its default, True, because GGUF has no key for it and llama.cpp's ramp
+# truncates), 8 experts of width 32, top-2 over the router's biased logits, softmax over the chosen
+# ones, experts with biases and the clamped SwiGLU (alpha 1.702, limit 7: llama.cpp's constants).
+# The expert gate/up weights are drawn wide (GPTOSS_GATE_UP_STD) so the clamp bites, the biases and
+# sinks large enough to matter.
+_GPTOSS = dict(
+    vocab_size=_Q4_SMALL_VOCAB, bos_token_id=_Q4_SMALL_VOCAB - 3, eos_token_id=_Q4_SMALL_VOCAB - 1,
+    pad_token_id=_Q4_SMALL_VOCAB - 3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
+    initializer_range=WEIGHT_STD, tie_word_embeddings=False, attention_bias=True, sliding_window=8,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                         original_max_position_embeddings=64, truncate=True),
+    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, swiglu_limit=7.0,
+)
+ARCH_SPECS["gpt-oss"] = ("GptOssConfig", "GptOssForCausalLM", "gpt-oss", "qwen2-512", _GPTOSS)
+GPTOSS_RECIPE_VERSION = 1
+GPTOSS_GATE_UP_STD = 0.6  # gate/up pre-activations ~ N(0, 4.8): |gate| > 7 for a good share of them
+GPTOSS_BIAS_STD = 0.5
+GPTOSS_SINK_STD = 1.0
+# the pre-tokenizer name the converter is given for the cut vocabulary (the gpt-oss family's)
+_PRE_NAME = {"gpt-oss": "gpt-4o"}
+assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS) | {"glm4moe", "gpt-oss"}
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -530,6 +555,9 @@ def _hf_key(arch: str) -> str:
     if arch in QWEN4EXP_ARCHS:
         return _key(QWEN4EXP_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
+    if arch == "gpt-oss":
+        return _key(GPTOSS_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, GPTOSS_GATE_UP_STD,
+                    GPTOSS_BIAS_STD, GPTOSS_SINK_STD, f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     if arch == "glm4moe":
         return _key(GLM4MOE_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, SCORE_BIAS_STD,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
@@ -646,6 +674,32 @@ def _init_weights_glm4moe(model, seed: int) -> None:
                 b.copy_(torch.from_numpy((SCORE_BIAS_STD * rng.standard_normal(tuple(b.shape))).astype(np.float32)))
 
 
+def _init_weights_gptoss(model, seed: int) -> None:
+    """_init_weights' scales, with gpt-oss's own parameters: the experts' fused gate/up (wide, see
+    GPTOSS_GATE_UP_STD) and their biases, the router and its bias, the attention sinks."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                v = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(("_bias", ".bias")):
+                v = GPTOSS_BIAS_STD * rng.standard_normal(shape)
+            elif name.endswith("self_attn.sinks"):
+                v = GPTOSS_SINK_STD * rng.standard_normal(shape)
+            elif "embed_tokens" in name:
+                v = EMBED_STD * rng.standard_normal(shape)
+            elif name.endswith("mlp.router.weight"):
+                v = ROUTER_STD * rng.standard_normal(shape)
+            elif name.endswith("experts.gate_up_proj"):
+                v = GPTOSS_GATE_UP_STD * rng.standard_normal(shape)
+            else:
+                v = WEIGHT_STD * rng.standard_normal(shape)
+            p.copy_(torch.from_numpy(v.astype(np.float32)))
+
+
 def _glm4moe_mtp_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     if name.endswith(("norm.weight", "layernorm.weight")):
@@ -703,7 +757,7 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        init = {"glm4moe": _init_weights_glm4moe}.get(
+        init = {"glm4moe": _init_weights_glm4moe, "gpt-oss": _init_weights_gptoss}.get(
             arch, _init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights_hybrid if arch in HYBRID_ARCHS
             else _init_weights)
         init(model, SEED)
@@ -753,7 +807,7 @@ def tiny_model(arch: str, outtype: str = "f32", mtp: bool = True) -> TinyModel:
         raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
     hf_dir = tiny_hf_dir(arch)
     _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
-    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS or arch == "glm4moe"  # through the wrapper
+    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS or arch in ("glm4moe", "gpt-oss")  # through the wrapper
     # the hybrids' converter refuses a checkpoint without MTP weights unless told to skip them
     extra = ("--no-mtp",) if arch in HYBRID_BASE_ARCHS or not mtp else ()
     key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype,
@@ -765,8 +819,39 @@ def tiny_model(arch: str, outtype: str = "f32", mtp: bool = True) -> TinyModel:
         with _lock(f"gguf-{name}"):
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
-                convert(hf_dir, out, outtype, pre="qwen2" if q4 else None, extra=extra)
+                convert(hf_dir, out, outtype, pre=_PRE_NAME.get(arch, "qwen2") if q4 else None, extra=extra)
     return TinyModel(out, hf_dir, arch, gguf_arch, outtype, dict(kwargs))
+
+
+def gptoss_model(outtype: str = "f32") -> TinyModel:
+    """The tiny gpt-oss model (see _GPTOSS), converted through tests/qwen4exp_convert.py for the
+    pre-tokenizer name ("gpt-4o", the family's). From this unquantized checkpoint the converter writes
+    the experts in `outtype`: it writes MXFP4 only from an MXFP4 checkpoint's blocks."""
+    return tiny_model("gpt-oss", outtype)
+
+
+def rewrite_gguf(src, dst, *, tensors=None, extra_kv=()):
+    """A copy of GGUF `src` at `dst` with its tensors replaced by tensors(reader) -> [(name, data, type)]
+    and extra (key, value, GGUFValueType) pairs added (gguf-py's reader and writer)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for key, value, vtype in extra_kv:
+        w.add_key_value(key, value, vtype)
+    items = tensors(r) if tensors else [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+    for name, data, qtype in items:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
 
 
 def load_weights(tm: TinyModel):

@@ -31,6 +31,8 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "qwen35": ("neox", True),
     # sigmoid scores with a selection bias, optional expert groups, leading dense layers, MTP block
     "glm4moe": ("neox", True),
+    # sinks, alternating sliding-window layers, biases everywhere, softmax over the top-k logits
+    "gpt-oss": ("neox", False),
 }
 # gated DeltaNet + gated full attention layers: model/hybrid.py's forward
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
@@ -40,8 +42,17 @@ MTP_ARCHITECTURES = ("qwen3next", "qwen35moe", "qwen35", "glm4moe")
 # llama.cpp's expert_gating_func values, and the default where a file has no such key
 _GATING = {1: "softmax", 2: "sigmoid"}
 _DEFAULT_GATING = {"glm4moe": "sigmoid"}  # llama.cpp's glm4moe loader: none means sigmoid
+# architectures whose graph hard-codes its gating whatever the file says: gpt-oss takes the top-k of
+# the router logits and softmaxes only those (llama.cpp's SOFTMAX_WEIGHT)
+_FIXED_GATING = {"gpt-oss": "softmax_weight"}
+# the routed experts' activation, hard-coded per architecture by llama.cpp (build_moe_ffn's type_op,
+# with gpt-oss's alpha and limit constants: no GGUF key carries them)
+_EXPERT_ACT = {"gpt-oss": dict(expert_act="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)}
+# llama.cpp's default sliding-window pattern per architecture (load_swa_pattern's n_pattern): a layer
+# il is a sliding-window layer when il % n < n - 1
+_SWA_PATTERN = {"gpt-oss": 2}
 # the norm before the FFN block: llama.cpp's glm4moe names it attn_post_norm (post_attention_norm)
-_FFN_NORM_TENSOR = {"glm4moe": "post_attention_norm"}
+_FFN_NORM_TENSOR = {"glm4moe": "post_attention_norm", "gpt-oss": "post_attention_norm"}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
 
 LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
@@ -137,6 +148,23 @@ class ModelConfig:
     expert_groups: int = 0
     expert_groups_used: int = 0
     ffn_norm_tensor: str = "ffn_norm"  # blk.N.{this}.weight normalises the FFN block's input
+    # routed experts' activation: "silu" (silu(g) * u) or "swiglu_oai" (gpt-oss: g clamped above and u
+    # on both sides at swiglu_limit, g * sigmoid(swiglu_alpha g) * (u + 1); model/moe.py expert_glu)
+    expert_act: str = "silu"
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    # sliding-window attention (gpt-oss): the layers in swa_layers attend to the last sliding_window
+    # positions only (the query's own included)
+    sliding_window: int = 0
+    swa_layers: tuple[int, ...] = ()
+    # RoPE scaling: "none" or "yarn" (rope.scaling.*: factor, original context, beta fast/slow, ext
+    # factor; model/layers.py rope_frequencies)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_orig_ctx: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = 1.0
     # MTP ("nextn") blocks stored after the n_layers text blocks (blk.{n_layers + j}; MTP_ARCHITECTURES):
     # loaded into params.nextn where their tensors are in the file, never run by the forward pass
     n_nextn_layers: int = 0
@@ -225,6 +253,7 @@ class ModelConfig:
             _refuse(gguf, f"MoE layers {list(moe_layers)} with leading_dense_block_count = {n_dense_lead}")
         gating_id = m("expert_gating_func", None)
         gating = _DEFAULT_GATING.get(arch, "softmax") if gating_id in (None, 0) else _GATING.get(int(gating_id))
+        gating = _FIXED_GATING.get(arch, gating)
         if gating is None:
             _refuse(gguf, f"expert_gating_func = {gating_id}", f"supported: {_GATING}")
         groups, groups_used = int(m("expert_group_count", 0) or 0), int(m("expert_group_used_count", 0) or 0)
@@ -272,7 +301,49 @@ class ModelConfig:
             expert_groups_used=groups_used if groups > 1 else 0,
             ffn_norm_tensor=_FFN_NORM_TENSOR.get(arch, "ffn_norm"),
             n_nextn_layers=n_nextn,
+            **_EXPERT_ACT.get(arch, {}),
+            **_sliding_window(gguf, m, arch, n_layers),
+            **_rope_scaling(gguf, m),
         )
+
+
+def _sliding_window(gguf: GGUFFile, m, arch: str, n_layers: int) -> dict:
+    """attention.sliding_window and which layers use it: attention.sliding_window_pattern as per-layer
+    flags, or as n (layer il slides when il % n < n - 1), else the architecture's default (llama.cpp's
+    load_swa_pattern)."""
+    window = int(m("attention.sliding_window", 0) or 0)
+    if not window:
+        return {}
+    if arch not in _SWA_PATTERN:
+        _refuse(gguf, f"{arch}.attention.sliding_window = {window} (sliding-window attention for {arch})")
+    pattern = m("attention.sliding_window_pattern", _SWA_PATTERN[arch])
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "__len__"):
+        flags = [bool(f) for f in pattern]
+        if len(flags) != n_layers:
+            _refuse(gguf, f"attention.sliding_window_pattern of {len(flags)} flags for {n_layers} layers")
+    else:
+        n = int(pattern)
+        flags = [n == 0 or il % n < n - 1 for il in range(n_layers)]
+    return dict(sliding_window=window, swa_layers=tuple(i for i, f in enumerate(flags) if f))
+
+
+def _rope_scaling(gguf: GGUFFile, m) -> dict:
+    """rope.scaling.type and its parameters: linear-free YaRN only (llama.cpp's defaults for the keys a
+    file leaves out: beta fast 32, slow 1, ext factor 1). GGUF has no key for transformers' YaRN
+    `truncate`: llama.cpp always truncates the ramp's ends to whole dims, and so does this."""
+    kind = m("rope.scaling.type", None)
+    factor = float(m("rope.scaling.factor", 0.0) or 0.0)
+    if kind in (None, "none") or (kind == "yarn" and factor <= 1.0):
+        return {}
+    if kind != "yarn":
+        _refuse(gguf, f"rope.scaling.type = {kind!r}", "supported: yarn")
+    if float(m("rope.scaling.yarn_log_multiplier", 0.0) or 0.0):
+        _refuse(gguf, "rope.scaling.yarn_log_multiplier (DeepSeek-style YaRN attention scaling)")
+    return dict(rope_scaling="yarn", rope_factor=factor,
+                rope_orig_ctx=int(m("rope.scaling.original_context_length", m("context_length", 4096))),
+                yarn_beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)),
+                yarn_beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
+                yarn_ext_factor=float(m("rope.scaling.yarn_ext_factor", 1.0)))
 
 
 def _scalar_or_first(v: Any) -> Any:

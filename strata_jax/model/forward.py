@@ -138,7 +138,8 @@ def forward(
                         # a later MoE layer's router on this residual stream predicts its experts
                         nxt = params.layers[cfg.moe_layers[ahead]]
                         h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E)[1]
+                        ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
+                                    logit_bias_E=nxt.moe.router_bias_E)[1]
                         pf.append((ahead, jnp.where(valid_N[:, None], ids, -1)))
                     if pf:
                         predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction

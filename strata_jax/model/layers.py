@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.quant import dequant
@@ -48,14 +49,40 @@ def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
     return outs
 
 
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """The rotary pairs' inverse frequencies (float32 [rope_dim / 2]) and the factor cos and sin are
+    scaled by. YaRN (cfg.rope_scaling): pairs below the ramp keep their frequency (extrapolation), pairs
+    above it are divided by the factor (interpolation), a linear mix between; the ramp's ends are the
+    dims where beta_fast and beta_slow rotations fit the original context, truncated to whole dims as
+    llama.cpp does (ggml_rope_yarn_corr_dims; transformers' truncate=True); cos and sin scale by
+    1 + 0.1 ln(factor)."""
+    n = cfg.rope_dim
+    inv_freq = cfg.rope_theta ** (-np.arange(0, n, 2, dtype=np.float64) / n)
+    if cfg.rope_scaling != "yarn":
+        return inv_freq.astype(np.float32), 1.0
+
+    def corr_dim(rotations: float) -> float:
+        return n * math.log(cfg.rope_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(0.0, math.floor(corr_dim(cfg.yarn_beta_fast)))
+    high = min(n - 1.0, math.ceil(corr_dim(cfg.yarn_beta_slow)))
+    ramp = np.clip((np.arange(n // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+    extrapolate = (1.0 - ramp) * cfg.yarn_ext_factor
+    inv_freq = inv_freq / cfg.rope_factor * (1.0 - extrapolate) + inv_freq * extrapolate
+    return inv_freq.astype(np.float32), 1.0 + 0.1 * math.log(cfg.rope_factor)
+
+
 def rope(x_BTHDh: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary embedding in llama.cpp's two layouts: "normal" rotates consecutive pairs (2i, 2i+1),
-    "neox" rotates (i, i + n/2). Only the first `rope_dim` dims rotate (partial rotary)."""
+    "neox" rotates (i, i + n/2). Only the first `rope_dim` dims rotate (partial rotary); frequencies
+    and scale from rope_frequencies (YaRN)."""
     n = cfg.rope_dim
-    inv_freq = cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n)  # [n/2]
-    ang = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, n/2]
+    inv_freq, mscale = rope_frequencies(cfg)  # [n/2]
+    ang = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, n/2]
     cos = jnp.cos(ang)[:, :, None, :]
     sin = jnp.sin(ang)[:, :, None, :]
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     x = x_BTHDh.astype(jnp.float32)
     rot, rest = x[..., :n], x[..., n:]
     if cfg.rope_style == "neox":
@@ -85,7 +112,9 @@ def attention(
     attn_len (static): attend over the first attn_len cache positions only, a power-of-two bucket above
     the furthest position, so a short sequence does not pay for the whole context. attn_block (static):
     instead, attend over the first attn_len positions in blocks of attn_block with a trip count set at
-    run time by the furthest position (`attend_blocked`), so one program serves every span."""
+    run time by the furthest position (`attend_blocked`), so one program serves every span. gpt-oss:
+    the layers in cfg.swa_layers see the last cfg.sliding_window positions only, the heads' sinks
+    (p.sinks_H) join the softmax, the output projection has a bias."""
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = project(x_BTD, p.qkv, kernels)
@@ -100,18 +129,31 @@ def attention(
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
-    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len, attn_block=attn_block)
-    return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
+    window = cfg.sliding_window if layer in cfg.swa_layers else 0
+    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len, attn_block=attn_block,
+                                     window=window, sinks_H=p.sinks_H)
+    return linear(out.astype(x_BTD.dtype), p.wo, kernels, p.wo_bias_D), k_LBSKDh, v_LBSKDh
+
+
+def _visible(s_S, pos_BT, window: int):
+    """bool [B, T, S]: the cache positions s_S each query may attend to: causal, and with a sliding
+    window only the last `window` (the query's own included: pos - s < window, llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD and transformers' sliding mask)."""
+    mask_BTS = s_S[None, None, :] <= pos_BT[:, :, None]
+    if window:
+        mask_BTS = mask_BTS & (s_S[None, None, :] > pos_BT[:, :, None] - window)
+    return mask_BTS
 
 
 def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
-           select_BTS: jax.Array | None = None, attn_block: int | None = None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+           select_BTS: jax.Array | None = None, attn_block: int | None = None, window: int = 0,
+           sinks_H: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
     GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
     `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
-    causality (QSA's selected blocks). Returns the heads' outputs [B, T, H * Dh] in float32 and the
-    cache."""
+    causality (QSA's selected blocks). window: a sliding window (_visible). sinks_H: per head a logit
+    that joins the softmax's denominator and multiplies no value (gpt-oss). Returns the heads' outputs
+    [B, T, H * Dh] in float32 and the cache."""
     B, T, H, Dh = q_BTHDh.shape
     K = k_BTKDh.shape[2]
     b_idx = jnp.arange(B)[:, None]
@@ -120,27 +162,35 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
 
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
     if attn_block:
-        return attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS), k_LBSKDh, v_LBSKDh
+        return (attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, window, sinks_H),
+                k_LBSKDh, v_LBSKDh)
     k_att, v_att = k_LBSKDh[layer, :, :S], v_LBSKDh[layer, :, :S]
     q = q_BTHDh.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_att, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(Dh)))
-    mask_BTS = jnp.arange(S)[None, None, :] <= pos_BT[:, :, None]
+    mask_BTS = _visible(jnp.arange(S), pos_BT, window)
     if select_BTS is not None:
         mask_BTS = mask_BTS & select_BTS[:, :, :S]
     scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
+    if sinks_H is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
+    else:  # the sink as one more column of the softmax, dropped after it
+        sink = jnp.broadcast_to(sinks_H.reshape(1, K, H // K, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v_att.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_att, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H * Dh), k_LBSKDh, v_LBSKDh
 
 
 def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, block: int,
-                   select_BTS: jax.Array | None = None) -> jax.Array:
+                   select_BTS: jax.Array | None = None, window: int = 0, sinks_H: jax.Array | None = None
+                   ) -> jax.Array:
     """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written),
     `block` positions at a time with an online softmax (float32 running max, sum and output), for as
     many blocks as reach the furthest position below S in pos_BT: the trip count is a run-time value, so
     the program does not depend on the span. A query at or past S (an idle row) extends no loop; the
-    blocks it is given are all it sees. Heads' outputs [B, T, H * Dh] in float32."""
+    blocks it is given are all it sees. With a sliding window the loop starts at the block of the
+    earliest position any query still sees; sinks start the running max and sum (exp(sink - sink) = 1).
+    Heads' outputs [B, T, H * Dh] in float32."""
     B, T, H, Dh = q_BTHDh.shape
     _, _, _, K, _ = k_LBSKDh.shape
     G = H // K
@@ -149,6 +199,10 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh))
     reach = jnp.max(jnp.where(pos_BT < S, pos_BT, 0))
     n_blocks = reach // block + 1
+    first = 0
+    if window:
+        earliest = jnp.min(jnp.where(pos_BT < S, pos_BT, reach)) - window + 1
+        first = jnp.minimum(jnp.maximum(earliest, 0) // block, n_blocks - 1)
 
     def body(j, carry):
         m_BKGT, l_BKGT, acc_BKGTDh = carry
@@ -159,7 +213,7 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         k_blk = jax.lax.dynamic_slice(k_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
         v_blk = jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
         s_S = at + jnp.arange(block)
-        mask_BTS = (s_S[None, None, :] <= pos_BT[:, :, None]) & (s_S >= lo)[None, None, :]
+        mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
             mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=jnp.float32) * scale
@@ -172,9 +226,13 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         return m_new, l_BKGT, acc_BKGTDh * corr[..., None] + pv
 
-    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, Dh), jnp.float32))
-    _, l_BKGT, acc_BKGTDh = jax.lax.fori_loop(0, n_blocks, body, init)
+    if sinks_H is None:
+        m0, l0 = jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32)
+    else:
+        m0 = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, K, G, 1), (B, K, G, T))
+        l0 = jnp.ones((B, K, G, T), jnp.float32)
+    init = (m0, l0, jnp.zeros((B, K, G, T, Dh), jnp.float32))
+    _, l_BKGT, acc_BKGTDh = jax.lax.fori_loop(first, n_blocks, body, init)
     out = acc_BKGTDh / l_BKGT[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
 

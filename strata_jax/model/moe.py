@@ -31,15 +31,24 @@ from strata_jax.model.weights import MoEParams
 
 
 def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
-          forced_Nk: jax.Array | None = None, bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          forced_Nk: jax.Array | None = None, bias_E: jax.Array | None = None,
+          logit_bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights, in float32 (routing decisions are precision-sensitive).
     Scores are the router logits' softmax or sigmoid (cfg.expert_gating); bias_E (exp_probs_b) is added
     to them for the choice only, and the weights are the unbiased scores of the chosen experts. With
     cfg.expert_groups, only experts of the expert_groups_used groups with the highest sum of their two
     best biased scores can be chosen (llama.cpp's build_moe_ffn, DeepSeek-V3's router).
     forced_Nk: use these experts instead of the top-k (benchmarks replaying a routing trace), weighted by
-    the router's scores for them."""
+    the router's scores for them. logit_bias_E (gpt-oss's ffn_gate_inp.bias) is part of the router's
+    logits. "softmax_weight" gating (gpt-oss): the top-k of the logits, weighted by the softmax of
+    just those k."""
     logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
+    if logit_bias_E is not None:
+        logits_NE = logits_NE + logit_bias_E
+    if cfg.expert_gating == "softmax_weight":
+        ids_Nk = jax.lax.top_k(logits_NE, cfg.n_experts_used)[1] if forced_Nk is None else forced_Nk.astype(jnp.int32)
+        w_Nk = jax.nn.softmax(jnp.take_along_axis(logits_NE, ids_Nk, axis=-1), axis=-1)
+        return w_Nk * cfg.expert_weights_scale, ids_Nk.astype(jnp.int32)
     if cfg.expert_gating == "sigmoid":
         probs_NE = jax.nn.sigmoid(logits_NE)
     else:
@@ -62,27 +71,56 @@ def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
     return w_Nk * cfg.expert_weights_scale, ids_Nk.astype(jnp.int32)
 
 
+def expert_glu(g: jax.Array, u: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
+    """The routed experts' gated activation of gate and up pre-activations (float32), cfg.expert_act:
+    "silu" (or no cfg) is silu(g) * u; "swiglu_oai" (gpt-oss) clamps g above and u on both sides at
+    cfg.swiglu_limit, then g * sigmoid(cfg.swiglu_alpha g) * (u + 1) (ggml_swiglu_oai, transformers'
+    GptOssExperts)."""
+    if cfg is None or cfg.expert_act == "silu":
+        return jax.nn.silu(g) * u
+    g = jnp.minimum(g, cfg.swiglu_limit)
+    u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return g * jax.nn.sigmoid(cfg.swiglu_alpha * g) * (u + 1.0)
+
+
 def _dequant_rows(rows: ExpertRows, rows_P: jax.Array, dtype):
     """Dequantized gate, up and down weights of expert rows [..., P]; after this the source may be
     overwritten."""
     return tuple(dequant(t, dtype) for t in rows.split(rows_P))
 
 
-def _apply_experts(x_ND, w_Nk, weights, dtype):
+def _bias_rows(bias, ids):
+    """The expert biases (gate, up, down: MoEParams.expert_bias) of experts `ids`, or Nones."""
+    return (None,) * 3 if bias is None else tuple(jnp.take(b, ids, axis=0) for b in bias)
+
+
+def _plus(y, b):
+    return y if b is None else y + b
+
+
+def _apply_experts(x_ND, w_Nk, weights, dtype, cfg=None, bias_Nk=(None,) * 3):
     g_NkFD, u_NkFD, d_NkDF = weights
+    bg, bu, bd = bias_Nk
     f32 = jnp.float32
-    h = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", x_ND, g_NkFD, preferred_element_type=f32))
-    h = (h * jnp.einsum("nd,nkfd->nkf", x_ND, u_NkFD, preferred_element_type=f32)).astype(dtype)
-    y_NkD = jnp.einsum("nkf,nkdf->nkd", h, d_NkDF, preferred_element_type=f32)
+    g = _plus(jnp.einsum("nd,nkfd->nkf", x_ND, g_NkFD, preferred_element_type=f32), bg)
+    u = _plus(jnp.einsum("nd,nkfd->nkf", x_ND, u_NkFD, preferred_element_type=f32), bu)
+    h = expert_glu(g, u, cfg).astype(dtype)
+    y_NkD = _plus(jnp.einsum("nkf,nkdf->nkd", h, d_NkDF, preferred_element_type=f32), bd)
     return jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
 
 
-def _routed(x_ND, w_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kernels):
-    """The few-token product of each token's routed experts, read from their slots."""
+def _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kernels, cfg=None, bias=None):
+    """The few-token product of each token's routed experts, read from their slots (their biases, if
+    any, by expert id)."""
     parts = qmatvec.expert_parts(pool, slot_Nk.size, kernels)
+    bias_Nk = _bias_rows(bias, ids_Nk)
     if parts is not None:
-        return qmatvec.experts_swiglu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels)
-    return _apply_experts(x_ND, w_Nk, _dequant_rows(pool, jnp.take(pool.data, slot_Nk, axis=0), dtype), dtype)
+        if (cfg is None or cfg.expert_act == "silu") and bias is None:
+            return qmatvec.experts_swiglu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels)
+        return qmatvec.experts_glu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels,
+                                   functools.partial(expert_glu, cfg=cfg), bias_Nk)
+    return _apply_experts(x_ND, w_Nk, _dequant_rows(pool, jnp.take(pool.data, slot_Nk, axis=0), dtype), dtype,
+                          cfg, bias_Nk)
 
 
 PREFILL_GROUP_BYTES = 1 << 30  # transient bytes of one group of experts in the prefill's scan
@@ -99,7 +137,8 @@ def _prefill_group(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, dt
     return g
 
 
-def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int):
+def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
+                   cfg: ModelConfig | None = None, bias=None):
     """Every token through every expert, weighted by its routing weight (zero where it did not route):
     E/k times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
     weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
@@ -109,7 +148,9 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
 
     Each scan step asks the provider for its group's rows (`group`): offloaded, they are copied from
     the host store in that step, so the device holds one group's bytes, never the layer's (a whole
-    streamed layer per MoE layer could be copied early for every layer at once and exhaust memory)."""
+    streamed layer per MoE layer could be copied early for every layer at once and exhaust memory).
+    cfg, bias: the experts' activation (expert_glu) and biases (MoEParams.expert_bias); a down bias
+    is weighted by the routing weight as its expert's output is."""
     N = x_ND.shape[0]
     f32 = jnp.float32
     combine_NE = jnp.zeros((N, n_experts), f32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk)
@@ -121,14 +162,20 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
         first, combine_NJ = xs
         rows = experts.group(moe_idx, first, J)
         g_JFD, u_JFD, d_JDF = _dequant_rows(rows, rows.data, dtype)
-        h = jax.nn.silu(jnp.einsum("nd,gfd->ngf", x_ND, g_JFD, preferred_element_type=f32))
-        h = h * jnp.einsum("nd,gfd->ngf", x_ND, u_JFD, preferred_element_type=f32) * combine_NJ[:, :, None]
-        return acc_ND + jnp.einsum("ngf,gdf->nd", h.astype(dtype), d_JDF, preferred_element_type=f32), None
+        bg, bu, bd = (None,) * 3 if bias is None else (jax.lax.dynamic_slice_in_dim(b, first, J) for b in bias)
+        g = _plus(jnp.einsum("nd,gfd->ngf", x_ND, g_JFD, preferred_element_type=f32), bg)
+        u = _plus(jnp.einsum("nd,gfd->ngf", x_ND, u_JFD, preferred_element_type=f32), bu)
+        h = expert_glu(g, u, cfg) * combine_NJ[:, :, None]
+        acc_ND = acc_ND + jnp.einsum("ngf,gdf->nd", h.astype(dtype), d_JDF, preferred_element_type=f32)
+        if bd is not None:
+            acc_ND = acc_ND + jnp.einsum("ng,gd->nd", combine_NJ, bd, precision="highest")
+        return acc_ND, None
 
     return jax.lax.scan(group, jnp.zeros((N, x_ND.shape[1]), f32), (first_C, combine_CNJ))[0]
 
 
-def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: int):
+def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: int, cfg: ModelConfig | None = None,
+                     bias=None):
     """Every (token, expert) pair computed once: the N*k pairs sorted by expert and multiplied group by
     group (ragged_dot), each expert's weights dequantized once per chunk. The dense alternative (all
     tokens through all experts, masked) does E/k times the work: 51x for 512 experts top-10.
@@ -142,8 +189,10 @@ def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: i
     x_sorted = x_ND[tok]
     g_EFD, u_EFD, d_EDF = _dequant_rows(rows_E, rows_E.data, dtype)
     rdot = functools.partial(jax.lax.ragged_dot, group_sizes=sizes_E, preferred_element_type=f32)
-    h = jax.nn.silu(rdot(x_sorted, g_EFD.transpose(0, 2, 1))) * rdot(x_sorted, u_EFD.transpose(0, 2, 1))
-    y = rdot(h.astype(dtype), d_EDF.transpose(0, 2, 1)) * w_Nk.reshape(-1)[order][:, None]
+    bg, bu, bd = _bias_rows(bias, flat[order])
+    h = expert_glu(_plus(rdot(x_sorted, g_EFD.transpose(0, 2, 1)), bg), _plus(rdot(x_sorted, u_EFD.transpose(0, 2, 1)), bu),
+                   cfg)
+    y = _plus(rdot(h.astype(dtype), d_EDF.transpose(0, 2, 1)), bd) * w_Nk.reshape(-1)[order][:, None]
     return jnp.zeros((N, x_ND.shape[1]), f32).at[tok].add(y)
 
 
@@ -181,17 +230,18 @@ def moe_block(
     dtype = x_BTD.dtype
     N, k, E = B * T, cfg.n_experts_used, cfg.n_experts
     x_ND = x_BTD.reshape(N, D)
-    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E)
+    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E, p.router_bias_E)
+    bias = p.expert_bias
     if experts.few_path(moe_idx, N * k):
         experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk, valid_N)
-        out_ND = _routed(x_ND, w_Nk, slot_Nk, pool, dtype, kernels)
+        out_ND = _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
         experts = experts.stream(moe_idx)
         if _many_token_impl(kernels) is _experts_dense:
-            out_ND = _experts_dense(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim)
+            out_ND = _experts_dense(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias)
         else:
-            out_ND = _experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(moe_idx), dtype, E)
+            out_ND = _experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(moe_idx), dtype, E, cfg, bias)
     if predicted_Nk is not None:
         actual_U, pred_U = unique_ids(ids_Nk, E), unique_ids(predicted_Nk, E)
         pred_hit = jnp.sum((pred_U[:, None] == actual_U[None, :]) & (pred_U[:, None] >= 0)).astype(jnp.int32)

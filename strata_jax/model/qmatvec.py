@@ -607,6 +607,27 @@ def experts_swiglu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Ker
     return jnp.einsum("nkd,nk->nd", y_I1D.reshape(N, k, -1), w_Nk)
 
 
+def experts_glu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Kernels, glu, bias_Nk):
+    """experts_swiglu for experts with biases or another gated activation (gpt-oss): gate and up read
+    by the kernel one part at a time, then glu(gate x + b_gate, up x + b_up), the down product and
+    its bias. bias_Nk: the routed experts' (gate [N, k, F], up [N, k, F], down [N, k, D]) biases, or
+    Nones. float32 [N, D]."""
+    N, k = slot_Nk.shape
+    gate, up, down = parts
+    slot_I = slot_Nk.reshape(N * k)
+    x_I1D = jnp.repeat(x_ND, k, axis=0)[:, None, :]
+
+    def product(x, part, b):
+        y = stacked_matvec(x, pool_data_XP, slot_I, parts=(part,), interpret=_interpret(kernels),
+                           **block_config(part, N * k))[:, 0]
+        return y if b is None else y + b.reshape(N * k, -1)
+
+    bg, bu, bd = bias_Nk
+    h_I1F = glu(product(x_I1D, gate, bg), product(x_I1D, up, bu)).astype(dtype)[:, None, :]
+    y_ID = product(h_I1F, down, bd)
+    return jnp.einsum("nkd,nk->nd", y_ID.reshape(N, k, -1), w_Nk)
+
+
 def linear_ok(w, n_rows: int, kernels: Kernels) -> bool:
     """Whether x @ W.T for n_rows token rows takes the kernel (W a 2-D QTensor)."""
     if w.qtype is None or n_rows > MAX_T or w.data.ndim != 2 or not stack_ok(w.data):

@@ -50,6 +50,8 @@ class AttnParams:
     wo: QTensor  # [D, H*Dh]
     q_norm: jax.Array | None  # [Dh] per head (qwen3) or [H*Dh] over all heads (olmoe)
     k_norm: jax.Array | None
+    sinks_H: jax.Array | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
+    wo_bias_D: jax.Array | None = None  # gpt-oss: the output projection's bias
 
 
 @struct.dataclass
@@ -66,6 +68,11 @@ class MoEParams:
     shared: MLPParams | None
     shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
     score_bias_E: jax.Array | None = None  # exp_probs_b: added to the router's scores to choose experts
+    router_bias_E: jax.Array | None = None  # ffn_gate_inp.bias (gpt-oss): added to the router's logits
+    # gpt-oss: the routed experts' biases, kept on the device beside the router and read by expert id
+    # (never by slot), so they are the same whatever the expert cache holds: gate [E, F], up [E, F],
+    # down [E, D]
+    expert_bias: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 @struct.dataclass
@@ -282,8 +289,14 @@ def _moe_params(loader: WeightLoader, p: str) -> MoEParams:
         if loader.gguf.has(gate_name):
             gate_shape = (1, D) if len(loader.gguf.tensor(gate_name).shape) == 2 else (D,)
             shared_gate = loader.f32(gate_name, gate_shape).reshape(D)
-    return MoEParams(router_ED=loader.f32(p + "ffn_gate_inp.weight", (cfg.n_experts, D)), shared=shared,
-                     shared_gate_D=shared_gate, score_bias_E=loader.optional_f32(p + "exp_probs_b.bias", (cfg.n_experts,)))
+    E, F = cfg.n_experts, cfg.expert_ffn_dim
+    expert_bias = None
+    if loader.gguf.has(p + "ffn_gate_exps.bias"):
+        expert_bias = (loader.f32(p + "ffn_gate_exps.bias", (E, F)), loader.f32(p + "ffn_up_exps.bias", (E, F)),
+                       loader.f32(p + "ffn_down_exps.bias", (E, D)))
+    return MoEParams(router_ED=loader.f32(p + "ffn_gate_inp.weight", (E, D)), shared=shared,
+                     shared_gate_D=shared_gate, score_bias_E=loader.optional_f32(p + "exp_probs_b.bias", (E,)),
+                     router_bias_E=loader.optional_f32(p + "ffn_gate_inp.bias", (E,)), expert_bias=expert_bias)
 
 
 def _beta_alpha_split(loader: WeightLoader, layer: int, dims):
@@ -410,6 +423,8 @@ def _layer_params(loader: WeightLoader, i: int, moe: bool) -> LayerParams:
         wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
         q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
         k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
+        sinks_H=loader.optional_f32(p + "attn_sinks.weight", (cfg.n_heads,)),
+        wo_bias_D=loader.optional_f32(p + "attn_output.bias", (D,)),
     )
     mlp = moe_p = None
     if moe:
