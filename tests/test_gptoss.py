@@ -172,7 +172,7 @@ def test_every_tensor_is_consumed(outtype):
 def test_yarn_frequencies_match_transformers():
     """rope_frequencies against transformers' YaRN init for the checkpoint's parameters (truncate at
     its default, True, which is what llama.cpp computes: GGUF cannot say otherwise), and the ramp's
-    ends are truncated: truncate=False gives other frequencies."""
+    ends are truncated: truncate=False gives other frequencies. Linear scaling against its init too."""
     import torch
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -184,11 +184,19 @@ def test_yarn_frequencies_match_transformers():
     inv_freq, mscale = rope_frequencies(cfg)
     hf_cfg = GptOssConfig(**tm.config)
     ref, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, torch.device("cpu"))
+    inv_freq = np.asarray(inv_freq)
     np.testing.assert_allclose(inv_freq, ref.numpy(), rtol=1e-6)
     assert mscale == pytest.approx(ref_scale, rel=1e-7)
     untruncated = GptOssConfig(**dict(tm.config, rope_parameters=dict(tm.config["rope_parameters"], truncate=False)))
     other, _ = ROPE_INIT_FUNCTIONS["yarn"](untruncated, torch.device("cpu"))
     assert np.abs(other.numpy() - inv_freq).max() > 1e-3 * inv_freq.max()
+    # linear scaling (any architecture's rope.scaling.type = linear)
+    linear = dataclasses.replace(cfg, rope_scaling="linear")
+    lin_cfg = GptOssConfig(**dict(tm.config, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=150000.0)))
+    lin_ref, lin_scale = ROPE_INIT_FUNCTIONS["linear"](lin_cfg, torch.device("cpu"))
+    lin, lin_mscale = rope_frequencies(linear)
+    np.testing.assert_allclose(np.asarray(lin), lin_ref.numpy(), rtol=1e-6)
+    assert lin_mscale == lin_scale == 1.0
 
 
 # -- against transformers -------------------------------------------------------------------------

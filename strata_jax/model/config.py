@@ -157,8 +157,8 @@ class ModelConfig:
     # positions only (the query's own included)
     sliding_window: int = 0
     swa_layers: tuple[int, ...] = ()
-    # RoPE scaling: "none" or "yarn" (rope.scaling.*: factor, original context, beta fast/slow, ext
-    # factor; model/layers.py rope_frequencies)
+    # RoPE scaling: "none", "linear" or "yarn" (rope.scaling.*: factor, original context, beta
+    # fast/slow, ext factor; model/layers.py rope_frequencies)
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_orig_ctx: int = 0
@@ -308,14 +308,12 @@ class ModelConfig:
 
 
 def _sliding_window(gguf: GGUFFile, m, arch: str, n_layers: int) -> dict:
-    """attention.sliding_window and which layers use it: attention.sliding_window_pattern as per-layer
-    flags, or as n (layer il slides when il % n < n - 1), else the architecture's default (llama.cpp's
-    load_swa_pattern)."""
+    """attention.sliding_window and which layers use it, for the architectures with sliding-window
+    layers (_SWA_PATTERN): attention.sliding_window_pattern as per-layer flags, or as n (layer il
+    slides when il % n < n - 1), else the architecture's default (llama.cpp's load_swa_pattern)."""
     window = int(m("attention.sliding_window", 0) or 0)
-    if not window:
+    if not window or arch not in _SWA_PATTERN:  # the other architectures' graphs here have no window
         return {}
-    if arch not in _SWA_PATTERN:
-        _refuse(gguf, f"{arch}.attention.sliding_window = {window} (sliding-window attention for {arch})")
     pattern = m("attention.sliding_window_pattern", _SWA_PATTERN[arch])
     if isinstance(pattern, (list, tuple)) or hasattr(pattern, "__len__"):
         flags = [bool(f) for f in pattern]
@@ -328,15 +326,17 @@ def _sliding_window(gguf: GGUFFile, m, arch: str, n_layers: int) -> dict:
 
 
 def _rope_scaling(gguf: GGUFFile, m) -> dict:
-    """rope.scaling.type and its parameters: linear-free YaRN only (llama.cpp's defaults for the keys a
-    file leaves out: beta fast 32, slow 1, ext factor 1). GGUF has no key for transformers' YaRN
+    """rope.scaling.type and its parameters: linear (positions divided by the factor) or YaRN (llama.cpp's
+    defaults for the keys a file leaves out: beta fast 32, slow 1, ext factor 1). GGUF has no key for transformers' YaRN
     `truncate`: llama.cpp always truncates the ramp's ends to whole dims, and so does this."""
     kind = m("rope.scaling.type", None)
     factor = float(m("rope.scaling.factor", 0.0) or 0.0)
-    if kind in (None, "none") or (kind == "yarn" and factor <= 1.0):
+    if kind in (None, "none") or factor <= 1.0:
         return {}
+    if kind == "linear":
+        return dict(rope_scaling="linear", rope_factor=factor)
     if kind != "yarn":
-        _refuse(gguf, f"rope.scaling.type = {kind!r}", "supported: yarn")
+        _refuse(gguf, f"rope.scaling.type = {kind!r}", "supported: linear, yarn")
     if float(m("rope.scaling.yarn_log_multiplier", 0.0) or 0.0):
         _refuse(gguf, "rope.scaling.yarn_log_multiplier (DeepSeek-style YaRN attention scaling)")
     return dict(rope_scaling="yarn", rope_factor=factor,

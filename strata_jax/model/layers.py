@@ -49,17 +49,19 @@ def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
     return outs
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
     """The rotary pairs' inverse frequencies (float32 [rope_dim / 2]) and the factor cos and sin are
-    scaled by. YaRN (cfg.rope_scaling): pairs below the ramp keep their frequency (extrapolation), pairs
-    above it are divided by the factor (interpolation), a linear mix between; the ramp's ends are the
-    dims where beta_fast and beta_slow rotations fit the original context, truncated to whole dims as
-    llama.cpp does (ggml_rope_yarn_corr_dims; transformers' truncate=True); cos and sin scale by
-    1 + 0.1 ln(factor)."""
+    scaled by (cfg.rope_scaling). Linear scaling divides every frequency by the factor. YaRN: pairs
+    below the ramp keep their frequency (extrapolation), pairs above it are divided by the factor
+    (interpolation), a linear mix between; the ramp's ends are the dims where beta_fast and beta_slow
+    rotations fit the original context, truncated to whole dims as llama.cpp does
+    (ggml_rope_yarn_corr_dims; transformers' truncate=True); cos and sin scale by 1 + 0.1 ln(factor)."""
     n = cfg.rope_dim
+    if cfg.rope_scaling == "none":
+        return cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n), 1.0
     inv_freq = cfg.rope_theta ** (-np.arange(0, n, 2, dtype=np.float64) / n)
-    if cfg.rope_scaling != "yarn":
-        return inv_freq.astype(np.float32), 1.0
+    if cfg.rope_scaling == "linear":
+        return jnp.asarray((inv_freq / cfg.rope_factor).astype(np.float32)), 1.0
 
     def corr_dim(rotations: float) -> float:
         return n * math.log(cfg.rope_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
@@ -69,16 +71,16 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     ramp = np.clip((np.arange(n // 2) - low) / max(0.001, high - low), 0.0, 1.0)
     extrapolate = (1.0 - ramp) * cfg.yarn_ext_factor
     inv_freq = inv_freq / cfg.rope_factor * (1.0 - extrapolate) + inv_freq * extrapolate
-    return inv_freq.astype(np.float32), 1.0 + 0.1 * math.log(cfg.rope_factor)
+    return jnp.asarray(inv_freq.astype(np.float32)), 1.0 + 0.1 * math.log(cfg.rope_factor)
 
 
 def rope(x_BTHDh: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary embedding in llama.cpp's two layouts: "normal" rotates consecutive pairs (2i, 2i+1),
     "neox" rotates (i, i + n/2). Only the first `rope_dim` dims rotate (partial rotary); frequencies
-    and scale from rope_frequencies (YaRN)."""
+    and scale from rope_frequencies (linear, YaRN)."""
     n = cfg.rope_dim
     inv_freq, mscale = rope_frequencies(cfg)  # [n/2]
-    ang = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, n/2]
+    ang = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, n/2]
     cos = jnp.cos(ang)[:, :, None, :]
     sin = jnp.sin(ang)[:, :, None, :]
     if mscale != 1.0:
