@@ -49,18 +49,20 @@ def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
     return outs
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
+def rope_frequencies(cfg) -> tuple[jax.Array, float]:
     """The rotary pairs' inverse frequencies (float32 [rope_dim / 2]) and the factor cos and sin are
-    scaled by (cfg.rope_scaling). Linear scaling divides every frequency by the factor. YaRN: pairs
+    scaled by (cfg: a ModelConfig, or any dims with rope_dim and rope_theta, e.g. QSA's, which are
+    unscaled; cfg.rope_scaling). Linear scaling divides every frequency by the factor. YaRN: pairs
     below the ramp keep their frequency (extrapolation), pairs above it are divided by the factor
     (interpolation), a linear mix between; the ramp's ends are the dims where beta_fast and beta_slow
     rotations fit the original context, truncated to whole dims as llama.cpp does
     (ggml_rope_yarn_corr_dims; transformers' truncate=True); cos and sin scale by 1 + 0.1 ln(factor)."""
     n = cfg.rope_dim
-    if cfg.rope_scaling == "none":
+    scaling = getattr(cfg, "rope_scaling", "none")  # rope's other callers pass dims without scaling
+    if scaling == "none":
         return cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n), 1.0
     inv_freq = cfg.rope_theta ** (-np.arange(0, n, 2, dtype=np.float64) / n)
-    if cfg.rope_scaling == "linear":
+    if scaling == "linear":
         return jnp.asarray((inv_freq / cfg.rope_factor).astype(np.float32)), 1.0
 
     def corr_dim(rotations: float) -> float:
