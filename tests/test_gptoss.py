@@ -146,8 +146,10 @@ def test_fixture_carries_what_the_checkpoint_says():
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "mxfp4"])
 def test_every_tensor_is_consumed(outtype):
     """Config and weights take every tensor of the file; the routed experts' matrices are the expert
-    store's, their biases stay beside the router."""
+    store's, their biases stay beside the router (and count as dense bytes)."""
     from gguf import GGMLQuantizationType as T
+
+    from strata_jax.model.memory import routed_expert_bytes
 
     tm = gptoss_model("f32" if outtype == "mxfp4" else outtype)
     if outtype == "mxfp4":
@@ -167,6 +169,9 @@ def test_every_tensor_is_consumed(outtype):
         assert [b.shape for b in lp.moe.expert_bias] == [(8, 32), (8, 32), (8, 64)]
     if outtype == "mxfp4":
         assert {p.qtype for parts in spec.layer_parts for p in parts} == {T.MXFP4}
+    # the memory plan counts as routed experts exactly the bytes the expert store holds (the biases
+    # are dense: on the device beside the router)
+    assert routed_expert_bytes(g) == sum(spec.bytes_per_expert(i) * cfg.n_experts for i in range(3))
 
 
 def test_yarn_frequencies_match_transformers():
@@ -210,6 +215,33 @@ def test_logits_match_transformers():
     err = _rel_err(ours, ref)
     print(f"gpt-oss f32: max relative logit error vs transformers {err.max():.2e}")
     assert ours.shape == ref.shape and err.max() < REL_TOL, err
+
+
+def test_grouped_prefill_equals_dense():
+    """The grouped prefill MoE (tokens sorted by expert, ragged_dot; each pair's expert biases by its
+    expert id) computes what the dense one (test_logits_match_transformers) does, on layer 0's
+    experts; without the biases it is far from it."""
+    import jax.numpy as jnp
+
+    from strata_jax.model.moe import _experts_dense, _experts_grouped, route
+
+    m = _resident()
+    cfg, p = m.config, m.params.layers[0].moe
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((12, cfg.d_model)).astype(np.float32))
+    w, ids = route(x, p.router_ED, cfg, logit_bias_E=p.router_bias_E)
+    experts = m.experts.take()
+    try:
+        experts = experts.stream(0)
+        args = (x, w, ids)
+        dense = _experts_dense(*args, experts, 0, jnp.float32, cfg.n_experts, cfg.expert_ffn_dim, cfg, p.expert_bias)
+        rows = experts.layer(0)
+        grouped = _experts_grouped(*args, rows, jnp.float32, cfg.n_experts, cfg, p.expert_bias)
+        unbiased = _experts_grouped(*args, rows, jnp.float32, cfg.n_experts, cfg, None)
+    finally:
+        m.experts.put(experts)
+    scale = np.abs(np.asarray(dense)).max()
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=0, atol=1e-5 * scale)
+    assert np.abs(np.asarray(unbiased) - np.asarray(dense)).max() > OFF_TOL * scale
 
 
 def test_mxfp4_experts_match_transformers():

@@ -25,6 +25,7 @@ _KINDS = [
     (r"\.attn_", "attention"),
     (r"\.ffn_gate_inp\.", "routers"),
     (r"_shexp\.", "shared experts"),
+    (r"_exps\.bias$", "expert biases"),  # on the device beside the router (gpt-oss)
     (r"_exps\.", "routed experts"),
     (r"\.ffn_", "dense mlp"),
 ]

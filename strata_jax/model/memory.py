@@ -14,12 +14,13 @@ from strata_jax.model.config import ModelConfig
 if TYPE_CHECKING:
     from strata_jax.gguf.reader import GGUFFile
 
-# Tensors whose names contain this are routed experts (the expert cache's); everything else is dense.
+# Tensors whose names contain this are routed experts (the expert cache's); everything else is dense,
+# the experts' biases included (gpt-oss: kept on the device beside the router, MoEParams.expert_bias).
 ROUTED_EXPERT_MARK = "_exps."
 
 
 def is_routed_expert(name: str) -> bool:
-    return ROUTED_EXPERT_MARK in name
+    return ROUTED_EXPERT_MARK in name and not name.endswith(".bias")
 
 
 def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2) -> int:
