@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fake_hub import FakeHub, HubFile
+from strata_jax.cli import main
 from strata_jax.core.errors import HubError
 from strata_jax.hub import pull, resolve_model
 from strata_jax.hub.download import marker_path, part_path
@@ -235,3 +236,51 @@ def test_model_reference_is_pulled_once_into_the_cache(hub, tmp_path):
     assert resolve_model(f"{REPO}:big/big-Q8_0-00001-of-00003.gguf", progress=False) == path
     assert len(hub.requests) == n
     hub.restart()
+
+
+# --- the CLI: pull, and --model REPO:FILE through the pull cache ----------------------------------------
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory):
+    from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    spec = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=64, head_dim=16, expert_ffn_dim=64, ffn_dim=64,
+                         n_experts=4, n_experts_used=2, vocab_size=320, qtype="Q8_0")
+    first = write_synthetic_gguf(tmp_path_factory.mktemp("split") / "moe.gguf", spec, split_max_tensors=12)
+    return sorted(first.parent.glob("moe-*-of-*.gguf"))
+
+
+@pytest.fixture
+def model_hub(hub, split_model):
+    for p in split_model:
+        hub.files[f"moe/{p.name}"] = HubFile(p.read_bytes())
+    return hub
+
+
+def test_cli_pull_prints_what_was_verified(hub, tmp_path, capsys):
+    assert main(["pull", REPO, FILE, "nohash.gguf", "--dir", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("verified") and FILE in out[0] and _sha(DATA[FILE].data) in out[0]
+    assert out[1].startswith("UNVERIFIED") and "nohash.gguf" in out[1]
+    hub.set_fault("flip", times=None)
+    assert main(["pull", REPO, "big/*00001*", "--dir", str(tmp_path / "d"), "--retries", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "sha256" in err and "Nothing was kept" in err
+
+
+def test_model_ref_in_inspect_and_check(model_hub, split_model, capsys):
+    n = len(split_model)
+    assert n > 1
+    ref = f"{REPO}:moe/moe-00001-of-{n:05d}.gguf"
+    assert main(["inspect", "--model", ref]) == 0
+    out = capsys.readouterr().out
+    assert f"in {n} shards" in out and "qwen3moe" in out
+    assert main(["check", ref, "--json", "--no-pinned-probe"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["model"]["shards"] == n and c["model"]["path"].endswith(f"moe-00001-of-{n:05d}.gguf")
+
+
+def test_options_are_checked_before_anything_is_pulled(model_hub, capsys):
+    n = len(model_hub.requests)
+    assert main(["generate", "--model", f"{REPO}:moe/*", "--prompt", "hi", "--ctx", "0"]) == 2
+    assert "--ctx" in capsys.readouterr().err and len(model_hub.requests) == n

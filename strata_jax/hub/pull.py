@@ -191,8 +191,9 @@ def resolve_model(ref: str | None, *, progress: bool = True) -> str | None:
     if any(c in file for c in "*?[") or not all(read_marker(folder / s) for s in shards):
         pulled = pull(repo, [file], revision=revision, progress=progress)
         ggufs = [p for p in pulled if p.repo_path.endswith(".gguf")]
-        if not ggufs:
-            raise HubError(f"{ref} names no .gguf file.")
+        models = sorted({split_set(p.repo_path)[0] for p in ggufs})
+        if len(models) != 1:
+            raise HubError(f"{ref} names {len(models)} GGUF models ({', '.join(models) or 'none'}); name one file.")
         return str(folder / split_set(ggufs[0].repo_path)[0])
     log.info("model %s: the pull cache's verified copy in %s", ref, folder)
     return str(folder / shards[0])
