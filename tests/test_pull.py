@@ -284,3 +284,24 @@ def test_options_are_checked_before_anything_is_pulled(model_hub, capsys):
     n = len(model_hub.requests)
     assert main(["generate", "--model", f"{REPO}:moe/*", "--prompt", "hi", "--ctx", "0"]) == 2
     assert "--ctx" in capsys.readouterr().err and len(model_hub.requests) == n
+
+
+def test_progress_line_shows_gib_rate_and_eta():
+    import io
+    import re
+
+    from strata_jax.hub.pull import Progress
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = TTY()
+    p = Progress(4 << 30, "pull acme/x", stream=out)
+    p.t0 -= 10.0  # 1 GiB in 10 s: 0.1 GiB/s, 30 s left
+    p.last -= 10.0
+    p(1 << 30)
+    p.close()
+    line = out.getvalue().split("\r")[1]
+    assert re.search(r"pull acme/x\s+1\.00 / 4\.00 GiB \( 25%\)\s+0\.10 GiB/s ETA 00:00:(29|30)", line), line
+    assert out.getvalue().endswith("\n")
