@@ -180,8 +180,13 @@ def check(model: str | None = None, *, ctx: int = 4096, parallel: int = 1, vram_
     out["disk"] = {"path": str(folder), "free": du.free, "total": du.total}
 
     if gpu and probe_pinned:
-        want = out.get("model", {}).get("expert_bytes_total") or int((mi.get("MemAvailable") or 0) * 0.9)
-        out["pinned"] = largest_pinned(dev, max(want, PINNED_FLOOR)) | {"asked": max(want, PINNED_FLOOR)}
+        # never more than 80% of available RAM: pinning all of it would starve the host (and its other users)
+        avail = int((mi.get("MemAvailable") or 0) * 0.8)
+        want = min(out.get("model", {}).get("expert_bytes_total") or avail, avail or PINNED_FLOOR)
+        want = max(want, PINNED_FLOOR)
+        log.info("check: the largest pinned host allocation, halving from %s (--no-pinned-probe skips it)",
+                 fmt_bytes(want))
+        out["pinned"] = largest_pinned(dev, want) | {"asked": want}
     if report is not None:
         out["verdict"] = _verdict(report, out, gpu)
     return out
