@@ -4,7 +4,7 @@ The machine: the GPU (NVML through nvidia-ml-py where installed: name, memory, d
 and width now against their maximum, loudly when the link runs narrower than it can), JAX's backend and
 the free memory its allocator reports (what load sizes the expert cache from), pinned host->device
 bandwidth (bench/limits.py's probe, on a modest buffer), RAM from /proc/meminfo, the largest pinned
-host allocation that succeeds (halving from what the model's experts need, else from available RAM),
+host allocation that succeeds (halving from what the model's experts need, at most 80% of available RAM),
 and free disk at the model's directory. An idle GPU lowers its PCIe generation to save power, so the
 generation is read right after the bandwidth probe has loaded the link; the width does not change.
 
