@@ -7,6 +7,7 @@ and hand-written headers, so each fault is exactly the bytes a broken server wou
 
   no_length      the reply carries no Content-Length and the body stops early (the connection closes)
   misaligned     a range request gets a 206 whose Content-Range starts 1000 bytes before the asked offset
+                 (with as many bytes as asked: a file of the right length and the wrong bytes)
   ignore_range   a range request gets 200 and the whole file
   drop           the body is cut mid-way with the connection (Content-Length promised the rest)
   flip           one byte of the body is flipped
@@ -139,9 +140,10 @@ class FakeHub:
                               "fault": fault})
         if rng and fault == "ignore_range":
             return self._reply(h, 200, {}, data)
-        if rng and fault == "misaligned":
+        if rng and fault == "misaligned":  # as many bytes as asked for, from the wrong place
             s = max(start - 1000, 0)
-            return self._reply(h, 206, {"Content-Range": f"bytes {s}-{len(data) - 1}/{len(data)}"}, data[s:])
+            n = len(data) - start
+            return self._reply(h, 206, {"Content-Range": f"bytes {s}-{s + n - 1}/{len(data)}"}, data[s:s + n])
         status, headers = (206, {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"}) if m else (200, {})
         body = data[start:]
         if fault == "flip":

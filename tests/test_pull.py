@@ -305,3 +305,33 @@ def test_progress_line_shows_gib_rate_and_eta():
     line = out.getvalue().split("\r")[1]
     assert re.search(r"pull acme/x\s+1\.00 / 4\.00 GiB \( 25%\)\s+0\.10 GiB/s ETA 00:00:(29|30)", line), line
     assert out.getvalue().endswith("\n")
+
+
+@pytest.mark.parametrize("fault", ["misaligned", "flip", "no_length"])
+def test_plain_huggingface_hub_lets_it_through_strata_jax_does_not(hub, tmp_path, fault):
+    """huggingface_hub's own downloader (http_get, under hf_hub_download): given the published size, a
+    206 from the wrong offset and a flipped byte both end in a file of the right length and the wrong
+    bytes; without a size (a HEAD reply without one), a body without Content-Length that stops early is
+    taken as the whole file. No error either way; the same server through strata-jax ends verified or
+    refused."""
+    hf = pytest.importorskip("huggingface_hub.file_download")
+    data = DATA[FILE].data
+    resume = 100_000 if fault == "misaligned" else 0
+    hub.set_fault(fault, times=None)
+    out = tmp_path / "hf.incomplete"
+    with open(out, "wb") as f:
+        f.write(data[:resume])
+        hf.http_get(f"{hub.url}/cdn/{FILE}", f, resume_size=resume,
+                    expected_size=None if fault == "no_length" else len(data))
+    got = out.read_bytes()
+    if got == data:
+        pytest.skip("this huggingface_hub catches the fault itself")
+    assert len(got) == (len(data) * 2 // 3 if fault == "no_length" else len(data))  # it looks complete
+    if fault == "misaligned":
+        _seed_part(tmp_path, resume)
+        (pulled,) = _pull(tmp_path)
+        _assert_verified(tmp_path, pulled)
+    else:
+        with pytest.raises(HubError, match="sha256" if fault == "flip" else "gave up"):
+            _pull(tmp_path, retries=2)
+        _assert_nothing_looks_done(tmp_path)
