@@ -93,3 +93,60 @@ def test_largest_pinned_halves_until_it_fits(monkeypatch):
     monkeypatch.setattr(jax, "device_put", fake_put)
     got = chk.largest_pinned(jax.devices()[0], 16 << 20, floor=1 << 20)
     assert got == {"bytes": 2 << 20, "failed_at": 4 << 20} and calls == [16 << 20, 8 << 20, 4 << 20, 2 << 20]
+
+
+class _FakeGPU:
+    """The CPU device dressed as a GPU whose allocator has `free` bytes (what the planner sizes from)."""
+
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def __init__(self, free):
+        self.free = free
+
+    def memory_stats(self):
+        return {"bytes_limit": self.free, "bytes_in_use": 0}
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def _fake_nvml(width, width_max, gen=5, gen_max=5):
+    import types
+
+    m = types.ModuleType("pynvml")
+    m.nvmlInit = lambda: None
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("gpu", i)
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=141 << 30, free=140 << 30)
+    m.nvmlDeviceGetName = lambda h: "NVIDIA H200"
+    m.nvmlSystemGetDriverVersion = lambda: "580.00"
+    m.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: gen
+    m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: gen_max
+    m.nvmlDeviceGetCurrPcieLinkWidth = lambda h: width
+    m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: width_max
+    return m
+
+
+@pytest.mark.parametrize("width, width_max", [(8, 16), (16, 16)])
+def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, width, width_max):
+    import sys
+
+    from strata_jax.bench import limits
+
+    base, experts = _budgets(moe_path)
+    free = int(base + experts / 2)
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(width, width_max))
+    monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGPU(free)])
+    monkeypatch.setattr(limits, "_probes", {"link_GB_s": 25.0, "hbm_GB_s": 4000.0, "probe_bytes": 1 << 28,
+                                            "host_memory_kind": "pinned_host", "reps": 3})
+    c = chk.check(moe_path, probe_pinned=False)
+    g = c["gpu"]
+    assert (g["name"], g["pcie_width"], g["pcie_width_max"], g["memory_total"]) == ("NVIDIA H200", width, width_max,
+                                                                                     141 << 30)
+    narrow = [w for w in c["warnings"] if "PCIe link runs at x8 of x16" in w]
+    assert bool(narrow) == (width < width_max) and not any("no GPU" in w for w in c["warnings"])
+    # the verdict sizes the cache from the allocator's free memory, as load does
+    assert c["verdict"]["mode"] == "offloaded"
+    assert c["verdict"]["expert_slots"] == report(GGUFFile(moe_path), vram_budget=free)["expert_slots"]
+    text = chk.format_check(c)
+    assert f"Gen5 x{width} now, Gen5 x{width_max} max" in text and "25.0 GB/s" in text
+    assert ("WARNING       the GPU's PCIe link runs at x8" in text) == (width < width_max)
