@@ -206,7 +206,8 @@ def _download(url, remote: RemoteFile, dest: pathlib.Path, auth, retries, backof
                    f"(from {_show(url)})")
             if hash_failures > 1 or failures >= retries:
                 _unlink(side)
-                raise HubError(f"{msg}, twice: the server or the network corrupts the file. Nothing was kept; "
+                again = ", twice" if hash_failures > 1 else ""
+                raise HubError(f"{msg}{again}: the server or the network corrupts the file. Nothing was kept; "
                                "retry later or from another endpoint (HF_ENDPOINT).")
             log.warning("pull: %s; discarded, downloading it again", msg)
             st.restart()
