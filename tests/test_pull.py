@@ -35,7 +35,7 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", h.url)
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     monkeypatch.setenv("STRATA_JAX_CACHE", str(tmp_path / "cache"))
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     yield h
     h.stop()
@@ -228,11 +228,16 @@ def test_selection_errors_name_the_choices(hub, tmp_path):
         pull("acme/missing", [FILE], dest_dir=tmp_path, progress=False)
 
 
-def test_model_reference_is_pulled_once_into_the_cache(hub, tmp_path):
+def test_model_reference_is_pulled_once_into_the_cache(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE"):  # offline and not in the cache yet
+        resolve_model(f"{REPO}:big/big-Q8_0-00003-of-00003.gguf", progress=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     path = resolve_model(f"{REPO}:big/big-Q8_0-00003-of-00003.gguf", progress=False)
     assert path.endswith("big-Q8_0-00001-of-00003.gguf") and str(tmp_path / "cache") in path
     n = len(hub.requests)
-    hub.stop()  # the second use needs no hub
+    hub.stop()  # the second use needs no hub, offline or not
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model(f"{REPO}:big/big-Q8_0-00001-of-00003.gguf", progress=False) == path
     assert len(hub.requests) == n
     hub.restart()
@@ -308,13 +313,14 @@ def test_progress_line_shows_gib_rate_and_eta():
 
 
 @pytest.mark.parametrize("fault", ["misaligned", "flip", "no_length"])
-def test_plain_huggingface_hub_lets_it_through_strata_jax_does_not(hub, tmp_path, fault):
+def test_plain_huggingface_hub_lets_it_through_strata_jax_does_not(hub, tmp_path, fault, monkeypatch):
     """huggingface_hub's own downloader (http_get, under hf_hub_download): given the published size, a
     206 from the wrong offset and a flipped byte both end in a file of the right length and the wrong
     bytes; without a size (a HEAD reply without one), a body without Content-Length that stops early is
     taken as the whole file. No error either way; the same server through strata-jax ends verified or
     refused."""
     hf = pytest.importorskip("huggingface_hub.file_download")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)  # read once, at its import
     data = DATA[FILE].data
     resume = 100_000 if fault == "misaligned" else 0
     hub.set_fault(fault, times=None)

@@ -3,7 +3,8 @@ revision (commit, each file's size and the sha256 of LFS files) and a GET of a f
 redirects by hand, so a token goes to the hub only and never to the CDN it redirects to.
 
 The endpoint is $HF_ENDPOINT (default https://huggingface.co); the token $HF_TOKEN, else the one
-huggingface_hub stores (`hf auth login`) where it is installed.
+huggingface_hub stores (`hf auth login`) where it is installed. $HF_HUB_OFFLINE=1 forbids any request,
+as it does to huggingface_hub: a model already verified in the pull cache still resolves.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class RepoListing:
     commit: str | None  # what it resolved to, where the hub says
     files: dict[str, RemoteFile]
     endpoint: str
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
 
 
 def endpoint() -> str:
@@ -90,6 +95,9 @@ def open_file(url: str, *, headers: dict[str, str] | None = None, auth: str | No
     """GET url, following redirects (the Authorization header only on the first origin). Returns the
     final response, whatever its status below 400; raises HubError for >= 400 with the reason, or
     urllib.error.URLError / OSError for a connection that failed (the caller retries those)."""
+    if offline():
+        raise HubError(f"HF_HUB_OFFLINE is set, so strata-jax does not ask the hub for {_show(url)}; unset it, or "
+                       "use a local path or a model already pulled into the cache.")
     first = _origin(url)
     for _ in range(MAX_REDIRECTS + 1):
         h = {"User-Agent": USER_AGENT, **(headers or {})}
