@@ -142,6 +142,17 @@ def test_system_blocks_and_multi_turn_render_as_chat_messages(client, model):
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == n
 
 
+def test_assistant_prefill_is_continued(client, model):
+    prefill = "Sure, here"
+    turns = USER + [{"role": "assistant", "content": prefill}]
+    ids = model.tokenize(model.tokenizer.apply_chat_template(USER, add_generation_prompt=True) + prefill,
+                         add_special=False)  # the template's prompt, then the prefill, as one text
+    assert client.messages.count_tokens(model="m", messages=turns).input_tokens == len(ids)
+    r = client.messages.create(model="m", max_tokens=6, messages=turns, **T0)
+    assert r.content[0].text == model.generate(ids, max_tokens=6, temperature=0).text  # the continuation only
+    assert r.content[0].text != client.messages.create(model="m", max_tokens=6, messages=USER, **T0).content[0].text
+
+
 def test_stream_text_and_final_message(client, url):
     want = client.messages.create(model="m", max_tokens=10, messages=USER, **T0)
     with client.messages.stream(model="m", max_tokens=10, messages=USER, **T0) as s:
@@ -319,7 +330,8 @@ BAD = [
     ({"messages": [{"role": "user"}], "max_tokens": 4}, "content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "image"),
     ({"messages": [{"role": "user", "content": 7}], "max_tokens": 4}, "content"),
-    ({"messages": USER + [{"role": "assistant", "content": "Sure"}], "max_tokens": 4}, "prefill"),
+    ({"messages": USER + [{"role": "assistant", "content": "Sure "}], "max_tokens": 4}, "whitespace"),
+    ({"messages": [{"role": "assistant", "content": "Sure"}], "max_tokens": 4}, "no user message"),
     ({"messages": USER, "max_tokens": 4, "system": 5}, "system"),
     ({"messages": USER, "max_tokens": 4, "stop_sequences": "x"}, "stop_sequences"),
     ({"messages": USER, "max_tokens": 4, "stop_sequences": [""]}, "stop_sequences"),

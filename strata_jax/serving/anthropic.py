@@ -110,7 +110,9 @@ def _assistant_turn(content: Any, i: int) -> dict:
     return msg
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict) -> tuple[list[dict], str]:
+    """The template's messages, and the prefill: a final assistant message's text, which the reply
+    continues (and does not repeat)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' is required: a non-empty array of {\"role\": \"user\" | \"assistant\", \"content\": "
@@ -132,10 +134,19 @@ def _messages(body: dict) -> list[dict]:
             out += _user_turn(m["content"], i)
         else:
             out.append(_assistant_turn(m["content"], i))
+    prefill = ""
     if out[-1]["role"] == "assistant":
-        raise bad("the last message is from the assistant: continuing a prefilled assistant turn is not supported "
-                  "yet; end with a user message.", "messages")
-    return out
+        last = out.pop()
+        if last.get("tool_calls"):
+            raise bad("the last message is an assistant turn with tool_use blocks: send their tool_result blocks "
+                      "in a user message after it.", "messages")
+        if last["content"] != last["content"].rstrip():
+            raise bad("the final assistant message (the prefill the reply continues) cannot end with whitespace.",
+                      "messages")
+        prefill = last["content"]
+    if not any(m["role"] in ("user", "tool") for m in out):
+        raise bad("'messages' has no user message; start the conversation with one.", "messages")
+    return out, prefill
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -200,7 +211,7 @@ def parse_messages(body: Any, *, count_only: bool = False) -> GenRequest:
                           "stop_sequences")
             req.stop = list(stops)
         req.stream = _bool(body, "stream", False)
-    req.prompt = _messages(body)
+    req.prompt, req.prefill = _messages(body)
     req.tools = _tools(body)
     thinking = body.get("thinking")
     if thinking is not None:

@@ -165,6 +165,8 @@ class Engine:
                 kwargs.setdefault("enable_thinking", False)
         try:
             ids = m.prompt_tokens(req.prompt, **kwargs)
+            if req.prefill:  # after the generation prompt, so the reply continues it
+                ids += m.tokenize(req.prefill, add_special=False)
         except StrataError as e:
             raise bad(str(e), req.prompt_param) from None
         if not ids:

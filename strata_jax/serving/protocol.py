@@ -74,6 +74,7 @@ class GenRequest:
     repeat_last_n: int = 64
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
+    prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
 
     @property
     def prompt_param(self) -> str:

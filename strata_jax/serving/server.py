@@ -96,10 +96,9 @@ def serve(args: Any, config: "EngineConfig") -> int:
     import uvicorn
 
     import strata_jax
+    from strata_jax.core.units import parse_size
     from strata_jax.serving.app import create_app
     from strata_jax.serving.engine import Engine
-
-    from strata_jax.core.units import parse_size
 
     api_key = check_options(args)
     sock = bind(args.host, args.port)
