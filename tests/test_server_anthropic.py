@@ -312,9 +312,11 @@ def test_auth(url):
             anthropic.Anthropic(base_url=url, max_retries=0, **kw).messages.create(model="m", max_tokens=2,
                                                                                     messages=USER)
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
-    r = httpx.post(url + "/v1/messages", json=VALID["/v1/messages"], headers={"anthropic-version": "2023-06-01"}, timeout=60)
+    r = httpx.post(url + "/v1/messages", json=VALID["/v1/messages"], headers={"anthropic-version": "2023-06-01"},
+                   timeout=60)
     assert "x-api-key" in assert_anthropic_error(r, 401, "authentication_error")  # no key at all
-    r = httpx.post(url + "/v1/chat/completions", json=VALID["/v1/chat/completions"], headers={"x-api-key": KEY}, timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json=VALID["/v1/chat/completions"], headers={"x-api-key": KEY},
+                   timeout=60)
     assert r.status_code == 200  # x-api-key works on the OpenAI endpoints too
     r = httpx.post(url + "/v1/chat/completions", json=VALID["/v1/chat/completions"], timeout=60)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # OpenAI's envelope there
