@@ -288,7 +288,7 @@ def test_tool_use_round_trip(model, qwen_tokenizer):
 def test_tool_choice_none_and_tool(model, qwen_tokenizer):
     call = ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']
     other = dict(WEATHER, name="get_time")
-    scripted = Scripted(model, qwen_tokenizer, [call, call])
+    scripted = Scripted(model, qwen_tokenizer, [call, call, call])
     with live(scripted) as u:
         c = anthropic.Anthropic(base_url=u, api_key=KEY, max_retries=0, timeout=60)
         ask = [{"role": "user", "content": "Weather?"}]
@@ -300,6 +300,14 @@ def test_tool_choice_none_and_tool(model, qwen_tokenizer):
         assert [b.type for b in r.content] == ["tool_use"] and r.stop_reason == "tool_use"
         shown = qwen_tokenizer.decode(scripted.prompts[1], skip_special=False)
         assert "get_weather" in shown and "get_time" not in shown
+        body = {"model": "m", "max_tokens": 64, "messages": ask, "tools": [WEATHER], "stream": True}
+        evs = events(raw(u, "/v1/messages", body).text)  # a reply that is only a call: its block is index 0
+        assert [n for n, _ in evs] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                       "content_block_stop", "message_delta", "message_stop"]
+        block = evs[2][1]["content_block"]
+        assert evs[2][1]["index"] == 0 and block["type"] == "tool_use" and block["input"] == {}
+        assert json.loads(evs[3][1]["delta"]["partial_json"]) == {"city": "Oslo"}
+        assert evs[3][1]["delta"]["type"] == "input_json_delta" and evs[5][1]["delta"]["stop_reason"] == "tool_use"
 
 
 # -- auth and errors ------------------------------------------------------------------------------------
