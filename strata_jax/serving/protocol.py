@@ -52,7 +52,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 class GenRequest:
     """A validated generation request, endpoint-independent."""
 
-    endpoint: str  # "chat" | "completion"
+    endpoint: str  # "chat" | "completion" | "messages" (Anthropic's)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -74,10 +74,11 @@ class GenRequest:
     repeat_last_n: int = 64
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
+    prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.endpoint == "chat" else "prompt"
+        return "prompt" if self.endpoint == "completion" else "messages"
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
