@@ -50,6 +50,13 @@ PLE: model/ple.py):
   Di  QSA indexer head dim
   Gp  PLE n-gram hash heads (table rows gathered per token)
 
+deepseek2 (multi-head latent attention: model/mla.py; its cache is one key "head" of Dh = Rk + Dr):
+  Rq  query latent rank (q_lora_rank)
+  Rk  key/value latent rank (kv_lora_rank)
+  Dn  per-head key dims without rope
+  Dr  rotated key dims (one rope key shared by every head)
+  Do  per-head value dims (what each head outputs)
+
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)
   A   sub-blocks (or groups of them) of a super-block (K-quant, IQ)
