@@ -24,6 +24,11 @@ and the config's layer types supplied around it). Their tokenizer is the Qwen2 o
 glm4moe (`glm4moe_model(outtype, mtp)`): a tiny Glm4MoeForCausalLM with an MTP block added to its
 checkpoint, converted through the same wrapper (for the pre-tokenizer name), with or without
 `--no-mtp`. Its tokenizer is the cut Qwen2 one with GLM's special tokens, which its converter looks up.
+
+deepseek2 (`deepseek2_model(variant, outtype)`): tiny DeepseekV3ForCausalLM models ("v3": a query latent
+and YaRN; "lite": attn_q, plain rope), their config.json given back the scoring_func / topk_method a
+real checkpoint has (transformers drops them; without scoring_func the converter writes no gating
+function and the file means softmax), converted through the same wrapper with the cut Qwen2 tokenizer.
 """
 
 from __future__ import annotations
@@ -829,6 +834,30 @@ def load_weights(tm: TinyModel):
     loader = WeightLoader(g, cfg)
     params = load_params(loader)
     return g, cfg, loader, params, expert_spec(loader) if cfg.is_moe else None
+
+
+def rewrite_gguf(src, dst, *, tensors=None, extra_kv=()):
+    """A copy of GGUF `src` at `dst` with its tensors replaced by tensors(reader) -> [(name, data, type)]
+    and extra (key, value, GGUFValueType) pairs added (gguf-py's reader and writer)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for key, value, vtype in extra_kv:
+        w.add_key_value(key, value, vtype)
+    items = tensors(r) if tensors else [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
+    for name, data, qtype in items:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
 
 
 def build_all(archs=TINY_ARCHS, outtypes=OUTTYPES, jobs: int | None = None) -> list[TinyModel]:

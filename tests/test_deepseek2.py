@@ -13,6 +13,7 @@ import pytest
 
 from reference_models import deepseek2_model, hf_greedy, hf_logits, hf_quantized_model
 from reference_models import load_weights as _load
+from reference_models import rewrite_gguf
 from strata_jax.gguf.reader import GGUFFile
 
 pytestmark = pytest.mark.slow  # converter-made models (~10 s each on a cold cache)
@@ -116,6 +117,29 @@ def test_every_tensor_is_consumed(variant, outtype):
     assert (cfg.yarn is not None) == (variant == "v3")
     if variant == "v3":
         assert (cfg.yarn.factor, cfg.yarn.orig_ctx) == (16.0, 32) and cfg.yarn.log_mul == pytest.approx(1.0)
+
+
+def test_unsplit_kv_b_file_is_refused_by_name(tmp_path):
+    """A file with the older unsplit attn_kv_b (no attn_k_b / attn_v_b) is refused before any weight is
+    read, naming the tensor and the fix."""
+    import strata_jax
+    from strata_jax.core.errors import UnsupportedArchitectureError
+
+    def unsplit(r):
+        out = []
+        for t in r.tensors:
+            if t.name.endswith("attn_v_b.weight"):
+                continue
+            if t.name.endswith("attn_k_b.weight"):  # any [H * (Dn + Do), Rk] matrix will do: it is never read
+                out.append((t.name.replace("attn_k_b", "attn_kv_b"), np.zeros((4 * (32 + 24), 96), np.float32),
+                            t.tensor_type))
+                continue
+            out.append((t.name, np.asarray(t.data), t.tensor_type))
+        return out
+
+    path = rewrite_gguf(deepseek2_model("v3").gguf_path, tmp_path / "kv_b.gguf", tensors=unsplit)
+    with pytest.raises(UnsupportedArchitectureError, match="attn_kv_b.*reconvert"):
+        strata_jax.load(str(path), ctx=CTX, dtype="float32")
 
 
 def test_kv_cache_holds_the_latent():
@@ -240,6 +264,30 @@ def test_greedy_decode_and_prefix_reuse():
     reused = m.generate(longer, max_tokens=8, temperature=0, cache_prompt=True)
     assert reused.timings["cache_n"] >= len(prompt)
     assert reused.token_ids == m.generate(longer, max_tokens=8, temperature=0, cache_prompt=False).token_ids
+
+
+def test_batched_rows_equal_alone():
+    """Two requests in a 2-row Session (each row's latent cache taken and put back around its prefill,
+    both decoded in one batch, the second admitted a step later): each gets its alone-run tokens."""
+    import strata_jax
+
+    tm = deepseek2_model("v3")
+    m = _engine()
+    prompts = [_ids(tm, 9, seed=6), _ids(tm, 14, seed=7)]
+    alone = [m.generate(p, max_tokens=8, temperature=0, cache_prompt=False).token_ids for p in prompts]
+    session = strata_jax.Session(m, 2)
+    got: dict[int, list[int]] = {}
+    row0, chunks = session.admit(prompts[0], max_tokens=8, temperature=0)
+    rows = {row0: 0}
+    got[0] = [t for c in chunks for t in c.token_ids]
+    admitted = False
+    while session.active_rows or not admitted:
+        for row, chunks in session.step().items():
+            got[rows[row]] += [t for c in chunks for t in c.token_ids]
+        if not admitted:
+            row1, chunks = session.admit(prompts[1], max_tokens=8, temperature=0)
+            rows[row1], got[1], admitted = 1, [t for c in chunks for t in c.token_ids], True
+    assert row1 != row0 and [got[0], got[1]] == alone
 
 
 def test_offloaded_equals_resident():
