@@ -20,6 +20,7 @@ Model and serving:
   H   query heads
   G   query heads per kv head (H // K)
   Dh  head dim
+  Do  per-head value dims, what each head outputs (Dh, but where the values are narrower: deepseek2)
   D   model dim
   F   ffn dim (dense, shared or routed expert)
   V   vocab
@@ -55,7 +56,6 @@ deepseek2 (multi-head latent attention: model/mla.py; its cache is one key "head
   Rk  key/value latent rank (kv_lora_rank)
   Dn  per-head key dims without rope
   Dr  rotated key dims (one rope key shared by every head)
-  Do  per-head value dims (what each head outputs)
 
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)

@@ -50,10 +50,10 @@ def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
 
 def rope_freqs(cfg: ModelConfig) -> tuple[jax.Array, float]:
     """The rotary inverse frequencies [rope_dim / 2] and the magnitude cos and sin are scaled by. With
-    YaRN (cfg.yarn), ggml's rope_yarn: frequencies below the correction range [ggml_rope_yarn_corr_dims]
-    are divided by the factor, those above kept, a linear ramp between (mixed by ext_factor); the
-    magnitude is 1 + 0.1 ln(factor), which llama.cpp cancels for deepseek2 when the file has a log
-    multiplier (its kq scale takes the mscale instead: attn_mscale)."""
+    YaRN (cfg.yarn), ggml's rope_yarn: the dims past the correction range (ggml_rope_yarn_corr_dims: the
+    slow frequencies) are divided by the factor, those before it kept, a linear ramp between (mixed by
+    ext_factor); the magnitude is 1 + 0.1 ln(factor), which llama.cpp cancels for deepseek2 when the
+    file has a log multiplier (its kq scale takes the mscale instead: attn_mscale)."""
     n = cfg.rope_dim
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n)  # [n/2]
     y = cfg.yarn
@@ -145,9 +145,9 @@ def cache_write(c_LBSKDh: jax.Array, layer: int, pos_BT: jax.Array, new_BTKDh: j
     return c_LBSKDh.at[layer, b_idx, pos_BT].set(new_BTKDh.astype(c_LBSKDh.dtype), mode="drop")
 
 
-def attend_keys(q_BTHDh, k_BSKDh, v_BSKDv, pos_BT, scale: float, select_BTS: jax.Array | None = None) -> jax.Array:
+def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of q over keys and values at positions 0..S-1 (query t sees positions <=
-    pos_BT[t]; select_BTS: also only those selected). Heads' outputs [B, T, H * Dv] in float32."""
+    pos_BT[t]; select_BTS: also only those selected). Heads' outputs [B, T, H * Do] in float32."""
     B, T, H, Dh = q_BTHDh.shape
     S, K = k_BSKDh.shape[1], k_BSKDh.shape[2]
     q = q_BTHDh.reshape(B, T, K, H // K, Dh)
@@ -156,8 +156,8 @@ def attend_keys(q_BTHDh, k_BSKDh, v_BSKDv, pos_BT, scale: float, select_BTS: jax
     if select_BTS is not None:
         mask_BTS = mask_BTS & select_BTS[:, :, :S]
     scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKDv.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKDv, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKDo.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKDo, preferred_element_type=jnp.float32)
     return out.reshape(B, T, -1)
 
 
@@ -169,7 +169,7 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
     `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
     causality (QSA's selected blocks). scale: of the scores (default 1 / sqrt(Dh)). With v_LBSKDh None
     (and v_BTKDh None) there is no value cache: each key's first v_dim dims are its value (MLA's
-    latent). Returns the heads' outputs [B, T, H * Dv] in float32 and the caches."""
+    latent). Returns the heads' outputs [B, T, H * Do] in float32 and the caches."""
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
     k_LBSKDh = cache_write(k_LBSKDh, layer, pos_BT, k_BTKDh)
@@ -194,11 +194,11 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
     many blocks as reach the furthest position below S in pos_BT: the trip count is a run-time value, so
     the program does not depend on the span. A query at or past S (an idle row) extends no loop; the
     blocks it is given are all it sees. scale, v_dim and v_LBSKDh None: see `attend`. Heads' outputs
-    [B, T, H * Dv] in float32."""
+    [B, T, H * Do] in float32."""
     B, T, H, Dh = q_BTHDh.shape
     _, _, _, K, _ = k_LBSKDh.shape
     G = H // K
-    Dv = v_dim if v_LBSKDh is None else v_LBSKDh.shape[-1]
+    Do = v_dim if v_LBSKDh is None else v_LBSKDh.shape[-1]
     block = min(block, S)
     q = q_BTHDh.reshape(B, T, K, G, Dh)
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
@@ -206,14 +206,14 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
     n_blocks = reach // block + 1
 
     def body(j, carry):
-        m_BKGT, l_BKGT, acc_BKGTDv = carry
+        m_BKGT, l_BKGT, acc_BKGTDo = carry
         lo = j * block
         # the last block ends at S (a dynamic slice never reads past it): positions below lo, which the
         # block before covered, are masked out of it
         at = jnp.minimum(lo, S - block)
         k_blk = jax.lax.dynamic_slice(k_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
-        v_blk = k_blk[..., :Dv] if v_LBSKDh is None else \
-            jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dv))[0]
+        v_blk = k_blk[..., :Do] if v_LBSKDh is None else \
+            jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Do))[0]
         s_S = at + jnp.arange(block)
         mask_BTS = (s_S[None, None, :] <= pos_BT[:, :, None]) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
@@ -226,13 +226,13 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         corr = jnp.exp(m_BKGT - m_ref)
         l_BKGT = l_BKGT * corr + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-        return m_new, l_BKGT, acc_BKGTDv * corr[..., None] + pv
+        return m_new, l_BKGT, acc_BKGTDo * corr[..., None] + pv
 
     init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, Dv), jnp.float32))
-    _, l_BKGT, acc_BKGTDv = jax.lax.fori_loop(0, n_blocks, body, init)
-    out = acc_BKGTDv / l_BKGT[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dv)
+            jnp.zeros((B, K, G, T, Do), jnp.float32))
+    _, l_BKGT, acc_BKGTDo = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc_BKGTDo / l_BKGT[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Do)
 
 
 def gated_attention(

@@ -69,19 +69,19 @@ def attention(p: MLAParams, x_BTD: jax.Array, pos_BT: jax.Array, c_LBSKDh: jax.A
     scale = kq_scale(cfg)
     f32 = jnp.float32
     if form(kernels, d, T, bool(attn_block)) == "absorbed":
-        q_lat = jnp.einsum("bthn,hrn->bthr", q_nope, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
-        q_BTHDh = jnp.concatenate([q_lat, q_pe], axis=-1)
-        o_lat, c_LBSKDh, _ = attend(q_BTHDh, c_BT1Dh, None, pos_BT, c_LBSKDh, None, layer, attn_len,
+        q_lat_BTHRk = jnp.einsum("bthn,hrn->bthr", q_nope, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
+        q_BTHDh = jnp.concatenate([q_lat_BTHRk, q_pe], axis=-1)
+        o_lat_BTHRk, c_LBSKDh, _ = attend(q_BTHDh, c_BT1Dh, None, pos_BT, c_LBSKDh, None, layer, attn_len,
                                     attn_block=attn_block, scale=scale, v_dim=Rk)
-        o_BTHDo = jnp.einsum("bthr,hor->btho", o_lat.reshape(B, T, H, Rk).astype(dtype), v_b_HDoRk,
+        o_BTHDo = jnp.einsum("bthr,hor->btho", o_lat_BTHRk.reshape(B, T, H, Rk).astype(dtype), v_b_HDoRk,
                              preferred_element_type=f32)
     else:
         c_LBSKDh = cache_write(c_LBSKDh, layer, pos_BT, c_BT1Dh)
         S = min(attn_len or c_LBSKDh.shape[2], c_LBSKDh.shape[2])
         c_BSDh = c_LBSKDh[layer, :, :S, 0]
         lat_BSRk, k_pe_BSDr = c_BSDh[..., :Rk], c_BSDh[..., Rk:]
-        k_nope = jnp.einsum("bsr,hrn->bshn", lat_BSRk, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
+        k_nope_BSHDn = jnp.einsum("bsr,hrn->bshn", lat_BSRk, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
         v_BSHDo = jnp.einsum("bsr,hor->bsho", lat_BSRk, v_b_HDoRk, preferred_element_type=f32).astype(dtype)
-        k_BSHDh = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe_BSDr[:, :, None, :], (B, S, H, d.rope_dim))], axis=-1)
+        k_BSHDh = jnp.concatenate([k_nope_BSHDn, jnp.broadcast_to(k_pe_BSDr[:, :, None, :], (B, S, H, d.rope_dim))], axis=-1)
         o_BTHDo = attend_keys(jnp.concatenate([q_nope, q_pe], axis=-1), k_BSHDh, v_BSHDo, pos_BT, scale)
     return linear(o_BTHDo.reshape(B, T, H * d.v_dim).astype(dtype), p.wo, kernels), c_LBSKDh
