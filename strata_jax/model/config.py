@@ -297,7 +297,7 @@ class ModelConfig:
             shared_ffn = int(gguf.tensor(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight").shape[0])
         ffn_dim = _scalar_or_first(m("feed_forward_length", 0))
 
-        mla = _mla(gguf, m, arch, n_heads, n_kv, head_dim) if arch == "deepseek2" else None
+        mla = _mla(gguf, m, arch, n_kv, head_dim) if arch == "deepseek2" else None
         yarn = _yarn(gguf, m) if arch == "deepseek2" else None
         qk_norm = "none"
         if gguf.has("blk.0.attn_q_norm.weight"):
@@ -336,16 +336,19 @@ class ModelConfig:
         )
 
 
-def _mla(gguf: GGUFFile, m, arch: str, n_heads: int, n_kv: Any, head_dim: int) -> MLADims:
+def _mla(gguf: GGUFFile, m, arch: str, n_kv: Any, head_dim: int) -> MLADims:
     """deepseek2's latent attention dims. The converter writes the MQA view llama.cpp runs (one kv head
     of key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank) and the per-head dims as
     key_length_mla / value_length_mla, with kv_b split into attn_k_b / attn_v_b."""
     if not gguf.has("blk.0.attn_k_b.weight"):
-        what = "an MLA file with the unsplit attn_kv_b" if gguf.has("blk.0.attn_kv_b.weight") else "a file without attn_k_b"
+        unsplit = gguf.has("blk.0.attn_kv_b.weight")
+        what = "an MLA file with the unsplit attn_kv_b" if unsplit else "a file without attn_k_b"
         _refuse(gguf, f"{arch}: {what} (an older converter's layout)",
                 "reconvert it with a current convert_hf_to_gguf.py, which writes attn_k_b and attn_v_b")
-    for key in ("attention.temperature_scale", "rope.scaling.attn_factor"):
-        if m(key, None) not in (None, 0, 0.0, 1.0):
+    # what llama.cpp reads but this forward pass would ignore: query temperature tuning (mistral-large,
+    # on where non-zero) and an extra rope magnitude factor (neutral at 1)
+    for key, neutral in (("attention.temperature_scale", 0.0), ("rope.scaling.attn_factor", 1.0)):
+        if m(key, neutral) != neutral:
             _refuse(gguf, f"{arch}.{key} = {m(key)}")
     rank = int(m("attention.kv_lora_rank"))
     rope_dim = int(m("rope.dimension_count"))
@@ -369,7 +372,8 @@ def _yarn(gguf: GGUFFile, m) -> YarnDims | None:
     if kind != "yarn":
         _refuse(gguf, f"rope.scaling.type {kind!r}", "supported: none, yarn")
     y = YarnDims(factor=float(m("rope.scaling.factor")), orig_ctx=int(m("rope.scaling.original_context_length")),
-                 beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)), beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
+                 beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)),
+                 beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
                  ext_factor=float(m("rope.scaling.yarn_ext_factor", 1.0)),
                  # the converter writes 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX] in llama.cpp)
                  log_mul=float(m("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)

@@ -82,6 +82,7 @@ def attention(p: MLAParams, x_BTD: jax.Array, pos_BT: jax.Array, c_LBSKDh: jax.A
         lat_BSRk, k_pe_BSDr = c_BSDh[..., :Rk], c_BSDh[..., Rk:]
         k_nope_BSHDn = jnp.einsum("bsr,hrn->bshn", lat_BSRk, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
         v_BSHDo = jnp.einsum("bsr,hor->bsho", lat_BSRk, v_b_HDoRk, preferred_element_type=f32).astype(dtype)
-        k_BSHDh = jnp.concatenate([k_nope_BSHDn, jnp.broadcast_to(k_pe_BSDr[:, :, None, :], (B, S, H, d.rope_dim))], axis=-1)
+        k_pe_BSHDr = jnp.broadcast_to(k_pe_BSDr[:, :, None, :], (B, S, H, d.rope_dim))
+        k_BSHDh = jnp.concatenate([k_nope_BSHDn, k_pe_BSHDr], axis=-1)
         o_BTHDo = attend_keys(jnp.concatenate([q_nope, q_pe], axis=-1), k_BSHDh, v_BSHDo, pos_BT, scale)
     return linear(o_BTHDo.reshape(B, T, H * d.v_dim).astype(dtype), p.wo, kernels), c_LBSKDh
