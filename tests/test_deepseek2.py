@@ -328,12 +328,17 @@ def _gguf_exact_reference(tm):
     return model
 
 
-def test_q8_0_logits_match_transformers_with_the_files_weights():
+@pytest.mark.parametrize("dequantize_dense", [True, False])
+def test_q8_0_logits_match_transformers_with_the_files_weights(dequantize_dense):
     """The converter's q8_0 file against transformers holding exactly its weights (dequantized by
-    gguf-py): every position within REL_TOL."""
+    gguf-py): every position within REL_TOL, with the matrices (the 3-d k_b / v_b included) dequantized
+    once at load or inside every step (the GPU default)."""
     tm = deepseek2_model("v3", "q8_0")
     ids = _ids(tm)
-    err = _rel_err(_engine("v3", "q8_0").logits(ids), hf_logits(_gguf_exact_reference(tm), ids))
+    m = _engine("v3", "q8_0", dequantize_dense=dequantize_dense)
+    assert (m.params.layers[1].attn.k_b.qtype is None) == dequantize_dense
+    ours = m.logits(ids)
+    err = _rel_err(ours, hf_logits(_gguf_exact_reference(tm), ids))
     print(f"deepseek2 q8_0: max relative logit error vs transformers (same weights) {err.max():.2e}")
     assert err.max() < REL_TOL, err
 
