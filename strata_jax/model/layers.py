@@ -56,7 +56,7 @@ def rope_freqs(cfg: ModelConfig) -> tuple[jax.Array, float]:
     file has a log multiplier (its kq scale takes the mscale instead: attn_mscale)."""
     n = cfg.rope_dim
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n)  # [n/2]
-    y = cfg.yarn
+    y = getattr(cfg, "yarn", None)  # cfg: anything with rope_dim, rope_theta, rope_style (QSA's dims too)
     if y is None:
         return inv_freq, 1.0
 
