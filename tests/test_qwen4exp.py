@@ -10,6 +10,7 @@ import pytest
 
 from reference_models import QWEN4EXP_VARIANTS, hf_logits, qsa_ties_to_lowest_block, qwen4exp_model
 from reference_models import load_weights as _load
+from reference_models import rewrite_gguf as _rewrite
 from strata_jax.gguf.reader import GGUFFile
 
 pytestmark = pytest.mark.slow  # converter-made models (~20 s each on a cold cache)
@@ -97,30 +98,6 @@ def test_gated_attention_matches_transformers():
     np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     k_cache = np.asarray(k_cache)  # written to KV layer 1 only, at positions 0..T-1 only
     assert not k_cache[0].any() and not k_cache[1, :, T:].any() and np.abs(k_cache[1, :, :T]).min(axis=-1).all()
-
-
-def _rewrite(src, dst, *, tensors=None, extra_kv=()):
-    """A copy of GGUF `src` at `dst` with its tensors replaced by tensors(reader) -> [(name, data, type)]
-    and extra (key, value, GGUFValueType) pairs added (gguf-py's reader and writer)."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    for key, value, vtype in extra_kv:
-        w.add_key_value(key, value, vtype)
-    items = tensors(r) if tensors else [(t.name, np.asarray(t.data), t.tensor_type) for t in r.tensors]
-    for name, data, qtype in items:
-        w.add_tensor(name, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def test_fused_gate_up_experts_make_the_same_rows(tmp_path):

@@ -31,6 +31,9 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "qwen35": ("neox", True),
     # sigmoid scores with a selection bias, optional expert groups, leading dense layers, MTP block
     "glm4moe": ("neox", True),
+    # DeepSeek-V2/V3: multi-head latent attention (MLADims), rope on interleaved pairs, optional YaRN;
+    # expert_weights_norm comes from the file (llama.cpp's default: off)
+    "deepseek2": ("normal", False),
 }
 # gated DeltaNet + gated full attention layers: model/hybrid.py's forward
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
@@ -64,6 +67,41 @@ class LinearAttnDims:
     @property
     def conv_channels(self) -> int:
         return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention (deepseek2: model/mla.py), from the GGUF's attention.* keys: the query
+    through a rank-q_lora_rank latent (0: one projection, attn_q), keys and values of every head through
+    one rank-kv_lora_rank latent; per head nope_dim + rope_dim key dims (key_length_mla; only the
+    rope_dim part is rotated, its key shared by all heads) and v_dim value dims (value_length_mla).
+    The cache holds the latent and the rotated key: kv_lora_rank + rope_dim values per position."""
+
+    q_lora_rank: int  # Rq
+    kv_lora_rank: int  # Rk
+    nope_dim: int  # Dn
+    rope_dim: int  # Dr
+    v_dim: int  # Do
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnDims:
+    """YaRN rope scaling (rope.scaling.type "yarn"), with llama.cpp's meaning of its keys: rotary
+    frequencies interpolated by 1 / factor below the original context's correction range, extrapolated
+    above it (ramp over dims [beta_fast, beta_slow] rotations, ext_factor of the mix), and a magnitude
+    (mscale) correction; log_mul: rope.scaling.yarn_log_multiplier without the converter's 0.1 factor
+    (HF's mscale_all_dim; 0: none). model/layers.py's rope_freqs and attn_mscale are the formulas."""
+
+    factor: float
+    orig_ctx: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    log_mul: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +188,10 @@ class ModelConfig:
     linear: LinearAttnDims | None = None
     indexer: IndexerDims | None = None
     ple: PLEDims | None = None
+    # deepseek2: multi-head latent attention (None elsewhere); n_kv_heads = 1 and head_dim = its cached
+    # values per position (kv_lora_rank + rope_dim), as the GGUF's MQA view of it says
+    mla: MLADims | None = None
+    yarn: YarnDims | None = None  # YaRN rope scaling (read for deepseek2)
 
     @property
     def is_moe(self) -> bool:
@@ -162,6 +204,21 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """(heads, dims) per position of one KV layer's key cache and value cache: the one layout
+        KVCache.zeros allocates and memory.kv_cache_bytes counts. MLA caches its latent and rotated key
+        as one single-head key (the latent is also the value: no value cache, None)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank + self.mla.rope_dim), None
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
+    @property
+    def kv_values_per_position(self) -> int:
+        """Cached values per position and KV layer (keys and values together)."""
+        (kh, kd), v = self.kv_cache_dims
+        return kh * kd + (v[0] * v[1] if v is not None else 0)
 
     def kind(self, layer: int) -> str:
         return self.layer_kinds[layer] if self.layer_kinds else ATTENTION
@@ -240,6 +297,8 @@ class ModelConfig:
             shared_ffn = int(gguf.tensor(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight").shape[0])
         ffn_dim = _scalar_or_first(m("feed_forward_length", 0))
 
+        mla = _mla(gguf, m, arch, n_kv, head_dim) if arch == "deepseek2" else None
+        yarn = _yarn(gguf, m) if arch == "deepseek2" else None
         qk_norm = "none"
         if gguf.has("blk.0.attn_q_norm.weight"):
             qk_norm = "head" if gguf.tensor("blk.0.attn_q_norm.weight").shape[0] == head_dim else "full"
@@ -272,7 +331,55 @@ class ModelConfig:
             expert_groups_used=groups_used if groups > 1 else 0,
             ffn_norm_tensor=_FFN_NORM_TENSOR.get(arch, "ffn_norm"),
             n_nextn_layers=n_nextn,
+            mla=mla,
+            yarn=yarn,
         )
+
+
+def _mla(gguf: GGUFFile, m, arch: str, n_kv: Any, head_dim: int) -> MLADims:
+    """deepseek2's latent attention dims. The converter writes the MQA view llama.cpp runs (one kv head
+    of key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank) and the per-head dims as
+    key_length_mla / value_length_mla, with kv_b split into attn_k_b / attn_v_b."""
+    if not gguf.has("blk.0.attn_k_b.weight"):
+        unsplit = gguf.has("blk.0.attn_kv_b.weight")
+        what = "an MLA file with the unsplit attn_kv_b" if unsplit else "a file without attn_k_b"
+        _refuse(gguf, f"{arch}: {what} (an older converter's layout)",
+                "reconvert it with a current convert_hf_to_gguf.py, which writes attn_k_b and attn_v_b")
+    # what llama.cpp reads but this forward pass would ignore: query temperature tuning (mistral-large,
+    # on where non-zero) and an extra rope magnitude factor (neutral at 1)
+    for key, neutral in (("attention.temperature_scale", 0.0), ("rope.scaling.attn_factor", 1.0)):
+        if m(key, neutral) != neutral:
+            _refuse(gguf, f"{arch}.{key} = {m(key)}")
+    rank = int(m("attention.kv_lora_rank"))
+    rope_dim = int(m("rope.dimension_count"))
+    q_rank = int(m("attention.q_lora_rank", 0) or 0) if gguf.has("blk.0.attn_q_a.weight") else 0
+    dims = MLADims(q_lora_rank=q_rank, kv_lora_rank=rank, nope_dim=int(m("attention.key_length_mla")) - rope_dim,
+                   rope_dim=rope_dim, v_dim=int(m("attention.value_length_mla")))
+    if int(_scalar_or_first(n_kv)) != 1 or head_dim != rank + rope_dim or int(m("attention.value_length", rank)) != rank:
+        _refuse(gguf, f"{arch} attention of {n_kv} kv heads, key_length {head_dim}, value_length "
+                      f"{m('attention.value_length', None)} (MLA's MQA view is 1 head of kv_lora_rank + rope dims "
+                      f"= {rank + rope_dim}, value kv_lora_rank = {rank})")
+    if dims.nope_dim < 1 or (q_rank == 0 and not gguf.has("blk.0.attn_q.weight")):
+        _refuse(gguf, f"{arch} attention dims {dims} (no query projection, or no dims without rope)")
+    return dims
+
+
+def _yarn(gguf: GGUFFile, m) -> YarnDims | None:
+    """rope.scaling.* as llama.cpp reads them for deepseek2 (none or yarn; others are refused)."""
+    kind = m("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        _refuse(gguf, f"rope.scaling.type {kind!r}", "supported: none, yarn")
+    y = YarnDims(factor=float(m("rope.scaling.factor")), orig_ctx=int(m("rope.scaling.original_context_length")),
+                 beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)),
+                 beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
+                 ext_factor=float(m("rope.scaling.yarn_ext_factor", 1.0)),
+                 # the converter writes 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX] in llama.cpp)
+                 log_mul=float(m("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
+    if y.factor <= 1.0 or y.ext_factor <= 0.0:
+        _refuse(gguf, f"YaRN with factor {y.factor} and ext_factor {y.ext_factor}", "both must be positive, factor > 1")
+    return y
 
 
 def _scalar_or_first(v: Any) -> Any:
