@@ -25,7 +25,8 @@ from strata_jax.core.errors import StrataError
 from strata_jax.engine.streaming import GenerationChunk
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine, Job
-from strata_jax.serving.protocol import GenRequest, ToolCallStream, parse_chat, parse_tool_calls, token_text
+from strata_jax.serving.protocol import GenRequest, parse_chat, token_text
+from strata_jax.serving.tools import detect_family
 from strata_jax.serving.server import check_options, model_id
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
@@ -599,39 +600,15 @@ def test_reasoning_effort_none_turns_thinking_off(model):
 
 # -- tool calls -----------------------------------------------------------------------------------------
 
-def test_parse_tool_calls():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>')
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check."
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert json.loads(calls[1]["function"]["arguments"]) == {"tz": "CET"}
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
-    assert len({c["id"] for c in calls}) == 2
-    assert parse_tool_calls("plain <b>text</b>") == ("plain <b>text</b>", [])
-    bad = "<tool_call>{not json}</tool_call>"
-    assert parse_tool_calls(bad) == (bad, [])
-    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')  # cut off before the close tag
-    assert content is None and calls[0]["function"] == {"name": "f", "arguments": "{}"}
-
-
-def test_tool_call_stream_holds_back_calls():
-    text = 'Sure. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    s = ToolCallStream()
-    streamed = "".join(s.feed(ch) for ch in text)
-    assert streamed == "Sure. "
-    rest, calls = s.finish()
-    assert rest == "" and calls[0]["function"]["name"] == "f"
-    s = ToolCallStream()
-    assert s.feed("a <tool") == "a " and s.feed("s>") == "<tools>" and s.finish() == ("", [])
-
-
 def test_tool_calls_end_to_end(model):
     script = ["I will", " call it. <tool_", 'call>{"name": "get_weather", ',
               '"arguments": {"city": "Oslo"}}</tool_call>']
     tools = TOOLS
     with serving(Wrapped(model, script=script)) as c:
+        engine = c.app.state.engine
+        assert engine.tool_family.name == "json"  # the synthetic template teaches no tool format
+        assert chat(c, tools=tools).json()["choices"][0]["finish_reason"] == "stop"  # so tags are content
+        engine.tool_family = detect_family("... <tool_call>\n{...}\n</tool_call> ...")  # as a Qwen template's
         body = chat(c, tools=tools).json()
         msg = body["choices"][0]["message"]
         assert body["choices"][0]["finish_reason"] == "tool_calls" and msg["content"] == "I will call it."
@@ -640,7 +617,9 @@ def test_tool_calls_end_to_end(model):
         deltas = [ch["choices"][0]["delta"] for ch in chunks]
         assert "".join(d.get("content", "") for d in deltas) == "I will call it. "
         calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-        assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+        assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
+                            "function": {"name": "get_weather", "arguments": ""}}
+        assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Oslo"}
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
         # without tools (or tool_choice "none") the same text is plain content
         plain = chat(c, tools=tools, tool_choice="none").json()["choices"][0]

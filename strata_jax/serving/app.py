@@ -25,8 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, ToolCallStream, bad, parse_chat,
-                                         parse_completion, parse_tool_calls, timings, usage)
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
+                                         usage)
+from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas
 
 log = logging.getLogger("strata_jax")
 
@@ -143,20 +144,21 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
-        t0 = time.perf_counter()
+    async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
+        """Validate, tokenize and enqueue a request, and wait for its first event: (request, job, its
+        tool-call parser, that event), or the Response that ends it (an error, a client gone)."""
         try:
             body = await read_json(request)
-            req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
+            req = parse(body)
             self.engine.check_accepting()
-            ids = await run_in_threadpool(self.engine.tokenize, req)
+            parser = self.engine.tool_parser(req)
+            ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
             job = Job(req, ids)
             self.engine.submit(job)
         except APIError as e:
             return error_response(e)
         except ClientDisconnect:  # gone before its body arrived: nothing to answer
             return Response(status_code=499)
-        env = Envelope(endpoint, req.model or self.model_id)
         try:
             first = await self._next(job, request)
         except BaseException:
@@ -166,10 +168,19 @@ class Routes:
             return Response(status_code=499)
         if first.kind == "error":
             return error_response(first.error)
+        return req, job, parser, first
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        t0 = time.perf_counter()
+        started = await self._start(request, parse_chat if endpoint == "chat" else parse_completion)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        env = Envelope(endpoint, req.model or self.model_id)
         if req.stream:
-            return StreamingResponse(self._stream(job, req, env, first, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, job, req, env, first, t0)
+        return await self._collect(request, job, req, env, first, t0, parser)
 
     async def _next(self, job: Job, request: Request) -> Event | None:
         """The job's next event, or None once the client has disconnected (the job is cancelled)."""
@@ -206,8 +217,10 @@ class Routes:
             base = len(p) if isinstance(p, str) else len(m.detokenize(p))
         return lambda entries: env.logprobs(entries, m.token_bytes, base)
 
-    async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
-                       t0: float) -> Response:
+    async def _gather(self, request: Request, job: Job, ev: Event | None, t0: float
+                      ) -> tuple[str, Event, list, int, float] | Response:
+        """Every event of a job: (text, the final event, logprob entries, tokens, time to first token),
+        or the Response that ends it."""
         parts: list[str] = []
         lps: list = []
         n, ttft = 0, None
@@ -223,15 +236,24 @@ class Routes:
             if ev.kind == "final":
                 break
             ev = await self._next(job, request)
-        text, finish, calls = "".join(parts), ev.chunk.finish_reason, []
-        if req.tools:
-            text, calls = parse_tool_calls(text)
+        return "".join(parts), ev, lps, n, ttft
+
+    async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
+                       t0: float, parser: ToolParser | None) -> Response:
+        got = await self._gather(request, job, ev, t0)
+        if isinstance(got, Response):
+            return got
+        text, ev, lps, n, ttft = got
+        finish, calls = ev.chunk.finish_reason, []
+        if parser is not None:
+            text, calls = parser.parse(parser.prefix + text)
             finish = "tool_calls" if calls else finish
         use, extra = self._account(job, env, ev, n, ttft)
         return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
 
-    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
-        tools = ToolCallStream() if req.tools else None
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
         n, ttft = 0, None
         lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
         logprobs = self._logprobs_of(job, env)
@@ -262,9 +284,9 @@ class Routes:
                 rest, calls = tools.finish()
                 if rest:
                     yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                if calls:
-                    yield sse(env.chunk(tool_calls=calls, logprobs=take_lps() if lps else None))
-                    finish = "tool_calls"
+                for delta in call_deltas(calls):
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
+                finish = "tool_calls" if calls else finish
             use, extra = self._account(job, env, ev, n, ttft)
             yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
