@@ -27,6 +27,8 @@ from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
                                          usage)
+from strata_jax.serving.responses import ResponseBuilder, parse_responses
+from strata_jax.serving.responses import usage as responses_usage
 from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas
 
 log = logging.getLogger("strata_jax")
@@ -49,8 +51,9 @@ def error_response(e: APIError) -> Response:
     return JSON(e.body(), status_code=e.status, headers=e.headers)
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""  # the Responses API names each event, as OpenAI's does
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class Gate:
@@ -182,6 +185,71 @@ class Routes:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(request, job, req, env, first, t0, parser)
 
+    async def responses(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        echo: dict[str, Any] = {}
+
+        def parse(body: Any) -> GenRequest:
+            req, options = parse_responses(body)
+            echo.update(options)
+            return req
+
+        started = await self._start(request, parse)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        rb = ResponseBuilder(req.model or self.model_id, echo)
+        if req.stream:
+            return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        got = await self._gather(request, job, first, t0)
+        if isinstance(got, Response):
+            return got
+        text, ev, _, n, ttft = got
+        calls: list[dict] = []
+        if parser is not None:
+            content, calls = parser.parse(parser.prefix + text)
+            text = content or ""
+        use, extra = self._account(job, "responses", ev, n, ttft)
+        return JSON(rb.final(text, calls, ev.chunk.finish_reason, self._responses_usage(use), extra))
+
+    @staticmethod
+    def _responses_usage(use: dict) -> dict:
+        return responses_usage(use["prompt_tokens"], use["completion_tokens"],
+                               use["prompt_tokens_details"]["cached_tokens"])
+
+    async def _responses_stream(self, job: Job, rb: ResponseBuilder, ev: Event, t0: float,
+                                parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
+        n, ttft = 0, None
+        try:
+            for e in rb.start():
+                yield sse(e, e["type"])
+            while True:
+                if ev.kind == "error":
+                    e = rb.error(ev.error.body())
+                    yield sse(e, e["type"])
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                n += len(ev.chunk.token_ids)
+                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                for e in rb.delta(text) if text else []:
+                    yield sse(e, e["type"])
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            calls: list[dict] = []
+            if tools:
+                rest, calls = tools.finish()
+                for e in rb.delta(rest) if rest else []:
+                    yield sse(e, e["type"])
+            use, extra = self._account(job, "responses", ev, n, ttft)
+            for e in rb.finish(calls, ev.chunk.finish_reason, self._responses_usage(use), extra):
+                yield sse(e, e["type"])
+        finally:
+            job.cancel()
+
     async def _next(self, job: Job, request: Request) -> Event | None:
         """The job's next event, or None once the client has disconnected (the job is cancelled)."""
         get = asyncio.ensure_future(job.events.get())
@@ -197,14 +265,14 @@ class Routes:
             if not get.done():
                 get.cancel()
 
-    def _account(self, job: Job, env: Envelope, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
+    def _account(self, job: Job, endpoint: str, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
         """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job; updates metrics."""
         t = final.chunk.timings or {}
         prompt_n, cached = len(job.prompt_ids), int(t.get("cache_n", 0) or 0)
         extra: dict[str, Any] = {"timings": timings(t)}
         if final.expert_cache:
             extra["expert_cache"] = final.expert_cache
-        label = "chat_completions" if env.endpoint == "chat" else "completions"
+        label = {"chat": "chat_completions", "completion": "completions"}.get(endpoint, endpoint)
         self.metrics.observe_generation(label, prompt_n, n, cached, ttft, t)
         return usage(prompt_n, n, cached), extra
 
@@ -248,7 +316,7 @@ class Routes:
         if parser is not None:
             text, calls = parser.parse(parser.prefix + text)
             finish = "tool_calls" if calls else finish
-        use, extra = self._account(job, env, ev, n, ttft)
+        use, extra = self._account(job, env.endpoint, ev, n, ttft)
         return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
 
     async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
@@ -287,7 +355,7 @@ class Routes:
                 for delta in call_deltas(calls):
                     yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
                 finish = "tool_calls" if calls else finish
-            use, extra = self._account(job, env, ev, n, ttft)
+            use, extra = self._account(job, env.endpoint, ev, n, ttft)
             yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
@@ -299,8 +367,8 @@ class Routes:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/models, /health "
-               "or /metrics.")
+        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
+               "/v1/models, /health or /metrics.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
@@ -331,7 +399,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
-                   Route(prefix + "/completions", r.completions, methods=["POST"])]
+                   Route(prefix + "/completions", r.completions, methods=["POST"]),
+                   Route(prefix + "/responses", r.responses, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(Gate, api_key=api_key, metrics=metrics)],
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})

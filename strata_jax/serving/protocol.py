@@ -52,7 +52,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 class GenRequest:
     """A validated generation request, endpoint-independent."""
 
-    endpoint: str  # "chat" | "completion"
+    endpoint: str  # "chat" | "completion" | "responses" (chat messages from the Responses API's input)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -79,7 +79,7 @@ class GenRequest:
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.endpoint == "chat" else "prompt"
+        return {"chat": "messages", "responses": "input"}.get(self.endpoint, "prompt")
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
