@@ -5,7 +5,8 @@ Families and the formats their templates teach the model:
   hermes       Qwen2.5 / Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
   qwen3_coder  Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nV\\n</parameter>\\n</function>\\n</tool_call>`
   llama3       Llama 3.x JSON: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
-  harmony      gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
+  harmony      gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, or
+               the recipient before the channel (` to=functions.NAME<|channel|>commentary json<|message|>`)
   deepseek     DeepSeek V3/R1 (`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`)
                and V3.1 (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), inside
                `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`
@@ -49,7 +50,7 @@ class Family:
     @property
     def openers(self) -> tuple[str, ...]:
         return {"hermes": (TOOL_OPEN,), "qwen3_coder": (TOOL_OPEN, "<function="), "llama3": (PYTHON_TAG,),
-                "harmony": (H_CHANNEL, H_START), "deepseek": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "json": ()}[self.name]
+                "harmony": (H_CHANNEL, H_START, "to=functions."), "deepseek": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "json": ()}[self.name]
 
     @property
     def preserved(self) -> tuple[str, ...]:
@@ -68,7 +69,8 @@ class Family:
         if self.name == "llama3":
             return '{"name": "' + (f'{n}", "parameters": ' if name else "")
         if self.name == "harmony":
-            return "<|channel|>commentary to=functions." + (f"{n} <|constrain|>json<|message|>" if name else "")
+            # after the generation prompt's `<|start|>assistant`, as gpt-oss's template writes a call
+            return " to=functions." + (f"{n}<|channel|>commentary json<|message|>" if name else "")
         if self.name == "deepseek":
             if not name:
                 return DS_CALLS_BEGIN + DS_CALL_BEGIN + ("function" + DS_SEP if self.variant == "v3" else "")
