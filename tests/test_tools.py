@@ -15,6 +15,8 @@ import pytest
 import reference_models
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.serving.engine import Engine
+from strata_jax.serving.protocol import parse_chat
 from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas, detect_family
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -87,7 +89,7 @@ def test_real_templates_detected_and_their_calls_parse(tokenizer, name):
     # a stream holds the call back whole and yields no markup as content
     stream = ToolCallStream(ToolParser(family, TOOLS))
     streamed = "".join(stream.feed(reply[k:k + 3]) for k in range(0, len(reply), 3))
-    rest, calls = stream.finish()
+    rest, _, calls = stream.finish()
     assert "get_weather" not in streamed + rest and [c["function"]["name"] for c in calls] == ["get_weather"]
     if family.name == "harmony":  # <|call|> is an end-of-generation token: the text may stop before it
         only_call(ToolParser(family, TOOLS).parse(reply.removesuffix("<|call|>")))
@@ -128,6 +130,24 @@ def test_model_outputs_beyond_the_rendered_turn():
     assert content == "I'll check." and json.loads(calls[0]["function"]["arguments"]) == {"city": "3", "days": 3}
 
 
+def test_run_on_call_and_forced_prefixes():
+    """What the 0.5B default model wrote after a named function's prefix: the call, then another one
+    it never finished, without the closing tag."""
+    hermes = detect_family("<tool_call>")
+    prefix = hermes.forced_prefix("get_time")
+    out = ' {"city": "sea"}}\n{"name": "get_weather", "arguments":  {"city": "sea"}'
+    content = only_call(ToolParser(hermes, TOOLS, prefix=prefix).parse(prefix + out), "get_time", {"city": "sea"})
+    assert content == '{"name": "get_weather", "arguments":  {"city": "sea"}'
+    engine = Engine(lambda: None)
+    engine.tool_family = hermes
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
+    assert engine.tool_parser(req).prefix == '<tool_call>\n{"name": "get_'  # what both names start with
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS[:1], "tool_choice": "required"})
+    assert engine.tool_parser(req).prefix == hermes.forced_prefix("get_weather")  # the only tool
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"})
+    assert engine.tool_parser(req).prefix == ""
+
+
 def test_bare_json_fallback_in_every_family():
     """What the 0.5B default model writes for a get_weather question: the JSON without the tags."""
     bare = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
@@ -157,23 +177,58 @@ def test_only_declared_tools_and_parallel_tool_calls():
     only_call(parser().parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'))
 
 
+def streamed(stream: ToolCallStream, pieces) -> tuple[str, list[list[dict]], str, list[dict]]:
+    """(content streamed, tool-call deltas streamed, content and deltas at the end, the calls)."""
+    content, deltas = "", []
+    for p in pieces:
+        content += stream.feed(p)
+        deltas += stream.take_deltas()
+    rest, last, calls = stream.finish()
+    return content, deltas + last, rest, calls
+
+
 def test_stream_holds_back_only_what_may_be_a_call():
-    s = ToolCallStream(parser())
     text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-    assert "".join(s.feed(ch) for ch in text) == "Sure. "
-    rest, calls = s.finish()
-    assert rest == "" and calls[0]["function"]["name"] == "get_weather"
+    content, deltas, rest, calls = streamed(ToolCallStream(parser()), text)
+    assert content == "Sure. " and rest == "" and calls[0]["function"]["name"] == "get_weather"
     s = ToolCallStream(parser())
-    assert s.feed("a <tool") == "a " and s.feed("s>") == "<tools>" and s.finish() == ("", [])
+    assert s.feed("a <tool") == "a " and s.feed("s>") == "<tools>" and s.finish() == ("", [], [])
     s = ToolCallStream(parser("json"))  # a reply that starts like JSON waits for the end
-    assert s.feed('{"name": "get_weather", ') == "" and s.feed('"arguments": {"city": "Paris", "days": 3}}') == ""
-    assert only_call(s.finish()) == ""
+    assert s.feed('[{"name": "get_time", ') == "" and s.feed('"tz": 1}]') == "" and s.finish()[0] == '[{"name": ' \
+        '"get_time", "tz": 1}]'
     s = ToolCallStream(parser("json"))
-    assert s.feed("  Hello") == "  Hello" and s.finish() == ("", [])
-    deltas = call_deltas(calls)
-    assert deltas[0] == [{"index": 0, "id": calls[0]["id"], "type": "function",
-                          "function": {"name": "get_weather", "arguments": ""}}]
-    assert json.loads(deltas[1][0]["function"]["arguments"]) == ARGS and set(deltas[1][0]) == {"index", "function"}
+    assert s.feed("  Hello") == "  Hello" and s.finish() == ("", [], [])
+
+
+def test_stream_arguments_arrive_as_they_are_written():
+    """OpenAI's delta shape: index, id, type and name once the call's head is whole, then the arguments
+    in pieces as the model writes them; a second call follows whole."""
+    pieces = ["<tool_call>\n", '{"name": "get_', 'weather", "arguments": ', '{"city": ', '"Par', 'is", "days": 3}',
+              "}\n</tool_call>\n", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>']
+    s = ToolCallStream(parser())
+    seen = []
+    for p in pieces:
+        assert s.feed(p) == ""
+        seen.append(s.take_deltas())
+    assert seen[:3] == [[], [], []]  # the head is whole once its arguments' "{" arrives
+    head = seen[3][0][0]
+    assert head == {"index": 0, "id": head["id"], "type": "function", "function": {"name": "get_weather",
+                                                                                    "arguments": ""}}
+    assert [d[-1][0]["function"]["arguments"] for d in seen[3:6]] == ['{"city": ', '"Par', 'is", "days": 3}']
+    assert seen[6:] == [[], []]  # the wrapper's closing brace and tag are not arguments
+    rest, last, calls = s.finish()
+    assert rest == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert calls[0]["id"] == head["id"] and json.loads(calls[0]["function"]["arguments"]) == ARGS
+    assert [d[0]["index"] for d in last] == [1, 1] and last[0][0]["function"] == {"name": "get_time", "arguments": ""}
+    # a bare JSON call streams live too; one cut off (max_tokens) ends as far as it was streamed
+    content, deltas, rest, calls = streamed(ToolCallStream(parser("json")), ['{"name": "get_weather", "arguments": ',
+                                                                             '{"city": "Pa'])
+    assert content == rest == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert "".join(d[0]["function"]["arguments"] for d in deltas) == '{"city": "Pa'
+    # parallel_tool_calls false: the second call is dropped
+    _, deltas, _, calls = streamed(ToolCallStream(parser(parallel=False)), "".join(pieces))
+    assert len(calls) == 1 and {d[0]["index"] for d in deltas} == {0}
+    assert call_deltas(calls)[0][0]["function"]["arguments"] == ""
 
 
 def test_special_tokens_kept_for_the_parser(tokenizer):

@@ -29,7 +29,7 @@ from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, pa
                                          usage)
 from strata_jax.serving.responses import ResponseBuilder, parse_responses
 from strata_jax.serving.responses import usage as responses_usage
-from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas
+from strata_jax.serving.tools import ToolCallStream, ToolParser
 
 log = logging.getLogger("strata_jax")
 
@@ -241,7 +241,7 @@ class Routes:
                 ev = await job.events.get()
             calls: list[dict] = []
             if tools:
-                rest, calls = tools.finish()
+                rest, _, calls = tools.finish()  # the calls go out whole, after the message
                 for e in rb.delta(rest) if rest else []:
                     yield sse(e, e["type"])
             use, extra = self._account(job, "responses", ev, n, ttft)
@@ -344,15 +344,17 @@ class Routes:
                 text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
                 if text:
                     yield sse(env.chunk(text=text, logprobs=take_lps()))
+                for delta in tools.take_deltas() if tools else []:
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
                 if ev.kind == "final":
                     break
                 ev = await job.events.get()
             finish = ev.chunk.finish_reason
             if tools:
-                rest, calls = tools.finish()
+                rest, deltas, calls = tools.finish()
                 if rest:
                     yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                for delta in call_deltas(calls):
+                for delta in deltas:
                     yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
                 finish = "tool_calls" if calls else finish
             use, extra = self._account(job, env.endpoint, ev, n, ttft)

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import os
 import queue
 import threading
 import time
@@ -156,8 +157,12 @@ class Engine:
         if not req.tools:
             return None
         family = self.tool_family or detect_family(None)
-        prefix = "" if req.tool_choice in (None, "auto") else family.forced_prefix(
-            None if req.tool_choice == "required" else req.tool_choice)
+        names = [t["function"]["name"] for t in req.tools]
+        prefix = ""
+        if req.tool_choice == "required":  # one tool: that one; several: the start their names share
+            prefix = family.forced_prefix(names[0] if len(names) == 1 else None, os.path.commonprefix(names))
+        elif req.tool_choice not in (None, "auto"):
+            prefix = family.forced_prefix(req.tool_choice)
         return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix)
 
     def tokenize(self, req: GenRequest, response_prefix: str = "") -> list[int]:

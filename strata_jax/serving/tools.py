@@ -58,26 +58,26 @@ class Family:
                 "deepseek": (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP),
                 "hermes": (TOOL_OPEN, TOOL_CLOSE), "qwen3_coder": (TOOL_OPEN, TOOL_CLOSE)}.get(self.name, ())
 
-    def forced_prefix(self, name: str | None) -> str:
-        """The start of the reply that makes the model write a call (of `name`, or of a tool it picks),
-        appended to the prompt for tool_choice "required" or a named function."""
-        n = name or ""
+    def forced_prefix(self, name: str | None, start: str = "") -> str:
+        """The start of the reply that makes the model write a call: of `name`, or (None) of a tool it
+        picks, whose name begins with `start` (what the declared names share). Appended to the prompt
+        for tool_choice "required" or a named function."""
+        n = name or start
         if self.name == "hermes":
-            return '<tool_call>\n{"name": "' + (f'{n}", "arguments": ' if name else "")
+            return '<tool_call>\n{"name": "' + (f'{n}", "arguments": ' if name else n)
         if self.name == "qwen3_coder":
-            return "<tool_call>\n<function=" + (f"{n}>\n" if name else "")
+            return "<tool_call>\n<function=" + (f"{n}>\n" if name else n)
         if self.name == "llama3":
-            return '{"name": "' + (f'{n}", "parameters": ' if name else "")
+            return '{"name": "' + (f'{n}", "parameters": ' if name else n)
         if self.name == "harmony":
             # after the generation prompt's `<|start|>assistant`, as gpt-oss's template writes a call
-            return " to=functions." + (f"{n}<|channel|>commentary json<|message|>" if name else "")
+            return " to=functions." + (f"{n}<|channel|>commentary json<|message|>" if name else n)
         if self.name == "deepseek":
+            head = DS_CALLS_BEGIN + DS_CALL_BEGIN + ("function" + DS_SEP if self.variant == "v3" else "")
             if not name:
-                return DS_CALLS_BEGIN + DS_CALL_BEGIN + ("function" + DS_SEP if self.variant == "v3" else "")
-            if self.variant == "v3":
-                return f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n"
-            return f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{n}{DS_SEP}"
-        return '{"name": "' + (f'{n}", "arguments": ' if name else "")
+                return head + n
+            return head + (f"{n}\n```json\n" if self.variant == "v3" else f"{n}{DS_SEP}")
+        return '{"name": "' + (f'{n}", "arguments": ' if name else n)
 
 
 def detect_family(template: str | None, arch: str = "") -> Family:
@@ -111,12 +111,13 @@ class Found:
 
 
 _DECODER = json.JSONDecoder()
+_CALL_KEYS = {"name", "arguments", "parameters", "type", "id"}  # an object with other keys is data, not a call
 
 
 def _json_call(obj: Any, raw: str) -> Found | None:
     if isinstance(obj, dict) and obj.get("type") == "function" and isinstance(obj.get("function"), dict):
         obj = obj["function"]  # OpenAI's own shape, which small models sometimes echo
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not set(obj) <= _CALL_KEYS:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return Found(obj["name"], args, raw)
@@ -133,10 +134,15 @@ def _hermes(text: str, tools: dict) -> list:
     out: list = []
     pos = 0
     for m in re.finditer(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|\Z)", text, re.S):
-        call = _json_call(_loads(m.group(1).strip()), m.group(0))
-        if call is None:
+        # the block's JSON calls; a small model may run on into another call without closing the tag
+        calls, end = _json_run(m.group(1), 0)
+        if not calls:
             continue
-        out += [text[pos:m.start()], call]
+        calls[0].raw = m.group(0)
+        for c in calls[1:]:
+            c.raw = ""
+        leftover = m.group(1)[end:].strip()
+        out += [text[pos:m.start()], *calls, leftover]
         pos = m.end()
     return out + [text[pos:]]
 
@@ -315,24 +321,62 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# the head of a JSON call (hermes, llama3, bare JSON): once it is whole, the arguments can stream
+_LIVE_HEAD = re.compile(r'\s*(?:<tool_call>\s*|<\|python_tag\|>\s*)?(?:```(?:json)?\s*)?\[?\s*\{\s*"name"\s*:\s*'
+                        r'"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Where the JSON object starting at text[start] ends (exclusive), or None while it is open."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+@dataclasses.dataclass
+class _Live:
+    """The first call while it streams: its id and name, where its arguments start, how far they were sent."""
+
+    id: str
+    name: str
+    start: int
+    sent: int
+    end: int | None = None
+
+
 class ToolCallStream:
     """Streams content while holding back anything that may be a call: from the first opener of the
-    family on, and a reply that starts like JSON (the bare-JSON fallback) until it is clearly not; the
-    calls are parsed whole at the end. A forced prefix (tool_choice) is the reply's start."""
+    family on, and a reply that starts like JSON (the bare-JSON fallback) until it is clearly not. A
+    JSON call (hermes, llama3, bare) streams live: its id, type and name once its head is whole, then
+    its arguments as they arrive (take_deltas); the rest is parsed whole at the end. A forced prefix
+    (tool_choice) is the reply's start."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text, self.emitted, self.held = parser.prefix, 0, False
+        self.live: _Live | None = None
+        self._deltas: list[list[dict]] = []
 
     def _maybe_json(self) -> bool:
         s = self.text.lstrip()
         return not s or s[0] in "{[" or "```".startswith(s[:3])
 
     def feed(self, piece: str) -> str:
+        """The content that is safe to stream now."""
         self.text += piece
-        if self.held:
-            return ""
-        if self.emitted == 0 and self._maybe_json():
+        if self.held or (self.emitted == 0 and self._maybe_json()):
+            self._advance_live()
             return ""
         hits = [i for i in (self.text.find(o, self.emitted) for o in self.parser.family.openers) if i >= 0]
         if hits:
@@ -342,19 +386,58 @@ class ToolCallStream:
             tail = max((_partial_suffix(self.text[self.emitted:], o) for o in self.parser.family.openers), default=0)
             end = len(self.text) - tail
         out, self.emitted = self.text[self.emitted:end], max(end, self.emitted)
+        if self.held:
+            self._advance_live()
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet streamed, tool calls)."""
+    def _advance_live(self) -> None:
+        if self.live is None:
+            m = _LIVE_HEAD.match(self.text, self.emitted)
+            if m is None or m.group(1) not in self.parser.schemas:
+                return
+            self.live = _Live(new_call_id(), m.group(1), m.end(), m.end())
+            self._deltas.append([{"index": 0, "id": self.live.id, "type": "function",
+                                  "function": {"name": self.live.name, "arguments": ""}}])
+        live = self.live
+        if live.end is not None:
+            return
+        live.end = _json_end(self.text, live.start)
+        upto = live.end if live.end is not None else len(self.text)
+        if upto > live.sent:
+            self._deltas.append([{"index": 0, "function": {"arguments": self.text[live.sent:upto]}}])
+            live.sent = upto
+
+    def take_deltas(self) -> list[list[dict]]:
+        """The tool-call deltas ready to stream (OpenAI's shape), each a chunk's `tool_calls`."""
+        out, self._deltas = self._deltas, []
+        return out
+
+    def finish(self) -> tuple[str, list[list[dict]], list[dict]]:
+        """(content not yet streamed, the tool-call deltas not yet streamed, every tool call)."""
         content, calls = self.parser.parse(self.text[self.emitted:])
-        return content or "", calls
+        live = self.live
+        if live is None:
+            return content or "", self.take_deltas() + call_deltas(calls), calls
+        args = self.text[live.start:live.end if live.end is not None else len(self.text)]
+        if calls and calls[0]["function"]["name"] == live.name:
+            calls[0]["id"] = live.id
+            if live.end is not None:  # the model's own text, as streamed (the same JSON value)
+                calls[0]["function"]["arguments"] = args
+        else:  # cut off before it was whole: the call as far as it was streamed
+            calls.insert(0, {"id": live.id, "type": "function", "function": {"name": live.name, "arguments": args}})
+            content = None
+        deltas = self.take_deltas()
+        rest = calls[0]["function"]["arguments"][live.sent - live.start:]
+        if rest:
+            deltas.append([{"index": 0, "function": {"arguments": rest}}])
+        return content or "", deltas + call_deltas(calls[1:], first=1), calls
 
 
-def call_deltas(calls: list[dict]) -> list[list[dict]]:
+def call_deltas(calls: list[dict], first: int = 0) -> list[list[dict]]:
     """OpenAI's streamed tool-call deltas: per call, first its index, id, type and name (empty
-    arguments), then its arguments."""
+    arguments), then its arguments; indices from `first`."""
     out = []
-    for i, c in enumerate(calls):
+    for i, c in enumerate(calls, start=first):
         fn = c["function"]
         out.append([{"index": i, "id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}])
         if fn["arguments"]:
