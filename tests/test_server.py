@@ -727,7 +727,7 @@ RESPONSES_VALID = {
 }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(fields=st.fixed_dictionaries({}, optional=RESPONSES_VALID),
        corrupt=st.dictionaries(st.sampled_from(sorted(RESPONSES_VALID)), JSONV, max_size=2))
 def test_responses_fuzz_never_5xx(client, fields, corrupt):

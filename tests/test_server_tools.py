@@ -127,7 +127,7 @@ def test_responses_stream(client):
     assert call.type == "function_call" and call.name == "get_weather"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     # plain text, instructions and max_output_tokens: the streamed text is the non-streamed response's
-    kw = dict(model="m", instructions="Answer in one short sentence.", input="Name a primary colour.",
+    kw = dict(model="m", instructions="You are a poet.", input="Describe the ocean at night.",
               temperature=0, max_output_tokens=6)
     whole = client.responses.create(**kw)
     with client.responses.stream(**kw) as stream:

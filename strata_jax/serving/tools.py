@@ -167,8 +167,7 @@ def _qwen3_coder(text: str, tools: dict) -> list:
         props = (tools.get(name) or {}).get("properties", {})
         args = {p.group(1).strip(): _coder_value(p.group(2), props.get(p.group(1).strip(), {}))
                 for p in re.finditer(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", m.group(2), re.S)}
-        start = text.rfind(TOOL_OPEN, pos, m.start()) if text[pos:m.start()].rstrip().endswith(TOOL_OPEN) else m.start()
-        out += [text[pos:start], Found(name, args, text[start:m.end()])]
+        out += [text[pos:m.start()], Found(name, args, m.group(0))]
         pos = m.end()
     return out + [text[pos:]]
 
