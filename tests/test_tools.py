@@ -13,6 +13,7 @@ import json
 import pytest
 
 import reference_models
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.serving.engine import Engine
@@ -54,8 +55,11 @@ def only_call(content_calls, name="get_weather", args=ARGS):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen_gguf_path):
-    return GGUFTokenizer.from_metadata(GGUFFile(qwen_gguf_path).metadata)
+def tokenizer(tmp_path_factory):
+    """A small GGUF vocabulary (with <|im_end|> as a special token); templates are swapped in per test."""
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tok.gguf", SyntheticSpec(
+        arch="qwen2", n_layers=1, d_model=64, head_dim=32, ffn_dim=64, vocab_size=512, qtype="Q8_0"))
+    return GGUFTokenizer.from_metadata(GGUFFile(path).metadata)
 
 
 def rendered_reply(tokenizer, template: str) -> str:
@@ -75,6 +79,7 @@ def rendered_reply(tokenizer, template: str) -> str:
     return reply[:cut]
 
 
+@pytest.mark.slow  # llama.cpp's templates come from the pinned sdist (downloaded once, cached)
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_real_templates_detected_and_their_calls_parse(tokenizer, name):
     template = reference_models.chat_template(name)
@@ -95,6 +100,7 @@ def test_real_templates_detected_and_their_calls_parse(tokenizer, name):
         only_call(ToolParser(family, TOOLS).parse(reply.removesuffix("<|call|>")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, (fam, _) in TEMPLATES.items() if fam != "json"])
 def test_forced_prefix_is_the_templates_own_opening(tokenizer, name):
     """tool_choice "required" / a named function starts the reply as the template starts a call."""
