@@ -1,7 +1,8 @@
-"""The Starlette app: OpenAI-compatible routes around an Engine.
+"""The Starlette app: OpenAI-compatible routes (Chat Completions, Completions, Responses), and
+Anthropic's Messages API, around an Engine.
 
-Handlers validate (protocol.py), tokenize on a worker thread, enqueue a Job, and turn the engine's
-events into one JSON response or an SSE stream. Nothing here touches JAX.
+Handlers validate (protocol.py, responses.py, anthropic.py), tokenize on a worker thread, enqueue a Job, and turn the
+engine's events into one JSON response or an SSE stream. Nothing here touches JAX.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -23,6 +25,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from strata_jax.core.units import fmt_bytes
+from strata_jax.serving import anthropic
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
@@ -33,7 +37,9 @@ from strata_jax.serving.tools import ToolCallStream, ToolParser
 
 log = logging.getLogger("strata_jax")
 
-MAX_BODY = 32 << 20
+MAX_BODY = 4 << 20  # the default --max-body
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers and probes
 DISCONNECT_POLL_S = 0.5
 
@@ -47,8 +53,10 @@ class JSON(Response):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(e: APIError) -> Response:
-    return JSON(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, path: str = "") -> Response:
+    """The error in the envelope of the API that `path` belongs to (Anthropic's or OpenAI's)."""
+    body = anthropic.error_body(e) if anthropic.is_anthropic_path(path) else e.body()
+    return JSON(body, status_code=e.status, headers=e.headers)
 
 
 def sse(obj: Any, event: str | None = None) -> str:
@@ -57,7 +65,8 @@ def sse(obj: Any, event: str | None = None) -> str:
 
 
 class Gate:
-    """Pure ASGI middleware (so streaming is untouched): the API key check and per-request metrics."""
+    """Pure ASGI middleware (so streaming is untouched): the API key check (OpenAI's Bearer header or
+    Anthropic's x-api-key) and per-request metrics."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -67,7 +76,10 @@ class Gate:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.key):
+                return True
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,10 +95,10 @@ class Gate:
 
         try:
             if self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-                err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' with "
-                               "the key the server was started with (--api-key or STRATA_JAX_API_KEY).",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err)(scope, receive, send_status)
+                err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' (or "
+                               "'x-api-key: <key>') with the key the server was started with (--api-key or "
+                               "STRATA_JAX_API_KEY).", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(err, scope["path"])(scope, receive, send_status)
                 return
             await self.app(scope, receive, send_status)
         finally:
@@ -94,21 +106,63 @@ class Gate:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"the request body is {len(raw)} bytes; the limit is {MAX_BODY}.")
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes; the limit is {limit} ({fmt_bytes(limit)}): send a "
+                    "smaller request, or restart the server with a larger --max-body.", code="request_too_large")
+
+
+def _surrogate_at(obj: Any) -> str | None:
+    """Where the first string (key or value) holding a lone UTF-16 surrogate is, e.g. "messages[0].content"."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str) and _SURROGATE.search(v):
+            return where or "the body"
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    return f"the key {k.encode('utf-8', 'backslashreplace').decode()[:40]!r}"
+                todo.append((f"{where}.{k}" if where else k, x))
+        elif isinstance(v, list):
+            todo += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return None
+
+
+async def read_json(request: Request, limit: int = MAX_BODY) -> Any:
+    """The body as JSON: at most `limit` bytes (refused from Content-Length before reading, else as soon
+    as the stream passes it), strict UTF-8, and no lone surrogates (which json accepts as \\ud800 but no
+    text can hold)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(declared, limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(f"over {limit}", limit)
+        parts.append(part)
+    raw = b"".join(parts)
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object.")
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); send JSON "
+                  "encoded as UTF-8.") from None
+    try:
+        body = json.loads(text.removeprefix("\ufeff"))
+    except (ValueError, RecursionError) as e:
         raise bad(f"the request body is not valid JSON ({str(e)[:120]}); send a JSON object.") from None
+    if _SURROGATE_ESCAPE.search(text) and (where := _surrogate_at(body)) is not None:
+        raise bad(f"the request body has a lone UTF-16 surrogate escape (such as \\ud800) in {where}: JSON strings "
+                  "must be valid Unicode; send the character itself or a complete surrogate pair.")
+    return body
 
 
 class Routes:
-    def __init__(self, engine: Engine, metrics: Metrics, model_id: str, api_key: bool):
+    def __init__(self, engine: Engine, metrics: Metrics, model_id: str, api_key: bool, max_body: int = MAX_BODY):
         self.engine, self.metrics, self.model_id, self.api_key = engine, metrics, model_id, api_key
+        self.max_body = max_body
         self.created = int(time.time())
 
     # -- status ---------------------------------------------------------------------------------------
@@ -148,18 +202,17 @@ class Routes:
         return await self._generate(request, "completion")
 
     async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
-        """Validate, tokenize and enqueue a request, and wait for its first event: (request, job, its
-        tool-call parser, that event), or the Response that ends it (an error, a client gone)."""
+        """Validate, tokenize and queue a request, and wait for its first event: (request, job, its
+        tool-call parser, event), or the response when it ends before any output (an error, a disconnect)."""
         try:
-            body = await read_json(request)
-            req = parse(body)
+            req = parse(await read_json(request, self.max_body))
             self.engine.check_accepting()
             parser = self.engine.tool_parser(req)
             ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
             job = Job(req, ids)
             self.engine.submit(job)
         except APIError as e:
-            return error_response(e)
+            return error_response(e, request.url.path)
         except ClientDisconnect:  # gone before its body arrived: nothing to answer
             return Response(status_code=499)
         try:
@@ -170,7 +223,7 @@ class Routes:
         if first is None:  # the client left while queued; it reads no answer
             return Response(status_code=499)
         if first.kind == "error":
-            return error_response(first.error)
+            return error_response(first.error, request.url.path)
         return req, job, parser, first
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
@@ -203,10 +256,10 @@ class Routes:
             return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        got = await self._gather(request, job, first, t0)
-        if isinstance(got, Response):
-            return got
-        text, ev, _, n, ttft = got
+        gathered = await self._gather(request, job, first, t0)
+        if isinstance(gathered, Response):
+            return gathered
+        text, ev, n, ttft, _ = gathered
         calls: list[dict] = []
         if parser is not None:
             content, calls = parser.parse(parser.prefix + text)
@@ -285,10 +338,10 @@ class Routes:
             base = len(p) if isinstance(p, str) else len(m.detokenize(p))
         return lambda entries: env.logprobs(entries, m.token_bytes, base)
 
-    async def _gather(self, request: Request, job: Job, ev: Event | None, t0: float
-                      ) -> tuple[str, Event, list, int, float] | Response:
-        """Every event of a job: (text, the final event, logprob entries, tokens, time to first token),
-        or the Response that ends it."""
+    async def _gather(self, request: Request, job: Job, ev: Event | None,
+                      t0: float) -> tuple[str, Event, int, float, list] | Response:
+        """A job's whole output: (text, the final event, tokens, time to first token, logprobs), or the
+        response when it ends otherwise."""
         parts: list[str] = []
         lps: list = []
         n, ttft = 0, None
@@ -296,22 +349,21 @@ class Routes:
             if ev is None:
                 return Response(status_code=499)
             if ev.kind == "error":
-                return error_response(ev.error)
+                return error_response(ev.error, request.url.path)
             ttft = ev.t - t0 if ttft is None else ttft
             parts.append(ev.chunk.text)
             lps += ev.chunk.logprobs or []
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
-                break
+                return "".join(parts), ev, n, ttft, lps
             ev = await self._next(job, request)
-        return "".join(parts), ev, lps, n, ttft
 
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
                        t0: float, parser: ToolParser | None) -> Response:
-        got = await self._gather(request, job, ev, t0)
-        if isinstance(got, Response):
-            return got
-        text, ev, lps, n, ttft = got
+        gathered = await self._gather(request, job, ev, t0)
+        if isinstance(gathered, Response):
+            return gathered
+        text, ev, n, ttft, lps = gathered
         finish, calls = ev.chunk.finish_reason, []
         if parser is not None:
             text, calls = parser.parse(parser.prefix + text)
@@ -335,8 +387,9 @@ class Routes:
             if env.endpoint == "chat":
                 yield sse(env.chunk(role=True, text=""))
             while True:
-                if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then close
+                if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then [DONE]
                     yield sse(ev.error.body())
+                    yield "data: [DONE]\n\n"
                     return
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)
@@ -366,28 +419,101 @@ class Routes:
             job.cancel()  # a disconnect cancels the stream here; the engine stops before its next token
 
 
+class AnthropicRoutes:
+    """/v1/messages and /v1/messages/count_tokens over the same engine (wire format: anthropic.py)."""
+
+    def __init__(self, routes: Routes):
+        self.r = routes
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            req = anthropic.parse_messages(await read_json(request, self.r.max_body), count_only=True)
+            self.r.engine.check_accepting()
+            ids = await run_in_threadpool(self.r.engine.tokenize, req)
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSON({"input_tokens": len(ids)})
+
+    async def messages(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        started = await self.r._start(request, anthropic.parse_messages)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        env = Envelope("messages", req.model or self.r.model_id, id=anthropic.new_id())
+        if req.stream:
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        gathered = await self.r._gather(request, job, first, t0)
+        if isinstance(gathered, Response):
+            return gathered
+        text, ev, n, ttft, _ = gathered
+        calls: list[dict] = []
+        if parser is not None:
+            text, calls = parser.parse(parser.prefix + text)
+        blocks = anthropic.content_blocks(text, calls)
+        reason = anthropic.stop_reason(ev.chunk.finish_reason, ev.chunk.stop_string, blocks)
+        _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
+        use = anthropic.usage(len(job.prompt_ids), n, int((ev.chunk.timings or {}).get("cache_n", 0) or 0))
+        return JSON(anthropic.message(env.id, env.model, blocks, reason,
+                                      ev.chunk.stop_string if reason == "stop_sequence" else None, use, extra))
+
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
+        # the cache read is known once the request ends: message_delta's usage (cumulative) corrects it
+        out = anthropic.MessageStream(env.id, env.model, len(job.prompt_ids), 0, tools=tools is not None)
+        n, ttft = 0, None
+        try:
+            for e in out.start():
+                yield e
+            while True:
+                if ev.kind == "error":  # after the headers: Anthropic's error event ends the stream
+                    yield out.error(ev.error)
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                n += len(ev.chunk.token_ids)
+                for e in out.delta(tools.feed(ev.chunk.text) if tools else ev.chunk.text):
+                    yield e
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            rest, _, calls = tools.finish() if tools else ("", [], [])
+            _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
+            out.cached_n = int((ev.chunk.timings or {}).get("cache_n", 0) or 0)
+            events, _ = out.finish(rest, calls, ev.chunk.finish_reason, ev.chunk.stop_string, n, extra)
+            for e in events:
+                yield e
+        finally:
+            job.cancel()
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
-               "/v1/models, /health or /metrics.")
+               "/v1/messages, /v1/models, /health or /metrics.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
         msg = str(exc.detail)
-    return error_response(APIError(exc.status_code, msg, headers=dict(exc.headers or {})))
+    return error_response(APIError(exc.status_code, msg, headers=dict(exc.headers or {})), request.url.path)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
 
 
-def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
-               metrics: Metrics | None = None) -> Starlette:
-    """The ASGI app. Its lifespan starts the engine (loading in the background) and shuts it down."""
+def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, metrics: Metrics | None = None,
+               max_body: int = MAX_BODY) -> Starlette:
+    """The ASGI app. Its lifespan starts the engine (loading in the background) and shuts it down.
+    max_body: the largest request body in bytes (larger ones get 413)."""
     metrics = metrics or Metrics()
-    r = Routes(engine, metrics, model_id, api_key=bool(api_key))
+    r = Routes(engine, metrics, model_id, api_key=bool(api_key), max_body=max_body)
+    a = AnthropicRoutes(r)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -402,7 +528,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
                    Route(prefix + "/completions", r.completions, methods=["POST"]),
-                   Route(prefix + "/responses", r.responses, methods=["POST"])]
+                   Route(prefix + "/responses", r.responses, methods=["POST"]),
+                   Route(prefix + "/messages", a.messages, methods=["POST"]),
+                   Route(prefix + "/messages/count_tokens", a.count_tokens, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(Gate, api_key=api_key, metrics=metrics)],
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})

@@ -89,6 +89,7 @@ class Engine:
         self.load_error: str | None = None
         self.draining = False
         self._stop = threading.Event()
+        self._end_running = threading.Event()
         self._thread: threading.Thread | None = None
         self._active: dict[int, Job] = {}  # session row -> its job
         self.tool_family: Family | None = None  # the chat template's tool-call format, chosen at load
@@ -107,12 +108,17 @@ class Engine:
         """Refuse new work (503) while what is queued or running finishes."""
         self.draining = True
 
+    def end_running(self) -> None:
+        """End every running and queued job with a 503 error event (the shutdown grace period is over);
+        the engine thread does it before its next step, so each stream gets its closing events."""
+        self._end_running.set()
+
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop: fail queued jobs with 503, cancel the running one between tokens, join the thread."""
+        """Stop: fail queued jobs with 503, end the running ones between steps (each with an error event),
+        join the thread."""
         self.draining = True
+        self._end_running.set()
         self._stop.set()
-        for job in self._active.copy().values():  # copy: the engine thread changes it
-            job.cancel()
         self._fail_pending()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -180,6 +186,8 @@ class Engine:
                 kwargs.setdefault("enable_thinking", False)
         try:
             ids = m.prompt_tokens(req.prompt, **kwargs)
+            if req.prefill:  # after the generation prompt, so the reply continues it
+                ids += m.tokenize(req.prefill, add_special=False)
         except StrataError as e:
             raise bad(str(e), req.prompt_param) from None
         if not ids:
@@ -220,6 +228,10 @@ class Engine:
         self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
         self.state = "ready"
         while not self._stop.is_set():
+            if self._end_running.is_set():  # the shutdown grace period is over: nothing more runs
+                self._end_all(session)
+                self._stop.wait(0.25)
+                continue
             while session.free_rows:  # admit between calls; with nothing running, wait for work
                 try:
                     job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
@@ -230,10 +242,16 @@ class Engine:
             self._reap_cancelled(session)
             if self._active:
                 self._step(session)
+        self._end_all(session)
+
+    def _end_all(self, session: Any) -> None:
+        """Stop the running jobs (an error event each) and fail the queued ones."""
+        if self._active:
+            log.info("shutting down: stopping %d running request(s)", len(self._active))
         for row, job in list(self._active.items()):
-            session.release(row)
-            job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was stopped.",
-                                                   code="shutting_down")))
+            n = session.release(row)
+            job.emit(Event("error", error=APIError(503, f"the server is shutting down; the request was stopped "
+                                                   f"after {n} generated tokens.", code="shutting_down")))
         self._active.clear()
         self._fail_pending()
 

@@ -52,7 +52,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 class GenRequest:
     """A validated generation request, endpoint-independent."""
 
-    endpoint: str  # "chat" | "completion" | "responses" (chat messages from the Responses API's input)
+    endpoint: str  # "chat" | "completion" | "messages" (Anthropic's) | "responses" (the Responses API's input)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -76,10 +76,11 @@ class GenRequest:
     repeat_last_n: int = 64
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
+    prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
 
     @property
     def prompt_param(self) -> str:
-        return {"chat": "messages", "responses": "input"}.get(self.endpoint, "prompt")
+        return {"completion": "prompt", "responses": "input"}.get(self.endpoint, "messages")
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
