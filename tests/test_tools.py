@@ -157,7 +157,8 @@ def test_run_on_call_and_forced_prefixes():
 def test_bare_json_fallback_in_every_family():
     """What the 0.5B default model writes for a get_weather question: the JSON without the tags."""
     bare = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
-    for fam in ("<tool_call>", "<|python_tag|>", "<|channel|>", "<｜tool▁call▁begin｜>", "", "<function=><parameter="):
+    for fam in ("<tool_call>", "<|python_tag|>", "<|channel|>", "<｜tool▁call▁begin｜>", "",
+                "<function=><parameter="):
         assert only_call(ToolParser(detect_family(fam), TOOLS).parse(bare)) is None
     assert only_call(parser("json").parse("```json\n" + bare + "\n```")) is None
     content, calls = parser("json").parse(f'[{bare}, {{"name": "get_time", "arguments": {{"tz": "CET"}}}}]')

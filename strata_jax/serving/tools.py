@@ -3,11 +3,13 @@ chat template (and the architecture), with a bare-JSON fallback whenever tools w
 
 Families and the formats their templates teach the model:
   hermes       Qwen2.5 / Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
-  qwen3_coder  Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nV\\n</parameter>\\n</function>\\n</tool_call>`
+  qwen3_coder  Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nV\\n</parameter>\\n</function>\\n
+               </tool_call>`
   llama3       Llama 3.x JSON: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
   harmony      gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, or
                the recipient before the channel (` to=functions.NAME<|channel|>commentary json<|message|>`)
-  deepseek     DeepSeek V3/R1 (`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`)
+  deepseek     DeepSeek V3/R1 (`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+               <｜tool▁call▁end｜>`)
                and V3.1 (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), inside
                `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`
   json         no tool format in the template: only the bare-JSON fallback
@@ -50,7 +52,8 @@ class Family:
     @property
     def openers(self) -> tuple[str, ...]:
         return {"hermes": (TOOL_OPEN,), "qwen3_coder": (TOOL_OPEN, "<function="), "llama3": (PYTHON_TAG,),
-                "harmony": (H_CHANNEL, H_START, "to=functions."), "deepseek": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "json": ()}[self.name]
+                "harmony": (H_CHANNEL, H_START, "to=functions."), "deepseek": (DS_CALLS_BEGIN, DS_CALL_BEGIN),
+                "json": ()}[self.name]
 
     @property
     def preserved(self) -> tuple[str, ...]:
@@ -165,8 +168,8 @@ def _qwen3_coder(text: str, tools: dict) -> list:
     for m in block.finditer(text):
         name = m.group(1).strip()
         props = (tools.get(name) or {}).get("properties", {})
-        args = {p.group(1).strip(): _coder_value(p.group(2), props.get(p.group(1).strip(), {}))
-                for p in re.finditer(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", m.group(2), re.S)}
+        params = re.finditer(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", m.group(2), re.S)
+        args = {p.group(1).strip(): _coder_value(p.group(2), props.get(p.group(1).strip(), {})) for p in params}
         out += [text[pos:m.start()], Found(name, args, m.group(0))]
         pos = m.end()
     return out + [text[pos:]]
