@@ -352,6 +352,23 @@ def _download_sdist(dest: Path) -> Path:
     return found[0]
 
 
+def _extract_from_sdist(out: Path, members: tuple[str, ...], work: Path) -> None:
+    """Copy the sdist's vendor/llama.cpp files under `members` (paths; "dir/" takes a folder) into out."""
+    sdist = _download_sdist(work)
+    got = _sha256_file(sdist)
+    if got != LLAMA_CPP_PYTHON_SDIST_SHA256:
+        raise RuntimeError(f"llama-cpp-python sdist sha256 {got}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}")
+    with tarfile.open(sdist, "r:gz") as tar:
+        for m in tar:
+            rel = m.name[len(_SDIST_ROOT):] if m.name.startswith(_SDIST_ROOT) else None
+            wanted = rel and any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in members)
+            if wanted and m.isfile():
+                target = out / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, dst)
+
+
 @functools.lru_cache(maxsize=None)
 def llama_cpp_converter() -> Path:
     """Path of convert_hf_to_gguf.py, extracted (with the modules it imports) from the pinned sdist."""
@@ -363,23 +380,22 @@ def llama_cpp_converter() -> Path:
         if script.is_file():
             return script
         with _building(root) as out, tempfile.TemporaryDirectory(dir=root.parent) as work:
-            sdist = _download_sdist(Path(work))
-            got = _sha256_file(sdist)
-            if got != LLAMA_CPP_PYTHON_SDIST_SHA256:
-                raise RuntimeError(
-                    f"llama-cpp-python sdist sha256 {got}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}")
-            with tarfile.open(sdist, "r:gz") as tar:
-                for m in tar:
-                    rel = m.name[len(_SDIST_ROOT):] if m.name.startswith(_SDIST_ROOT) else None
-                    wanted = rel and any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in _CONVERTER_MEMBERS)
-                    if wanted and m.isfile():
-                        target = out / rel
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        with tar.extractfile(m) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
-                            shutil.copyfileobj(src, dst)
+            _extract_from_sdist(out, _CONVERTER_MEMBERS, Path(work))
             if not (out / "convert_hf_to_gguf.py").is_file() or not (out / "conversion" / "base.py").is_file():
-                raise RuntimeError(f"{sdist.name} lacks {_SDIST_ROOT}convert_hf_to_gguf.py or conversion/")
+                raise RuntimeError(f"the sdist lacks {_SDIST_ROOT}convert_hf_to_gguf.py or conversion/")
     return script
+
+
+def chat_template(name: str) -> str:
+    """A real model's chat template from llama.cpp's collection (models/templates/NAME.jinja in the pinned
+    sdist), e.g. "Qwen-Qwen2.5-7B-Instruct" or "openai-gpt-oss-120b"."""
+    root = artifacts_dir() / f"llama-cpp-templates-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_PYTHON_SDIST_SHA256[:12]}"
+    if not root.is_dir():
+        with _lock("templates"):
+            if not root.is_dir():
+                with _building(root) as out, tempfile.TemporaryDirectory(dir=root.parent) as work:
+                    _extract_from_sdist(out, ("models/templates/",), Path(work))
+    return (root / "models" / "templates" / f"{name}.jinja").read_text()
 
 
 _QWEN4EXP_WRAPPER = Path(__file__).with_name("qwen4exp_convert.py")

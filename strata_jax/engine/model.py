@@ -195,9 +195,11 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], **template_kwargs) -> list[int]:
+    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], *, response_prefix: str = "",
+                      **template_kwargs) -> list[int]:
         """A raw prompt is tokenized as is (with BOS if the model wants one); a message list goes through
-        the GGUF's chat template first; a list of token ids is used as is."""
+        the GGUF's chat template first, and response_prefix (the start of the assistant's reply, which
+        the model continues) follows its generation prompt; a list of token ids is used as is."""
         if isinstance(prompt_or_messages, str):
             return self.tokenize(prompt_or_messages)
         if not prompt_or_messages:
@@ -212,7 +214,7 @@ class Model:
             raise ConfigError("a prompt list must hold either token ids or message dicts "
                               "({'role': ..., 'content': ...}), not a mix.")
         text = self.tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
-                                                  **template_kwargs)
+                                                  **template_kwargs) + response_prefix
         bos = self.tokenizer.bos_id
         has_bos = bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
         return self.tokenize(text, add_special=not has_bos)

@@ -233,9 +233,10 @@ class Session:
               min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
               cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
-              **template_kwargs) -> tuple[int, list[GenerationChunk]]:
+              keep_special: Sequence[int] = (), **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
-        Model.generate_stream. Returns the row and the chunks of that first token (ending with the final
+        Model.generate_stream, and keep_special: special token ids whose text stays in the streamed
+        text (a tool-call parser's markers). Returns the row and the chunks of that first token (ending with the final
         chunk if the request is already done, and then the row is free again)."""
         m = self.model
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -264,7 +265,7 @@ class Session:
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
-        stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(), n_top is not None)
+        stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok)
         q.t_prefill = time.perf_counter() - t0
         q.t1 = q.t_steady = time.perf_counter()

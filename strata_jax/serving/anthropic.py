@@ -13,8 +13,8 @@ import json
 import secrets
 from typing import Any
 
-from strata_jax.serving.protocol import (TOOL_CLOSE, TOOL_OPEN, APIError, GenRequest, _bool, _kind, _number,
-                                         bad)
+from strata_jax.serving.protocol import APIError, GenRequest, _bool, _kind, _number, bad
+from strata_jax.serving.tools import TOOL_CLOSE, TOOL_OPEN
 
 PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens")
 MAX_STOP_SEQUENCES = 16  # each is searched for after every token
@@ -233,7 +233,7 @@ def new_id() -> str:
 
 def content_blocks(text: str | None, calls: list[dict], *, always_text: bool = True) -> list[dict]:
     """The text block (if there is text, or always_text and no calls) and a tool_use block per parsed
-    call (protocol.parse_tool_calls' OpenAI calls). A call whose arguments are not a JSON object cannot be
+    call (tools.ToolParser's OpenAI calls). A call whose arguments are not a JSON object cannot be
     a tool_use: it stays in the text as the model wrote it."""
     uses, kept = [], text or ""
     for c in calls:

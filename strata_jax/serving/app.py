@@ -1,6 +1,7 @@
-"""The Starlette app: OpenAI-compatible routes, and Anthropic's Messages API, around an Engine.
+"""The Starlette app: OpenAI-compatible routes (Chat Completions, Completions, Responses), and
+Anthropic's Messages API, around an Engine.
 
-Handlers validate (protocol.py, anthropic.py), tokenize on a worker thread, enqueue a Job, and turn the
+Handlers validate (protocol.py, responses.py, anthropic.py), tokenize on a worker thread, enqueue a Job, and turn the
 engine's events into one JSON response or an SSE stream. Nothing here touches JAX.
 """
 
@@ -28,8 +29,11 @@ from strata_jax.core.units import fmt_bytes
 from strata_jax.serving import anthropic
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, ToolCallStream, bad, parse_chat,
-                                         parse_completion, parse_tool_calls, timings, usage)
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
+                                         usage)
+from strata_jax.serving.responses import ResponseBuilder, parse_responses
+from strata_jax.serving.responses import usage as responses_usage
+from strata_jax.serving.tools import ToolCallStream, ToolParser
 
 log = logging.getLogger("strata_jax")
 
@@ -55,8 +59,9 @@ def error_response(e: APIError, path: str = "") -> Response:
     return JSON(body, status_code=e.status, headers=e.headers)
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""  # the Responses API names each event, as OpenAI's does
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class Gate:
@@ -196,13 +201,14 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
-    async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, Event] | Response:
-        """Validate, tokenize and queue a request, and wait for its first event: (request, job, event), or
-        the response when it ends before any output (an error, a disconnect)."""
+    async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
+        """Validate, tokenize and queue a request, and wait for its first event: (request, job, its
+        tool-call parser, event), or the response when it ends before any output (an error, a disconnect)."""
         try:
             req = parse(await read_json(request, self.max_body))
             self.engine.check_accepting()
-            ids = await run_in_threadpool(self.engine.tokenize, req)
+            parser = self.engine.tool_parser(req)
+            ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
             job = Job(req, ids)
             self.engine.submit(job)
         except APIError as e:
@@ -218,19 +224,84 @@ class Routes:
             return Response(status_code=499)
         if first.kind == "error":
             return error_response(first.error, request.url.path)
-        return req, job, first
+        return req, job, parser, first
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
         t0 = time.perf_counter()
         started = await self._start(request, parse_chat if endpoint == "chat" else parse_completion)
         if isinstance(started, Response):
             return started
-        req, job, first = started
+        req, job, parser, first = started
         env = Envelope(endpoint, req.model or self.model_id)
         if req.stream:
-            return StreamingResponse(self._stream(job, req, env, first, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, job, req, env, first, t0)
+        return await self._collect(request, job, req, env, first, t0, parser)
+
+    async def responses(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        echo: dict[str, Any] = {}
+
+        def parse(body: Any) -> GenRequest:
+            req, options = parse_responses(body)
+            echo.update(options)
+            return req
+
+        started = await self._start(request, parse)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        rb = ResponseBuilder(req.model or self.model_id, echo)
+        if req.stream:
+            return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        gathered = await self._gather(request, job, first, t0)
+        if isinstance(gathered, Response):
+            return gathered
+        text, ev, n, ttft, _ = gathered
+        calls: list[dict] = []
+        if parser is not None:
+            content, calls = parser.parse(parser.prefix + text)
+            text = content or ""
+        use, extra = self._account(job, "responses", ev, n, ttft)
+        return JSON(rb.final(text, calls, ev.chunk.finish_reason, self._responses_usage(use), extra))
+
+    @staticmethod
+    def _responses_usage(use: dict) -> dict:
+        return responses_usage(use["prompt_tokens"], use["completion_tokens"],
+                               use["prompt_tokens_details"]["cached_tokens"])
+
+    async def _responses_stream(self, job: Job, rb: ResponseBuilder, ev: Event, t0: float,
+                                parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
+        n, ttft = 0, None
+        try:
+            for e in rb.start():
+                yield sse(e, e["type"])
+            while True:
+                if ev.kind == "error":
+                    e = rb.error(ev.error.body())
+                    yield sse(e, e["type"])
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                n += len(ev.chunk.token_ids)
+                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                for e in rb.delta(text) if text else []:
+                    yield sse(e, e["type"])
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            calls: list[dict] = []
+            if tools:
+                rest, _, calls = tools.finish()  # the calls go out whole, after the message
+                for e in rb.delta(rest) if rest else []:
+                    yield sse(e, e["type"])
+            use, extra = self._account(job, "responses", ev, n, ttft)
+            for e in rb.finish(calls, ev.chunk.finish_reason, self._responses_usage(use), extra):
+                yield sse(e, e["type"])
+        finally:
+            job.cancel()
 
     async def _next(self, job: Job, request: Request) -> Event | None:
         """The job's next event, or None once the client has disconnected (the job is cancelled)."""
@@ -247,14 +318,14 @@ class Routes:
             if not get.done():
                 get.cancel()
 
-    def _account(self, job: Job, env: Envelope, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
+    def _account(self, job: Job, endpoint: str, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
         """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job; updates metrics."""
         t = final.chunk.timings or {}
         prompt_n, cached = len(job.prompt_ids), int(t.get("cache_n", 0) or 0)
         extra: dict[str, Any] = {"timings": timings(t)}
         if final.expert_cache:
             extra["expert_cache"] = final.expert_cache
-        label = {"chat": "chat_completions", "completion": "completions"}.get(env.endpoint, env.endpoint)
+        label = {"chat": "chat_completions", "completion": "completions"}.get(endpoint, endpoint)
         self.metrics.observe_generation(label, prompt_n, n, cached, ttft, t)
         return usage(prompt_n, n, cached), extra
 
@@ -288,20 +359,21 @@ class Routes:
             ev = await self._next(job, request)
 
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
-                       t0: float) -> Response:
+                       t0: float, parser: ToolParser | None) -> Response:
         gathered = await self._gather(request, job, ev, t0)
         if isinstance(gathered, Response):
             return gathered
         text, ev, n, ttft, lps = gathered
         finish, calls = ev.chunk.finish_reason, []
-        if req.tools:
-            text, calls = parse_tool_calls(text)
+        if parser is not None:
+            text, calls = parser.parse(parser.prefix + text)
             finish = "tool_calls" if calls else finish
-        use, extra = self._account(job, env, ev, n, ttft)
+        use, extra = self._account(job, env.endpoint, ev, n, ttft)
         return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
 
-    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
-        tools = ToolCallStream() if req.tools else None
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
         n, ttft = 0, None
         lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
         logprobs = self._logprobs_of(job, env)
@@ -325,18 +397,20 @@ class Routes:
                 text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
                 if text:
                     yield sse(env.chunk(text=text, logprobs=take_lps()))
+                for delta in tools.take_deltas() if tools else []:
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
                 if ev.kind == "final":
                     break
                 ev = await job.events.get()
             finish = ev.chunk.finish_reason
             if tools:
-                rest, calls = tools.finish()
+                rest, deltas, calls = tools.finish()
                 if rest:
                     yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                if calls:
-                    yield sse(env.chunk(tool_calls=calls, logprobs=take_lps() if lps else None))
-                    finish = "tool_calls"
-            use, extra = self._account(job, env, ev, n, ttft)
+                for delta in deltas:
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
+                finish = "tool_calls" if calls else finish
+            use, extra = self._account(job, env.endpoint, ev, n, ttft)
             yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
@@ -367,27 +441,28 @@ class AnthropicRoutes:
         started = await self.r._start(request, anthropic.parse_messages)
         if isinstance(started, Response):
             return started
-        req, job, first = started
+        req, job, parser, first = started
         env = Envelope("messages", req.model or self.r.model_id, id=anthropic.new_id())
         if req.stream:
-            return StreamingResponse(self._stream(job, req, env, first, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         gathered = await self.r._gather(request, job, first, t0)
         if isinstance(gathered, Response):
             return gathered
         text, ev, n, ttft, _ = gathered
         calls: list[dict] = []
-        if req.tools:
-            text, calls = parse_tool_calls(text)
+        if parser is not None:
+            text, calls = parser.parse(parser.prefix + text)
         blocks = anthropic.content_blocks(text, calls)
         reason = anthropic.stop_reason(ev.chunk.finish_reason, ev.chunk.stop_string, blocks)
-        _, extra = self.r._account(job, env, ev, n, ttft)
+        _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
         use = anthropic.usage(len(job.prompt_ids), n, int((ev.chunk.timings or {}).get("cache_n", 0) or 0))
         return JSON(anthropic.message(env.id, env.model, blocks, reason,
                                       ev.chunk.stop_string if reason == "stop_sequence" else None, use, extra))
 
-    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
-        tools = ToolCallStream() if req.tools else None
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
         # the cache read is known once the request ends: message_delta's usage (cumulative) corrects it
         out = anthropic.MessageStream(env.id, env.model, len(job.prompt_ids), 0, tools=tools is not None)
         n, ttft = 0, None
@@ -405,8 +480,8 @@ class AnthropicRoutes:
                 if ev.kind == "final":
                     break
                 ev = await job.events.get()
-            rest, calls = tools.finish() if tools else ("", [])
-            _, extra = self.r._account(job, env, ev, n, ttft)
+            rest, _, calls = tools.finish() if tools else ("", [], [])
+            _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
             out.cached_n = int((ev.chunk.timings or {}).get("cache_n", 0) or 0)
             events, _ = out.finish(rest, calls, ev.chunk.finish_reason, ev.chunk.stop_string, n, extra)
             for e in events:
@@ -418,8 +493,8 @@ class AnthropicRoutes:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/messages, "
-               "/v1/models, /health or /metrics.")
+        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
+               "/v1/messages, /v1/models, /health or /metrics.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
@@ -453,6 +528,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
                    Route(prefix + "/completions", r.completions, methods=["POST"]),
+                   Route(prefix + "/responses", r.responses, methods=["POST"]),
                    Route(prefix + "/messages", a.messages, methods=["POST"]),
                    Route(prefix + "/messages/count_tokens", a.count_tokens, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from strata_jax.core.errors import StrataError
 from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
+from strata_jax.serving.tools import Family, ToolParser, detect_family
 
 log = logging.getLogger("strata_jax")
 
@@ -90,6 +92,8 @@ class Engine:
         self._end_running = threading.Event()
         self._thread: threading.Thread | None = None
         self._active: dict[int, Job] = {}  # session row -> its job
+        self.tool_family: Family | None = None  # the chat template's tool-call format, chosen at load
+        self._keep_ids: tuple[int, ...] = ()  # the special tokens that format is written in
         # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
         self.snapshot: dict[str, Any] = {}
 
@@ -152,13 +156,30 @@ class Engine:
             raise APIError(503, f"the model is not available: {self.load_error or self.state}.",
                            code="model_unavailable")
 
-    def tokenize(self, req: GenRequest) -> list[int]:
-        """The prompt's token ids (chat template applied), checked against the context. Runs on a
-        worker thread: it uses only the tokenizer."""
+    def tool_parser(self, req: GenRequest) -> ToolParser | None:
+        """The request's tool-call parser (None without tools). tool_choice "required" or a named
+        function starts the reply with the family's call opener (and the name): the model continues a
+        call; nothing constrains what it writes inside it."""
+        if not req.tools:
+            return None
+        family = self.tool_family or detect_family(None)
+        names = [t["function"]["name"] for t in req.tools]
+        prefix = ""
+        if req.tool_choice == "required":  # one tool: that one; several: the start their names share
+            prefix = family.forced_prefix(names[0] if len(names) == 1 else None, os.path.commonprefix(names))
+        elif req.tool_choice not in (None, "auto"):
+            prefix = family.forced_prefix(req.tool_choice)
+        return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix)
+
+    def tokenize(self, req: GenRequest, response_prefix: str = "") -> list[int]:
+        """The prompt's token ids (chat template applied, then response_prefix: the start of the reply),
+        checked against the context. Runs on a worker thread: it uses only the tokenizer."""
         m = self.model
         kwargs = dict(req.template_kwargs)
         if req.tools:
             kwargs["tools"] = req.tools
+        if response_prefix:
+            kwargs["response_prefix"] = response_prefix
         if req.reasoning_effort in ("none", "minimal"):
             templates = [m.tokenizer.chat_template or "", *getattr(m.tokenizer, "named_templates", {}).values()]
             if any("enable_thinking" in t for t in templates):
@@ -203,6 +224,7 @@ class Engine:
                 self._on_load_error(e)
             return
         self.model = model
+        self._choose_tool_family(model)
         self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
         self.state = "ready"
         while not self._stop.is_set():
@@ -233,6 +255,15 @@ class Engine:
         self._active.clear()
         self._fail_pending()
 
+    def _choose_tool_family(self, model: Any) -> None:
+        tok = model.tokenizer
+        template = getattr(tok, "named_templates", {}).get("tool_use") or tok.chat_template
+        self.tool_family = f = detect_family(template, model.config.arch)
+        ids = [tok.token_to_id(t) for t in f.preserved]
+        self._keep_ids = tuple(i for i in ids if i is not None and i in tok.special_ids)
+        log.info("tool calls: %s format (%s)%s; bare JSON naming a declared tool is a call too", f.name, f.why,
+                 f", keeping {len(self._keep_ids)} special tokens in the output" if self._keep_ids else "")
+
     def _warm(self, session: Any) -> None:
         """Compile the programs before the first request pays for it: the smallest prefill and the decode
         call, greedy and sampled (the decode loop is compiled per sampling mode; penalties and logprobs
@@ -252,7 +283,8 @@ class Engine:
             kwargs["max_tokens"] = m.ctx  # admit caps it at what the context has left
         job.expert_base = self._expert_counters(m)
         try:
-            row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt, **kwargs)
+            row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt,
+                                        keep_special=self._keep_ids if req.tools else (), **kwargs)
         except StrataError as e:
             job.emit(Event("error", error=bad(str(e))))
             return self._fail_lost_rows(session)

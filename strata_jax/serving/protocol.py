@@ -1,4 +1,4 @@
-"""OpenAI wire format: request validation into `GenRequest`, tool-call parsing, and response and
+"""OpenAI wire format: request validation into `GenRequest`, and response and
 stream-chunk builders. Pure functions over JSON values: no model, no HTTP, no JAX.
 
 Every invalid request raises `APIError` (status 4xx) with a message that names the field and says
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import secrets
 import time
 from typing import Any
@@ -24,7 +23,8 @@ MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 REPEAT_WINDOW = 256  # the longest repeat_last_n (model/sampling.py's REPEAT_WINDOW)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # set by the server itself, or parameter names of Model.prompt_tokens / apply_chat_template
-RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self"})
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self",
+                                    "response_prefix"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "unavailable_error"}
@@ -52,7 +52,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 class GenRequest:
     """A validated generation request, endpoint-independent."""
 
-    endpoint: str  # "chat" | "completion" | "messages" (Anthropic's)
+    endpoint: str  # "chat" | "completion" | "messages" (Anthropic's) | "responses" (the Responses API's input)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -65,6 +65,8 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     tools: list[dict] | None = None  # rendered through the chat template; output parsed for tool calls
+    tool_choice: str | None = None  # "auto" | "required" | a function's name (None: auto)
+    parallel_tool_calls: bool = True  # False: at most one call is returned
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     reasoning_effort: str | None = None
     cache_prompt: bool = True
@@ -78,7 +80,7 @@ class GenRequest:
 
     @property
     def prompt_param(self) -> str:
-        return "prompt" if self.endpoint == "completion" else "messages"
+        return {"completion": "prompt", "responses": "input"}.get(self.endpoint, "messages")
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -244,7 +246,8 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
+    """(the tools offered to the template, the tool_choice: "auto", "required" or a function's name)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto", "required") and not (
             isinstance(choice, dict) and isinstance(choice.get("function"), dict)
@@ -252,26 +255,36 @@ def _tools(body: dict) -> list[dict] | None:
         raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                   "\"function\": {\"name\": ...}}.", "tool_choice")
     if tools is None:
-        return None
+        if choice not in (None, "none", "auto"):
+            raise bad("'tool_choice' asks for a tool call but no 'tools' were given; send the function tools "
+                      "too.", "tool_choice")
+        return None, None
     if not isinstance(tools, list):
         raise bad(f"'tools' must be an array of function tools, got {_kind(tools)}.", "tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if (not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict)
                 or not isinstance(fn.get("name"), str) or not fn["name"]
-                or not isinstance(fn.get("parameters", {}), dict)
+                or not isinstance(fn.get("parameters", {}), (dict, type(None)))
                 or not isinstance(fn.get("description", ""), (str, type(None)))):
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
                       "\"description\": str, \"parameters\": {JSON schema}}}}.", "tools")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"'tool_choice' names the function {name!r}, which is not among the 'tools' "
+                      f"({', '.join(t['function']['name'] for t in tools)}).", "tool_choice")
+        choice = name
     if choice == "none" or not tools:
-        return None  # the model is told about no tools and nothing is parsed as a call
-    return tools
+        return None, None  # the model is told about no tools and nothing is parsed as a call
+    return tools, choice
 
 
 def parse_chat(body: Any) -> GenRequest:
     req = GenRequest(endpoint="chat", prompt=[], **_common(body))
     req.prompt = _messages(body)
-    req.tools = _tools(body)
+    req.tools, req.tool_choice = _tools(body)
+    req.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
     req.logprobs = _bool(body, "logprobs", False)
     req.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
     if req.top_logprobs and not req.logprobs:
@@ -318,80 +331,6 @@ def parse_completion(body: Any) -> GenRequest:
         req.logprobs = True
         req.top_logprobs = _number(body, "logprobs", 0, 0, MAX_LEGACY_LOGPROBS, integer=True)
     return req
-
-
-# -- tool calls in the output -----------------------------------------------------------------------
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|\Z)", re.S)
-
-
-def _tool_call(payload: str) -> dict | None:
-    try:
-        obj = json.loads(payload.strip())
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Split Qwen/Hermes-style output into (content, tool_calls): each `<tool_call>{"name": ...,
-    "arguments": {...}}</tool_call>` becomes an OpenAI tool call (arguments as a JSON string); a block
-    cut off at the end still counts if its JSON is whole. Blocks that are not valid calls stay in the
-    content. Without calls the text comes back unchanged; with calls, content is the rest (or None)."""
-    calls: list[dict] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _TOOL_RE.finditer(text):
-        call = _tool_call(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        calls.append(call)
-        pos = m.end()
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
-    rest = "".join(kept).strip()
-    return rest or None, calls
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class ToolCallStream:
-    """Streams content while holding back anything from the first `<tool_call>` on (and any tail that
-    could start one), so tool calls are parsed whole at the end."""
-
-    def __init__(self) -> None:
-        self.text, self.emitted, self.in_call = "", 0, False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        if self.in_call:
-            return ""
-        i = self.text.find(TOOL_OPEN, self.emitted)
-        if i >= 0:
-            self.in_call = True
-            end = i
-        else:
-            end = len(self.text) - _partial_suffix(self.text[self.emitted:], TOOL_OPEN)
-        out, self.emitted = self.text[self.emitted:end], max(end, self.emitted)
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet streamed, tool calls)."""
-        content, calls = parse_tool_calls(self.text[self.emitted:])
-        return content or "", calls
 
 
 # -- logprobs --------------------------------------------------------------------------------------
@@ -500,8 +439,8 @@ class Envelope:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(tool_calls)]
+            if tool_calls:  # tools.call_deltas: each with its index
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
