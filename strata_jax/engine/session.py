@@ -18,6 +18,10 @@ position, where they neither write the cache nor look experts up (forward). MoE 
 per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
 the batch routes to once, shared by all rows.
 
+A request with a grammar (engine/constrained.py) gets its next token's mask from the host after each
+token: it joins a decode call for one step only when its previous token has arrived (a capped row
+in model/decode.py), while the other rows keep their chunks; its first token is masked in the prefill.
+
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
 
@@ -40,8 +44,9 @@ from strata_jax.model import decode as programs
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
-                                      SamplingParams, validate_sampling)
+                                      SamplingParams, allowed_mask, validate_sampling)
 from strata_jax.engine.config import MIN_PREFILL_CHUNK
+from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
@@ -141,6 +146,8 @@ class _Request:
     fed: list[int]  # tokens written to the row's cache, from position 0
     last: int  # the latest sampled token, not yet fed back
     planned: int = 1  # tokens once the dispatched calls have run in full (the prefill's first included)
+    constraint: Constraint | None = None  # its grammar's state, None when unconstrained
+    in_flight: int = 0  # dispatched calls whose tokens have not been read (a constrained row waits for 0)
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -233,9 +240,9 @@ class Session:
               min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
               cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
-              **template_kwargs) -> tuple[int, list[GenerationChunk]]:
+              constraint: str | None = None, **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
-        Model.generate_stream. Returns the row and the chunks of that first token (ending with the final
+        Model.generate_stream (constraint: an llguidance grammar, engine/constrained.py's request_grammar). Returns the row and the chunks of that first token (ending with the final
         chunk if the request is already done, and then the row is free again)."""
         m = self.model
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -247,6 +254,8 @@ class Session:
         m.check_len(len(ids) + 1)
         if not self.free_rows:
             raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
+        if constraint is not None:
+            constraint = Constraint(constraint, m.tokenizer, m.config.vocab_size)
         # a recurrent layer's state cannot be rewound to a shared prefix (and a call queued ahead may have
         # run a row past the request's end), so those models prefill every prompt from position 0
         cache_prompt = cache_prompt and not m.config.has_recurrent_state
@@ -258,14 +267,15 @@ class Session:
         seed = seed if seed is not None else time.time_ns() % (2**31)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties))
         start = programs.RowStart(np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))), sp,
-                                  PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool))
+                                  PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool),
+                                  constraint.mask() if constraint else allowed_mask(m.config.vocab_size))
         self._touch(row)
         t0 = time.perf_counter()
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(), n_top is not None)
-        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok)
+        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
         q.t_prefill = time.perf_counter() - t0
         q.t1 = q.t_steady = time.perf_counter()
         self._reqs[row] = q
@@ -304,6 +314,9 @@ class Session:
                 if rows:
                     m.routing.append(routed[c][:, rows].transpose(1, 0, 2))
         out: dict[int, list[GenerationChunk]] = {}
+        for q in p.owners:
+            if q is not None:
+                q.in_flight -= 1
         for r, q in enumerate(p.owners):
             if q is None or self._reqs[r] is not q:  # ended since the call was dispatched: drop its tokens
                 continue
@@ -334,7 +347,7 @@ class Session:
         row = self._pick_row(ids, cache_prompt=False)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1))
         start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0),
-                                  np.zeros(3, bool))
+                                  np.zeros(3, bool), allowed_mask(self.model.config.vocab_size))
         outs = self._prefill(row, ids, 0, start, all_logits=True, keep=True)
         return np.concatenate(outs, axis=0)
 
@@ -353,6 +366,9 @@ class Session:
             q.fed.append(q.last)  # the step that sampled tok took `last` in
             q.last = tok
         chunks, finish = q.stream.push(tok, self.model.tokenizer.stop_ids, lp)
+        if q.constraint is not None and finish is None:
+            q.constraint.take(tok)
+            finish = "stop" if q.constraint.done else None  # the grammar is complete: nothing may follow
         if finish is not None:
             chunks.append(q.final(finish))
             self._end(row)
@@ -361,30 +377,44 @@ class Session:
     def _dispatch(self) -> bool:
         """Queue one decode call for the rows with tokens still to plan; False when there is none."""
         live = [(r, q) for r, q in enumerate(self._reqs) if q is not None and q.planned < q.max_tokens]
-        if not live:
+        # a constrained row needs its last token's mask: it waits (cap 0, still alive) while a call is out
+        ready = [(r, q) for r, q in live if q.constraint is None or not q.in_flight]
+        if not ready:
             return False
         m = self.model
-        n = min(self.decode_chunk, max(q.max_tokens - q.planned for _, q in live))
+        free_running = [q for _, q in ready if q.constraint is None]
+        n = min(self.decode_chunk, max(q.max_tokens - q.planned for q in free_running)) if free_running else 1
         owners: list[_Request | None] = [None] * self.n_rows
         pos = [m.ctx] * self.n_rows
         alive = np.zeros(self.n_rows, bool)
+        caps = np.zeros(self.n_rows, np.int32)
         mode = GREEDY
         for r, q in live:
-            owners[r], pos[r], alive[r] = q, len(q.ids) + q.planned - 1, True
+            pos[r], alive[r] = len(q.ids) + q.planned - 1, True
+        for r, q in ready:
+            owners[r], caps[r] = q, (1 if q.constraint is not None else n)
             mode = mode | q.mode
-        end = max(pos[r] for r, _ in live) + n
+        constraint = {}
+        if any(q.constraint is not None for _, q in live):
+            allowed = allowed_mask(m.config.vocab_size, self.n_rows)
+            for r, q in ready:
+                if q.constraint is not None:
+                    allowed[r] = q.constraint.mask()[0]
+            constraint = {"constraint": (allowed, caps)}
+        end = max(pos[r] for r, _ in ready) + n
         t_d = time.perf_counter()
         try:
             out, _ = self._call(programs.decode, alive, self._stop_St, np.int32(n), end=end, mode=mode,
-                                n_max=self.decode_chunk, **self._forced_decode(pos))
+                                n_max=self.decode_chunk, **self._forced_decode(pos), **constraint)
         except BaseException:
             for r, _ in live:  # the call did not happen: every request it was to serve ends here
                 self._end(r)
             raise
         m.host.dispatch(time.perf_counter() - t_d)
         now = time.perf_counter()
-        for r, q in live:
-            q.planned += min(n, q.max_tokens - q.planned)
+        for r, q in ready:
+            q.planned += min(int(caps[r]), q.max_tokens - q.planned)
+            q.in_flight += 1
             if q.t_steady == q.t1:  # steady-state speed starts once its first decode call is launched
                 q.t_steady = now
         self._pending.append(_Pending(out, owners))

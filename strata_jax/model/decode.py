@@ -13,6 +13,11 @@ when it samples a stop id or runs out of tokens; a row that is not live computes
 position (its cache writes are dropped) and keeps its state. Stop strings are text, found by the host,
 which then marks the row dead in the next call's `alive_B` and drops what a queued call produced.
 
+Constrained rows (a grammar: engine/constrained.py) need the host's next mask after every token, so a
+decode call given `constraint` (each row's bitmask of allowed tokens and its step cap) runs such a row
+for one step (cap 1, masked) or not at all (cap 0: its previous token is still on its way to the
+host), while the other rows (all-ones mask, cap n_max) keep the whole chunk. A capped row stays live.
+
 The expert provider (core/experts.py) travels split: its changing part (slot pools, cache state,
 counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
 its own, never donated.
@@ -67,6 +72,7 @@ class RowStart:
     recent_1W: jax.Array  # int32: the prompt's tail, for the repeat penalty
     max_tokens: jax.Array  # int32: tokens to generate at most, the first included (0: prefill only)
     mode_3: jax.Array  # bool: its SamplingMode (sample, penalties, logprobs), chosen by conditionals here
+    allowed_1Vw: jax.Array  # int32: the bitmask of tokens its first token may be (all ones: unconstrained)
 
 
 @struct.dataclass
@@ -120,7 +126,8 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
-    tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
+    tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode,
+                                allowed_BVw=req.allowed_1Vw)
     left_1 = req.max_tokens.reshape(1) - 1
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
                      ~_is_stop(tok_1, stop_St) & (left_1 > 0), req.key_2[None], req.sp, pen)
@@ -130,11 +137,13 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
-           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None):
+           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None, constraint=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [N, M, B, k]): step i replays
-    forced[i] as the routed experts. Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
+    forced[i] as the routed experts. constraint (allowed_BVw int32 bitmasks, cap_B int32): step i masks
+    each row's logits with its bitmask while i == 0 and runs only the rows with i < cap_B (see the
+    module docstring). Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
     outputs (routed is in the ChunkOut; its place holds None)."""
     B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
@@ -147,6 +156,12 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
     def step(carry):
         i, r, kv, experts, out = carry
         live, pos_B = r.live_B, r.pos_B
+        allowed = None
+        if constraint is not None:  # a capped row computes past the cache, as a row that is not live
+            allowed_BVw, cap_B = constraint
+            live = live & (i < cap_B)
+            pos_B = jnp.where(live, pos_B, ctx)
+            allowed = jnp.where(i == 0, allowed_BVw, -1)
         # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
@@ -155,13 +170,16 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
             forced_MNk=None if forced is None else forced[i])
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
-        tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live)
+        tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
         live_next = live & ~_is_stop(tok_B, stop_St) & (left > 0)
-        r = RowState(tok_B, jnp.where(live_next, r.pos_B + inc, ctx), r.step_B + inc, left, live_next,
-                     r.key_B2, r.sp, pen)
+        pos_next = jnp.where(live_next, r.pos_B + inc, ctx)
+        if constraint is not None:  # a row past its cap keeps its state for the next call
+            held = r.live_B & ~live
+            live_next, pos_next = live_next | held, jnp.where(held, r.pos_B, pos_next)
+        r = RowState(tok_B, pos_next, r.step_B + inc, left, live_next, r.key_B2, r.sp, pen)
         out = ChunkOut(out.tokens_NB.at[i].set(tok_B), out.n_B + inc, out.routed_NMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
         return i + 1, r, kv, experts, out
@@ -174,6 +192,7 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
         carry = step(carry)
     else:
-        carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(c[1].live_B), step, carry)
+        running = (lambda c: c[1].live_B) if constraint is None else (lambda c: c[1].live_B & (c[0] < constraint[1]))
+        carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(running(c)), step, carry)
     _, rows, kv, experts, out = carry
     return out, kv, experts, None, rows
