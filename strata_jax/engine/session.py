@@ -339,6 +339,20 @@ class Session:
         self._end(row)
         return n
 
+    def fork(self, row: int) -> int | None:
+        """Copy the prompt active row `row` has prefilled into a free row, which then holds it for prefix
+        reuse: admitting the same prompt again (another choice of it) prefills only its last token there.
+        Returns that row, or None where there is none free or the model's recurrent state cannot be
+        shared (it then prefills the prompt whole)."""
+        q = self._reqs[row]
+        free = [r for r in range(self.n_rows) if self._reqs[r] is None]
+        if q is None or not free or self._kv is None or self.model.config.has_recurrent_state:
+            return None
+        dst = min(free, key=self._used.__getitem__)
+        self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
+        self._cached[dst] = list(q.ids)
+        return dst
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """float32 [len(ids), vocab]: the next-token logits after each position, prefilled into a free row
         (which then holds ids for prefix reuse; the row is not decoded)."""

@@ -107,6 +107,12 @@ def _set_row(tree, row, value):
                         tree, value)
 
 
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_row(kv: KVCache, src, dst) -> KVCache:
+    """The cache with row dst a copy of row src (in place: kv is donated)."""
+    return kv.put_row(dst, kv.take_row(src))
+
+
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
             stop_St, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,

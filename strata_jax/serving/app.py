@@ -187,7 +187,9 @@ class Routes:
                 get.cancel()
 
     def _account(self, job: Job, env: Envelope, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
-        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job; updates metrics."""
+        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job (final: its first
+        choice's last event; n: the tokens of all its choices, the prompt counted once as OpenAI does);
+        updates metrics."""
         t = final.chunk.timings or {}
         prompt_n, cached = len(job.prompt_ids), int(t.get("cache_n", 0) or 0)
         extra: dict[str, Any] = {"timings": timings(t)}
@@ -208,65 +210,84 @@ class Routes:
 
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
                        t0: float) -> Response:
-        parts: list[str] = []
-        lps: list = []
+        parts: list[list[str]] = [[] for _ in range(req.n)]  # per choice
+        lps: list[list] = [[] for _ in range(req.n)]
+        finals: dict[int, Event] = {}
         n, ttft = 0, None
         while True:
             if ev is None:
                 return Response(status_code=499)
             if ev.kind == "error":
+                job.cancel()
                 return error_response(ev.error)
             ttft = ev.t - t0 if ttft is None else ttft
-            parts.append(ev.chunk.text)
-            lps += ev.chunk.logprobs or []
+            parts[ev.index].append(ev.chunk.text)
+            lps[ev.index] += ev.chunk.logprobs or []
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
-                break
+                finals[ev.index] = ev
+                if len(finals) == req.n:
+                    break
             ev = await self._next(job, request)
-        text, finish, calls = "".join(parts), ev.chunk.finish_reason, []
-        if req.tools:
-            text, calls = parse_tool_calls(text)
-            finish = "tool_calls" if calls else finish
-        use, extra = self._account(job, env, ev, n, ttft)
-        return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
+        use, extra = self._account(job, env, finals[0], n, ttft)
+        out = None
+        for i in range(req.n):
+            text, finish, calls = "".join(parts[i]), finals[i].chunk.finish_reason, []
+            if req.tools:
+                text, calls = parse_tool_calls(text)
+                finish = "tool_calls" if calls else finish
+            one = env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps[i]), index=i)
+            out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
+        return JSON(out)
 
     async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
-        tools = ToolCallStream() if req.tools else None
-        n, ttft = 0, None
-        lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        """SSE chunks; with n > 1 the choices' chunks interleave, each with its index, and each choice
+        ends with its own finish chunk (the last one carries timings, then the usage chunk)."""
+        tools = [ToolCallStream() if req.tools else None for _ in range(req.n)]
+        n, ttft, finals = 0, None, 0
+        # per choice: logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        lps: list[list] = [[] for _ in range(req.n)]
         logprobs = self._logprobs_of(job, env)
+        first_final: Event | None = None
 
-        def take_lps() -> dict | None:
-            nonlocal lps
-            out, lps = logprobs(lps), []
+        def take_lps(i: int) -> dict | None:
+            out, lps[i] = logprobs(lps[i]), []
             return out
 
         try:
             if env.endpoint == "chat":
-                yield sse(env.chunk(role=True, text=""))
+                for i in range(req.n):
+                    yield sse(env.chunk(role=True, text="", index=i))
             while True:
                 if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then close
                     yield sse(ev.error.body())
                     return
+                i, tool = ev.index, tools[ev.index]
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)
-                lps += ev.chunk.logprobs or []
-                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                lps[i] += ev.chunk.logprobs or []
+                text = tool.feed(ev.chunk.text) if tool else ev.chunk.text
                 if text:
-                    yield sse(env.chunk(text=text, logprobs=take_lps()))
+                    yield sse(env.chunk(text=text, logprobs=take_lps(i), index=i))
                 if ev.kind == "final":
-                    break
+                    finish = ev.chunk.finish_reason
+                    if tool:
+                        rest, calls = tool.finish()
+                        if rest:
+                            yield sse(env.chunk(text=rest, logprobs=take_lps(i), index=i))
+                        if calls:
+                            yield sse(env.chunk(tool_calls=calls, logprobs=take_lps(i) if lps[i] else None, index=i))
+                            finish = "tool_calls"
+                    if i == 0:
+                        first_final = ev
+                    finals += 1
+                    if finals == req.n:
+                        use, extra = self._account(job, env, first_final or ev, n, ttft)
+                        yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps(i) if lps[i] else None,
+                                            index=i))
+                        break
+                    yield sse(env.chunk(finish=finish, logprobs=take_lps(i) if lps[i] else None, index=i))
                 ev = await job.events.get()
-            finish = ev.chunk.finish_reason
-            if tools:
-                rest, calls = tools.finish()
-                if rest:
-                    yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                if calls:
-                    yield sse(env.chunk(tool_calls=calls, logprobs=take_lps() if lps else None))
-                    finish = "tool_calls"
-            use, extra = self._account(job, env, ev, n, ttft)
-            yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
             yield "data: [DONE]\n\n"
