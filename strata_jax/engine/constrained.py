@@ -84,8 +84,8 @@ def response_format_grammar(rf: Any) -> str | None:
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return json_schema_grammar({"type": "object"}, "response_format")
+    if kind == "json_object":  # llama.cpp also takes a schema here
+        return json_schema_grammar(rf.get("schema", {"type": "object"}), "response_format.schema")
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
