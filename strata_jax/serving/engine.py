@@ -8,11 +8,11 @@ engine posts into their asyncio loop with call_soon_threadsafe.
 The engine runs a Session of `parallel` rows (engine/session.py; one row is Model.generate_stream's
 own session): between decode calls it admits queued jobs into free rows (each admission prefills its
 row), then a call decodes up to decode_chunk tokens for every running job; a finished or cancelled job
-frees its row at once. A job with n > 1 choices runs each in a row of its own, admitted one after another
-(before new jobs); a choice admitted while another is running shares its prefilled prompt (the KV row is
-copied, Session.fork), one admitted after another finished finds the prompt in the prefix cache. Choice
-i > 0 of a seeded job samples with a seed of its own derived from (seed, i). A job's expert-cache counters are the engine's totals over the job's lifetime,
-so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
+frees its row at once. A job with n > 1 choices runs each in a row of its own, admitted one after
+another (before new jobs); a choice admitted while another is running shares its prefilled prompt (the
+KV row is copied, Session.fork), one admitted after another finished finds the prompt in the prefix
+cache. Choice i > 0 of a seeded job samples with a seed of its own derived from (seed, i). A job's
+expert-cache counters are the engine's totals over the job's lifetime, so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
 fetches are shared by all its rows).
 """
 
@@ -223,7 +223,12 @@ class Engine:
             session.release(row)
             job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was stopped.",
                                                    code="shutting_down")))
+        stopped = set(map(id, self._active.values()))
         self._active.clear()
+        for job in self._more:  # choices never admitted: their job hears it unless a running choice told it
+            if id(job) not in stopped:
+                job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was not "
+                                                       "finished.", code="shutting_down")))
         self._more.clear()
         self._fail_pending()
 
