@@ -20,7 +20,8 @@ the batch routes to once, shared by all rows.
 
 A request with a grammar (engine/constrained.py) gets its next token's mask from the host after each
 token: it joins a decode call for one step only when its previous token has arrived (a capped row
-in model/decode.py), while the other rows keep their chunks; its first token is masked in the prefill.
+in model/decode.py), while the other rows keep their chunks, and while one runs no call is queued
+ahead; its first token is masked in the prefill.
 
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
@@ -289,7 +290,10 @@ class Session:
         t_start = time.perf_counter()
         if not self._pending:
             self._t_last = t_start
-        while len(self._pending) < QUEUED and self._dispatch():
+        # a call queued ahead could not serve a constrained row (its mask waits for the call before), so
+        # while one runs the calls go one at a time and it takes a token in every call
+        queued = 1 if any(q is not None and q.constraint is not None for q in self._reqs) else QUEUED
+        while len(self._pending) < queued and self._dispatch():
             pass
         if not self._pending:
             # every planned token was delivered, so TextStream has ended each request; never spin on one
