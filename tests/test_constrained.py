@@ -241,3 +241,31 @@ def test_constraint_mask_allows_stop_ids_only_where_the_grammar_may_end(moe):
     assert not bits()[stops].any()
     c.take(moe.tokenizer.token_to_id("a"))
     assert bits()[stops].all() and not c.done
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+    "additionalProperties": False}}}
+
+
+def test_tool_choice_required_and_named_force_calls(sdk):
+    jsonschema = pytest.importorskip("jsonschema")
+    free = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=80, temperature=0, tools=[WEATHER, CLOCK])
+    assert not free.choices[0].message.tool_calls  # this model calls nothing unforced
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        r = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=80, temperature=0,
+                                        tools=[WEATHER, CLOCK], tool_choice=choice)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0].message
+        for call in calls:
+            assert call.function.name in names
+            params = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), params)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=2, tools=[WEATHER],
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice" and "get_weather" in e.value.body["message"]

@@ -111,6 +111,29 @@ def request_grammar(response_format: Any = None, grammar: Any = None, json_schem
     return response_format_grammar(response_format)
 
 
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Qwen/Hermes calls serving/protocol.py parses
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+    """OpenAI's tool_choice "required" (one or more calls of the given tools) or a named function (one
+    call of it) as a grammar: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks whose
+    arguments follow each function's parameters schema."""
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not fns:
+        known = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise ConfigError(f"tool_choice names the function {name!r}, which is not in tools ({known}).")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+             for f in fns]
+    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls}, **{"x-guidance": JSON_OPTIONS})
+    repeat = "" if name is not None else ' ("\\n" call)*'
+    lark = (f"start: call{repeat}\ncall: {json.dumps(TOOL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CLOSE)}\n"
+            f"body: %json {json.dumps(schema)}")
+    # x-guidance: the same compact JSON as response_format's
+    return _validated(_llg().LLMatcher.grammar_from_lark(lark),
+                      "a tool's parameters are not a usable JSON schema for tool_choice")
+
+
 def llg_tokenizer(tokenizer, vocab_size: int):
     """The llguidance tokenizer of a GGUF tokenizer (its HF-tokenizers JSON), made once per tokenizer; the
     stop ids are its end tokens."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from strata_jax import __version__
 from strata_jax.core.errors import ConfigError
-from strata_jax.engine.constrained import request_grammar
+from strata_jax.engine.constrained import request_grammar, tool_call_grammar
 
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
@@ -284,6 +284,16 @@ def parse_chat(body: Any) -> GenRequest:
     req = GenRequest(endpoint="chat", prompt=[], **_common(body))
     req.prompt = _messages(body)
     req.tools = _tools(body)
+    choice = body.get("tool_choice")
+    if req.tools and (choice == "required" or isinstance(choice, dict)):  # forced calls: a grammar
+        if req.constraint is not None:
+            raise bad("tool_choice forces a tool call, which response_format/grammar/json_schema would "
+                      "constrain too: give only one of them.", "tool_choice")
+        try:
+            req.constraint = tool_call_grammar(req.tools, choice["function"]["name"] if isinstance(choice, dict)
+                                               else None)
+        except ConfigError as e:
+            raise bad(str(e), "tool_choice") from None
     req.logprobs = _bool(body, "logprobs", False)
     req.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
     if req.top_logprobs and not req.logprobs:
