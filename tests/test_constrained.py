@@ -200,10 +200,39 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    from strata_jax.dev.default_model import default_model_path
+def qwen(qwen_gguf_path):
+    return strata_jax.load(qwen_gguf_path, ctx=512)
 
-    return strata_jax.load(default_model_path(), ctx=512)
+
+def random_constrained_text(tok, grammar: str, seed: int = 0) -> str:
+    """Draw uniformly among the tokens llguidance allows until the grammar ends; our tokenizer's text."""
+    m = llg.LLMatcher(llg_tokenizer(tok, tok.vocab_size), grammar)
+    rng, out = np.random.default_rng(seed), []
+    for _ in range(64):
+        mask = np.empty((1, (tok.vocab_size + 31) // 32), np.int32)
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: tok.vocab_size])
+        t = int(rng.choice(allowed))
+        if t in tok.stop_ids:
+            break
+        out.append(t)
+        assert m.consume_token(t)
+        if m.is_stopped():
+            break
+    return tok.decode(out)
+
+
+@pytest.mark.slow  # a 262k-token vocabulary read twice (~15 s)
+def test_llguidance_reads_our_sentencepiece_vocabulary(gemma_gguf_path):
+    """The bridge (our GGUF tokenizer's JSON into llguidance): any allowed path decodes, by our own
+    tokenizer, to text the grammar matches (bytes, multi-byte characters, newlines)."""
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_metadata(GGUFFile(gemma_gguf_path).metadata)
+    grammar = request_grammar(grammar='root ::= "Hello, w\u00f6rld!\\n  ok" [0-9] [ \u00e9]{1,3}')
+    for seed in range(3):
+        assert re.fullmatch("Hello, w\u00f6rld!\n  ok[0-9][ \u00e9]{1,3}", random_constrained_text(tok, grammar, seed))
 
 
 @pytest.mark.slow
