@@ -52,14 +52,21 @@ def alone(s, prompt, **kw):
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1].finish_reason
 
 
-def masked_greedy(s, prompt, grammar, max_tokens):
-    """The reference: greedy over the model's own logits with llguidance's mask applied by llguidance."""
+def masked_greedy(s, prompt, grammar, max_tokens, ff=0):
+    """The reference: greedy over the model's own logits with llguidance's mask applied by llguidance;
+    ff: before each sampled token, up to ff of the tokens llguidance forces (a decode call's share)."""
     model = s.model
     ids = model.prompt_tokens(prompt)
     m = llg.LLMatcher(llg_tokenizer(model.tokenizer, model.config.vocab_size), grammar)
     out = []
     stops = model.tokenizer.stop_ids
-    for _ in range(max_tokens):
+    sampled = 0
+    while len(out) < max_tokens:
+        if sampled and ff:  # the prefill's first token is sampled; each decode call may then fast-forward
+            forced = m.compute_ff_tokens()[: min(ff, max_tokens - len(out) - 1)]
+            assert m.consume_tokens(forced)
+            out += forced
+        sampled += 1
         logits = s.logits(ids + out)[-1:].copy()
         mask = np.empty((1, (logits.shape[1] + 31) // 32), np.int32)
         m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
@@ -105,6 +112,21 @@ def test_constrained_row_equals_host_masked_greedy_alone_and_batched(session):
     ids = lambda r: [t for c in rows[r] for t in c.token_ids]  # noqa: E731
     assert ids(r0) == want and ids(r1) == free
     assert most > 1  # the unconstrained row kept its multi-token chunks
+
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+        "additionalProperties": False}
+
+
+def test_forced_tokens_are_fed_in_one_call(session):
+    """The tokens a JSON schema forces ('{"unit": "', 'elsius"}') go through the model in the call that
+    samples the next free token: fewer calls than tokens, the same tokens as the host-side reference."""
+    s, grammar = session, request_grammar(json_schema=UNIT)
+    want = masked_greedy(s, PROMPT, grammar, 20, ff=s.decode_chunk - 1)
+    calls = s.model.host.chunks
+    ids, text, finish = alone(s, PROMPT, max_tokens=20, temperature=0, constraint=grammar)
+    assert ids == want and finish == "stop" and json.loads(text)["unit"] in ("celsius", "fahrenheit"), text
+    assert s.model.host.chunks - calls < len(ids) - 1  # decode calls: the first token came from the prefill
 
 
 def test_json_object_on_synthetic_model_parses(session):

@@ -14,6 +14,7 @@ refused with the install command.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -157,6 +158,7 @@ class Constraint:
         if self._matcher.is_error():
             raise ConfigError(f"the grammar cannot be used with this model's vocabulary: {self._matcher.get_error()}")
         self._stops = sorted(tokenizer.stop_ids)
+        self._ahead: collections.deque[int] = collections.deque()  # forced tokens taken before they come back
         self._words = (vocab_size + 31) // 32
         self.mask_s = 0.0  # host seconds spent computing masks (telemetry)
         self.masks = 0
@@ -164,7 +166,7 @@ class Constraint:
     @property
     def done(self) -> bool:
         """The grammar takes nothing more: the request ends here."""
-        return self._matcher.is_stopped()
+        return self._matcher.is_stopped() and not self._ahead
 
     def mask(self) -> np.ndarray:
         """int32 [1, Vw]: the tokens allowed next (stop ids where the grammar may end)."""
@@ -181,8 +183,22 @@ class Constraint:
         self.masks += 1
         return out
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (llguidance's fast-forward), taken now: the device
+        feeds them without sampling, and mask() is then the bitmask of the token after them."""
+        ff = self._matcher.compute_ff_tokens()[:max(limit, 0)]
+        if ff and self._matcher.consume_tokens(ff):
+            self._ahead.extend(ff)
+            return ff
+        return []
+
     def take(self, token: int) -> None:
-        """Advance past a sampled token (a stop id ends the request instead)."""
+        """Advance past a sampled token (a stop id ends the request instead); forced ones are taken."""
+        if self._ahead:
+            want = self._ahead.popleft()
+            if token != want:
+                log.warning("constrained decoding: forced token %d came back as %d", want, token)
+            return
         if token not in self._stops and not self._matcher.consume_token(token):
             log.warning("constrained decoding: token %d was refused by the grammar (%s)", token,
                         self._matcher.get_error())

@@ -19,9 +19,10 @@ per decode step: while B * k <= n_experts they take the few-token path, which fe
 the batch routes to once, shared by all rows.
 
 A request with a grammar (engine/constrained.py) gets its next token's mask from the host after each
-token: it joins a decode call for one step only when its previous token has arrived (a capped row
-in model/decode.py), while the other rows keep their chunks, and while one runs no call is queued
-ahead; its first token is masked in the prefill.
+sampled token: it joins a decode call only when its previous tokens have arrived, for the tokens the
+grammar forces (fed without sampling, up to a chunk) and one masked sampled step (a capped row in
+model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
+its first token is masked in the prefill.
 
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
@@ -402,6 +403,10 @@ class Session:
         m = self.model
         free_running = [q for _, q in ready if q.constraint is None]
         n = min(self.decode_chunk, max(q.max_tokens - q.planned for q in free_running)) if free_running else 1
+        # a constrained row takes the tokens its grammar forces (up to a chunk, leaving one step to sample)
+        ff = {r: q.constraint.forced(min(self.decode_chunk, q.max_tokens - q.planned) - 1)
+              for r, q in ready if q.constraint is not None}
+        n = max([n] + [len(f) + 1 for f in ff.values()])
         owners: list[_Request | None] = [None] * self.n_rows
         pos = [m.ctx] * self.n_rows
         alive = np.zeros(self.n_rows, bool)
@@ -410,15 +415,17 @@ class Session:
         for r, q in live:
             pos[r], alive[r] = len(q.ids) + q.planned - 1, True
         for r, q in ready:
-            owners[r], caps[r] = q, (1 if q.constraint is not None else n)
+            owners[r], caps[r] = q, (len(ff[r]) + 1 if q.constraint is not None else n)
             mode = mode | q.mode
         constraint = {}
         if any(q.constraint is not None for _, q in live):
             allowed = allowed_mask(m.config.vocab_size, self.n_rows)
-            for r, q in ready:
-                if q.constraint is not None:
-                    allowed[r] = q.constraint.mask()[0]
-            constraint = {"constraint": (allowed, caps)}
+            ff_BN = np.zeros((self.n_rows, self.decode_chunk), np.int32)
+            n_ff = np.zeros(self.n_rows, np.int32)
+            for r, f in ff.items():
+                allowed[r] = self._reqs[r].constraint.mask()[0]
+                ff_BN[r, : len(f)], n_ff[r] = f, len(f)
+            constraint = {"constraint": (allowed, caps, ff_BN, n_ff)}
         end = max(pos[r] for r, _ in ready) + n
         t_d = time.perf_counter()
         try:

@@ -13,10 +13,12 @@ when it samples a stop id or runs out of tokens; a row that is not live computes
 position (its cache writes are dropped) and keeps its state. Stop strings are text, found by the host,
 which then marks the row dead in the next call's `alive_B` and drops what a queued call produced.
 
-Constrained rows (a grammar: engine/constrained.py) need the host's next mask after every token, so a
-decode call given `constraint` (each row's bitmask of allowed tokens and its step cap) runs such a row
-for one step (cap 1, masked) or not at all (cap 0: its previous token is still on its way to the
-host), while the other rows (all-ones mask, cap n_max) keep the whole chunk. A capped row stays live.
+Constrained rows (a grammar: engine/constrained.py) need the host's next mask after every sampled
+token, so a decode call given `constraint` (each row's forced tokens, the bitmask of its next sampled
+token, and its step cap) runs such a row through the tokens the grammar forces (fed without sampling)
+and one masked sampled step (cap = forced + 1), or not at all (cap 0: its last token is still on its
+way to the host), while the other rows (no forced tokens, all-ones mask, cap n_max) keep the whole
+chunk. A capped row stays live.
 
 The expert provider (core/experts.py) travels split: its changing part (slot pools, cache state,
 counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
@@ -147,9 +149,10 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [N, M, B, k]): step i replays
-    forced[i] as the routed experts. constraint (allowed_BVw int32 bitmasks, cap_B int32): step i masks
-    each row's logits with its bitmask while i == 0 and runs only the rows with i < cap_B (see the
-    module docstring). Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
+    forced[i] as the routed experts. constraint (allowed_BVw int32 bitmasks, cap_B int32, ff_BN int32
+    forced tokens, n_ff_B int32 how many): step i gives a row its forced token while i < n_ff_B, masks
+    its logits with its bitmask at i == n_ff_B, and runs only the rows with i < cap_B (see the module
+    docstring). Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
     outputs (routed is in the ChunkOut; its place holds None)."""
     B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
@@ -164,10 +167,10 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         live, pos_B = r.live_B, r.pos_B
         allowed = None
         if constraint is not None:  # a capped row computes past the cache, as a row that is not live
-            allowed_BVw, cap_B = constraint
+            allowed_BVw, cap_B, ff_BN, n_ff_B = constraint
             live = live & (i < cap_B)
             pos_B = jnp.where(live, pos_B, ctx)
-            allowed = jnp.where(i == 0, allowed_BVw, -1)
+            allowed = jnp.where((i == n_ff_B)[:, None], allowed_BVw, -1)
         # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
@@ -177,6 +180,9 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
+        if constraint is not None:
+            tok_B = jnp.where(i < n_ff_B, jax.lax.dynamic_index_in_dim(ff_BN, jnp.minimum(i, n_max - 1), axis=1,
+                                                                     keepdims=False), tok_B)
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
