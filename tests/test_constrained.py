@@ -127,6 +127,18 @@ def test_forced_tokens_are_fed_in_one_call(session):
     ids, text, finish = alone(s, PROMPT, max_tokens=20, temperature=0, constraint=grammar)
     assert ids == want and finish == "stop" and json.loads(text)["unit"] in ("celsius", "fahrenheit"), text
     assert s.model.host.chunks - calls < len(ids) - 1  # decode calls: the first token came from the prefill
+    # a forced token's logprob is the model's own for it (not the draw's it replaced)
+    row, chunks = s.admit(PROMPT, max_tokens=20, temperature=0, constraint=grammar, logprobs=True, cache_prompt=False)
+    chunks = list(chunks)
+    while row in s.active_rows:
+        chunks += s.step().get(row, [])
+    lps = [e for c in chunks for e in c.logprobs or []]
+    prompt = s.model.prompt_tokens(PROMPT)
+    logits = s.logits(prompt + ids)[len(prompt) - 1:-1]
+    want_lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    assert [e.token_id for e in lps] == ids
+    np.testing.assert_allclose([e.logprob for e in lps], want_lp[np.arange(len(ids)), ids], atol=1e-4)
 
 
 def test_json_object_on_synthetic_model_parses(session):

@@ -244,8 +244,9 @@ class Session:
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
               constraint: str | None = None, **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
-        Model.generate_stream (constraint: an llguidance grammar, engine/constrained.py's request_grammar). Returns the row and the chunks of that first token (ending with the final
-        chunk if the request is already done, and then the row is free again)."""
+        Model.generate_stream (constraint: an llguidance grammar, engine/constrained.py's request_grammar).
+        Returns the row and the chunks of that first token (ending with the final chunk if the request is
+        already done, and then the row is free again)."""
         m = self.model
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)

@@ -38,7 +38,8 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
+from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs,
+                                      token_logprobs)
 
 STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "attn_block")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
@@ -180,9 +181,11 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
-        if constraint is not None:
-            tok_B = jnp.where(i < n_ff_B, jax.lax.dynamic_index_in_dim(ff_BN, jnp.minimum(i, n_max - 1), axis=1,
-                                                                     keepdims=False), tok_B)
+        if constraint is not None:  # a forced token replaces the draw; penalties and logprobs take it instead
+            ff_B = jax.lax.dynamic_index_in_dim(ff_BN, jnp.minimum(i, n_max - 1), axis=1, keepdims=False)
+            tok_B = jnp.where(i < n_ff_B, ff_B, tok_B)
+            pen = r.pen.push(tok_B, live) if mode.penalties else pen
+            lp = token_logprobs(logits_BV, tok_B) if mode.logprobs else lp
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
