@@ -25,6 +25,7 @@ Model and serving:
   F   ffn dim (dense, shared or routed expert)
   V   vocab
   W   repeat-penalty window
+  Vw  words of a vocab bitmask (32 tokens per 32-bit word, bit t % 32 of word t // 32: llguidance's)
   St  stop token ids (-1 padded)
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)

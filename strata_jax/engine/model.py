@@ -22,6 +22,7 @@ import numpy as np
 from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import PLE_DEVICE_MAX, EngineConfig
+from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
@@ -251,6 +252,9 @@ class Model:
         repeat_last_n: int = 64,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        json_schema: dict | None = None,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
@@ -260,13 +264,17 @@ class Model:
         presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) act on the tokens generated so far;
         repeat_penalty (llama.cpp's, 1 = off) on the last repeat_last_n tokens of prompt and output.
         logprobs: each chunk's `logprobs` holds a TokenLogprob per token (the model's log-probability and
-        the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs)."""
+        the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs).
+        Constrained output (llguidance): response_format as OpenAI's ({"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"schema": {...}}}), or llama.cpp's grammar (GBNF text) or
+        json_schema (a schema dict); at most one of them."""
+        constraint = request_grammar(response_format, grammar, json_schema)
         s = self.session()
         row, chunks = s.admit(prompt_or_messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, min_p=min_p, seed=seed, stop=stop, cache_prompt=cache_prompt,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
-                              top_logprobs=top_logprobs, **template_kwargs)
+                              top_logprobs=top_logprobs, constraint=constraint, **template_kwargs)
         try:
             yield from chunks
             while row in s.active_rows:

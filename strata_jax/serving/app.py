@@ -319,7 +319,9 @@ class Routes:
                 get.cancel()
 
     def _account(self, job: Job, endpoint: str, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
-        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job; updates metrics."""
+        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job (final: its first
+        choice's last event; n: the tokens of all its choices, the prompt counted once as OpenAI does);
+        updates metrics."""
         t = final.chunk.timings or {}
         prompt_n, cached = len(job.prompt_ids), int(t.get("cache_n", 0) or 0)
         extra: dict[str, Any] = {"timings": timings(t)}
@@ -340,78 +342,107 @@ class Routes:
 
     async def _gather(self, request: Request, job: Job, ev: Event | None,
                       t0: float) -> tuple[str, Event, int, float, list] | Response:
-        """A job's whole output: (text, the final event, tokens, time to first token, logprobs), or the
-        response when it ends otherwise."""
-        parts: list[str] = []
-        lps: list = []
+        """A one-choice job's whole output: (text, the final event, tokens, time to first token, logprobs),
+        or the response when it ends otherwise."""
+        got = await self._gather_choices(request, job, ev, t0, 1)
+        if isinstance(got, Response):
+            return got
+        texts, finals, n, ttft, lps = got
+        return texts[0], finals[0], n, ttft, lps[0]
+
+    async def _gather_choices(self, request: Request, job: Job, ev: Event | None, t0: float,
+                              n_choices: int) -> tuple[list[str], list[Event], int, float, list[list]] | Response:
+        """Every choice's whole output: (texts, final events, tokens of all choices, time to first token,
+        logprobs), each list by choice index; or the response when the job ends otherwise."""
+        parts: list[list[str]] = [[] for _ in range(n_choices)]
+        lps: list[list] = [[] for _ in range(n_choices)]
+        finals: dict[int, Event] = {}
         n, ttft = 0, None
         while True:
             if ev is None:
                 return Response(status_code=499)
             if ev.kind == "error":
+                job.cancel()  # its other choices stop too
                 return error_response(ev.error, request.url.path)
             ttft = ev.t - t0 if ttft is None else ttft
-            parts.append(ev.chunk.text)
-            lps += ev.chunk.logprobs or []
+            parts[ev.index].append(ev.chunk.text)
+            lps[ev.index] += ev.chunk.logprobs or []
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
-                return "".join(parts), ev, n, ttft, lps
+                finals[ev.index] = ev
+                if len(finals) == n_choices:
+                    return ["".join(p) for p in parts], [finals[i] for i in range(n_choices)], n, ttft, lps
             ev = await self._next(job, request)
 
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
                        t0: float, parser: ToolParser | None) -> Response:
-        gathered = await self._gather(request, job, ev, t0)
-        if isinstance(gathered, Response):
-            return gathered
-        text, ev, n, ttft, lps = gathered
-        finish, calls = ev.chunk.finish_reason, []
-        if parser is not None:
-            text, calls = parser.parse(parser.prefix + text)
-            finish = "tool_calls" if calls else finish
-        use, extra = self._account(job, env.endpoint, ev, n, ttft)
-        return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
+        got = await self._gather_choices(request, job, ev, t0, req.n)
+        if isinstance(got, Response):
+            return got
+        texts, finals, n, ttft, lps = got
+        use, extra = self._account(job, env.endpoint, finals[0], n, ttft)
+        out = None
+        for i in range(req.n):
+            text, finish, calls = texts[i], finals[i].chunk.finish_reason, []
+            if parser is not None:
+                text, calls = parser.parse(parser.prefix + text)
+                finish = "tool_calls" if calls else finish
+            one = env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps[i]), index=i)
+            out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
+        return JSON(out)
 
     async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
                       parser: ToolParser | None):
-        tools = ToolCallStream(parser) if parser is not None else None
-        n, ttft = 0, None
-        lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        """SSE chunks; with n > 1 the choices' chunks interleave, each with its index, and each choice
+        ends with its own finish chunk (the last one carries timings, then the usage chunk)."""
+        tools = [ToolCallStream(parser) if parser is not None else None for _ in range(req.n)]
+        n, ttft, finals = 0, None, 0
+        # per choice: logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        lps: list[list] = [[] for _ in range(req.n)]
         logprobs = self._logprobs_of(job, env)
+        first_final: Event | None = None
 
-        def take_lps() -> dict | None:
-            nonlocal lps
-            out, lps = logprobs(lps), []
+        def take_lps(i: int) -> dict | None:
+            out, lps[i] = logprobs(lps[i]), []
             return out
 
         try:
             if env.endpoint == "chat":
-                yield sse(env.chunk(role=True, text=""))
+                for i in range(req.n):
+                    yield sse(env.chunk(role=True, text="", index=i))
             while True:
                 if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then [DONE]
                     yield sse(ev.error.body())
                     yield "data: [DONE]\n\n"
                     return
+                i, tool = ev.index, tools[ev.index]
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)
-                lps += ev.chunk.logprobs or []
-                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                lps[i] += ev.chunk.logprobs or []
+                text = tool.feed(ev.chunk.text) if tool else ev.chunk.text
                 if text:
-                    yield sse(env.chunk(text=text, logprobs=take_lps()))
-                for delta in tools.take_deltas() if tools else []:
-                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
+                    yield sse(env.chunk(text=text, logprobs=take_lps(i), index=i))
+                for delta in tool.take_deltas() if tool else []:
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps(i) if lps[i] else None, index=i))
                 if ev.kind == "final":
-                    break
+                    finish = ev.chunk.finish_reason
+                    if tool:
+                        rest, deltas, calls = tool.finish()
+                        if rest:
+                            yield sse(env.chunk(text=rest, logprobs=take_lps(i), index=i))
+                        for delta in deltas:
+                            yield sse(env.chunk(tool_calls=delta, logprobs=take_lps(i) if lps[i] else None, index=i))
+                        finish = "tool_calls" if calls else finish
+                    if i == 0:
+                        first_final = ev
+                    finals += 1
+                    if finals == req.n:
+                        use, extra = self._account(job, env.endpoint, first_final or ev, n, ttft)
+                        yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps(i) if lps[i] else None,
+                                            index=i))
+                        break
+                    yield sse(env.chunk(finish=finish, logprobs=take_lps(i) if lps[i] else None, index=i))
                 ev = await job.events.get()
-            finish = ev.chunk.finish_reason
-            if tools:
-                rest, deltas, calls = tools.finish()
-                if rest:
-                    yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                for delta in deltas:
-                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps() if lps else None))
-                finish = "tool_calls" if calls else finish
-            use, extra = self._account(job, env.endpoint, ev, n, ttft)
-            yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
             yield "data: [DONE]\n\n"

@@ -8,14 +8,18 @@ engine posts into their asyncio loop with call_soon_threadsafe.
 The engine runs a Session of `parallel` rows (engine/session.py; one row is Model.generate_stream's
 own session): between decode calls it admits queued jobs into free rows (each admission prefills its
 row), then a call decodes up to decode_chunk tokens for every running job; a finished or cancelled job
-frees its row at once. A job's expert-cache counters are the engine's totals over the job's lifetime,
-so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
+frees its row at once. A job with n > 1 choices runs each in a row of its own, admitted one after
+another (before new jobs); a choice admitted while another is running shares its prefilled prompt (the
+KV row is copied, Session.fork), one admitted after another finished finds the prompt in the prefix
+cache. Choice i > 0 of a seeded job samples with a seed of its own derived from (seed, i). A job's
+expert-cache counters are the engine's totals over the job's lifetime, so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
 fetches are shared by all its rows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import logging
@@ -26,7 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strata_jax.core.errors import StrataError
+from strata_jax.core.errors import ConfigError, StrataError
+from strata_jax.engine import constrained
 from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
 from strata_jax.serving.tools import Family, ToolParser, detect_family
@@ -47,6 +52,7 @@ class Event:
     error: APIError | None = None
     expert_cache: dict[str, Any] | None = None
     t: float = dataclasses.field(default_factory=time.perf_counter)
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 class Job:
@@ -58,6 +64,7 @@ class Job:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
         self.expert_base: dict[str, int] = {}  # the engine's expert counters when the job started (batched)
+        self.admitted = 0  # choices admitted so far (of req.n)
 
     def cancel(self) -> None:
         """Ask the engine to skip this job or stop it before its next token."""
@@ -94,6 +101,8 @@ class Engine:
         self._active: dict[int, Job] = {}  # session row -> its job
         self.tool_family: Family | None = None  # the chat template's tool-call format, chosen at load
         self._keep_ids: tuple[int, ...] = ()  # the special tokens that format is written in
+        self._index: dict[int, int] = {}  # session row -> the choice of its job it runs
+        self._more: collections.deque[Job] = collections.deque()  # jobs with choices still to admit
         # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
         self.snapshot: dict[str, Any] = {}
 
@@ -165,7 +174,16 @@ class Engine:
         family = self.tool_family or detect_family(None)
         names = [t["function"]["name"] for t in req.tools]
         prefix = ""
-        if req.tool_choice == "required":  # one tool: that one; several: the start their names share
+        forced = req.tool_choice not in (None, "auto", "none")
+        if forced and family.name == "hermes" and constrained.available():
+            # a grammar of <tool_call> blocks whose arguments follow the schemas: a call that must happen,
+            # names only from the declared tools, arguments that parse (the other formats get the opener)
+            try:
+                req.constraint = constrained.tool_call_grammar(req.tools, None if req.tool_choice == "required"
+                                                               else req.tool_choice)
+            except ConfigError as e:
+                raise bad(str(e), "tool_choice") from None
+        elif req.tool_choice == "required":  # one tool: that one; several: the start their names share
             prefix = family.forced_prefix(names[0] if len(names) == 1 else None, os.path.commonprefix(names))
         elif req.tool_choice not in (None, "auto"):
             prefix = family.forced_prefix(req.tool_choice)
@@ -233,10 +251,13 @@ class Engine:
                 self._stop.wait(0.25)
                 continue
             while session.free_rows:  # admit between calls; with nothing running, wait for work
-                try:
-                    job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
-                except queue.Empty:
-                    break
+                if self._more:  # a running job's next choice goes before new jobs
+                    job = self._more.popleft()
+                else:
+                    try:
+                        job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
+                    except queue.Empty:
+                        break
                 if not job.cancelled:
                     self._admit(session, job)
             self._reap_cancelled(session)
@@ -252,7 +273,13 @@ class Engine:
             n = session.release(row)
             job.emit(Event("error", error=APIError(503, f"the server is shutting down; the request was stopped "
                                                    f"after {n} generated tokens.", code="shutting_down")))
+        stopped = set(map(id, self._active.values()))
         self._active.clear()
+        for job in self._more:  # choices never admitted: their job hears it unless a running choice told it
+            if id(job) not in stopped:
+                job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was not "
+                                                       "finished.", code="shutting_down")))
+        self._more.clear()
         self._fail_pending()
 
     def _choose_tool_family(self, model: Any) -> None:
@@ -278,21 +305,33 @@ class Engine:
 
     def _admit(self, session: Any, job: Job) -> None:
         m, req = self.model, job.req
+        index = job.admitted
+        job.admitted += 1
+        if job.admitted < req.n:
+            self._more.append(job)
         kwargs = req.sampling()
         if kwargs["max_tokens"] is None:
             kwargs["max_tokens"] = m.ctx  # admit caps it at what the context has left
-        job.expert_base = self._expert_counters(m)
+        if index:
+            kwargs["seed"] = choice_seed(kwargs["seed"], index)
+            sibling = next((r for r, j in self._active.items() if j is job), None)
+            if sibling is not None and req.cache_prompt:
+                session.fork(sibling)  # the prompt's KV for this choice: only its last token is prefilled
+        else:
+            job.expert_base = self._expert_counters(m)
         try:
             row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt,
                                         keep_special=self._keep_ids if req.tools else (), **kwargs)
         except StrataError as e:
-            job.emit(Event("error", error=bad(str(e))))
+            job.emit(Event("error", error=bad(str(e)), index=index))
+            job.cancel()  # its other choices stop too: the request has failed
             return self._fail_lost_rows(session)
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("prefill failed")
-            job.emit(Event("error", error=_engine_error(e)))
+            job.emit(Event("error", error=_engine_error(e), index=index))
+            job.cancel()
             return self._fail_lost_rows(session)
-        self._active[row] = job
+        self._active[row], self._index[row] = job, index
         self._deliver(session, row, chunks)
         self._snapshot(session)
 
@@ -306,13 +345,13 @@ class Engine:
             self._deliver(session, row, chunks)
 
     def _deliver(self, session: Any, row: int, chunks: list[Any]) -> None:
-        job = self._active[row]
+        job, index = self._active[row], self._index[row]
         for chunk in chunks:
             if chunk.finish_reason is None:
-                job.emit(Event("chunk", chunk))
+                job.emit(Event("chunk", chunk, index=index))
                 continue
             del self._active[row]
-            job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base)))
+            job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base), index=index))
             self._snapshot(session)
 
     def _reap_cancelled(self, session: Any) -> None:
@@ -331,7 +370,8 @@ class Engine:
         for row, job in list(self._active.items()):
             if row not in alive:
                 del self._active[row]
-                job.emit(Event("error", error=_engine_error(e) if e is not None else
+                job.cancel()
+                job.emit(Event("error", index=self._index[row], error=_engine_error(e) if e is not None else
                                APIError(500, "generation failed: another request's step failed and took the KV "
                                         "cache with it; retry.", code="engine_error")))
         self._snapshot(session)
@@ -366,6 +406,14 @@ class Engine:
         d: dict[str, Any] = {k: now[k] - base.get(k, 0) for k in EXPERT_COUNTERS}
         d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else None
         return d
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a seeded request (choice 0 keeps the request's own): distinct per
+    choice, the same on every run."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B1) % 2**32  # the golden-ratio step spreads consecutive choices
 
 
 def _engine_error(e: BaseException) -> APIError:

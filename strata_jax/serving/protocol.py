@@ -15,9 +15,12 @@ import time
 from typing import Any
 
 from strata_jax import __version__
+from strata_jax.core.errors import ConfigError
+from strata_jax.engine.constrained import request_grammar
 
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
+MAX_CHOICES = 16  # n: each choice holds a KV row while it runs (with --parallel 1 they run one after another)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; model/sampling.py's TOP_LOGPROBS)
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 REPEAT_WINDOW = 256  # the longest repeat_last_n (model/sampling.py's REPEAT_WINDOW)
@@ -77,6 +80,8 @@ class GenRequest:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
     prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
+    n: int = 1  # choices, each sampled from the same prompt
+    constraint: str | None = None  # llguidance grammar (response_format, grammar or json_schema)
 
     @property
     def prompt_param(self) -> str:
@@ -86,7 +91,8 @@ class GenRequest:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, stop=self.stop or None, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
-                    repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+                    repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                    constraint=self.constraint)
 
 
 # -- field readers -----------------------------------------------------------------------------------
@@ -127,11 +133,7 @@ def _common(body: Any) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad(f"'model' must be a string, got {_kind(model)}.", "model")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad(f"'n'={json.dumps(n)[:40]} is not supported: only one choice per request (n=1); send several "
-                  "requests instead.", "n")
-    out: dict[str, Any] = {"model": model}
+    out: dict[str, Any] = {"model": model, "n": _number(body, "n", 1, 1, MAX_CHOICES, integer=True)}
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit_name) is not None:
         out["max_tokens"] = _number(body, limit_name, 0, 1, 2**31 - 1, integer=True)
@@ -166,11 +168,22 @@ def _common(body: Any) -> dict[str, Any]:
     lb = body.get("logit_bias")
     if lb is not None and not (isinstance(lb, dict) and not lb):
         raise bad("'logit_bias' is not supported yet; omit it.", "logit_bias")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' supports only {\"type\": \"text\"} so far (no JSON mode or schemas yet).",
-                  "response_format")
+    out["constraint"] = _constraint(body)
     return out
+
+
+def _constraint(body: dict) -> str | None:
+    """OpenAI's response_format, or llama.cpp's grammar (GBNF) / json_schema, as a validated grammar."""
+    rf = body.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise bad(f"'response_format' must be an object like {{\"type\": \"json_object\"}}, got {_kind(rf)}.",
+                  "response_format")
+    fields = {"response_format": rf, "grammar": body.get("grammar"), "json_schema": body.get("json_schema")}
+    param = next((k for k, v in fields.items() if v is not None and v != {"type": "text"}), None)
+    try:
+        return request_grammar(**fields)
+    except ConfigError as e:
+        raise bad(str(e), param) from None
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -285,6 +298,9 @@ def parse_chat(body: Any) -> GenRequest:
     req.prompt = _messages(body)
     req.tools, req.tool_choice = _tools(body)
     req.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    if req.tools and req.tool_choice not in (None, "auto") and req.constraint is not None:
+        raise bad("tool_choice forces a tool call, which response_format/grammar/json_schema would constrain too: "
+                  "give only one of them.", "tool_choice")
     req.logprobs = _bool(body, "logprobs", False)
     req.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
     if req.top_logprobs and not req.logprobs:
@@ -417,21 +433,23 @@ class Envelope:
         return completion_logprobs(entries, token_bytes, base_offset)
 
     def response(self, text: str, finish: str, use: dict, extra: dict, tool_calls: list | None = None,
-                 logprobs: dict | None = None) -> dict:
-        """logprobs: the choice's logprobs object (chat: {"content": [...], "refusal": None}), or None."""
+                 logprobs: dict | None = None, index: int = 0) -> dict:
+        """logprobs: the choice's logprobs object (chat: {"content": [...], "refusal": None}), or None.
+        index: the choice's (n > 1 joins the choices of several responses)."""
         out = self._base(False)
         if self.endpoint == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 msg["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out.update(choices=[choice], usage=use, **extra)
         return out
 
     def chunk(self, *, text: str | None = None, role: bool = False, tool_calls: list | None = None,
-              finish: str | None = None, extra: dict | None = None, logprobs: dict | None = None) -> dict:
+              finish: str | None = None, extra: dict | None = None, logprobs: dict | None = None,
+              index: int = 0) -> dict:
         out = self._base(True)
         if self.endpoint == "chat":
             delta: dict[str, Any] = {}
@@ -441,9 +459,9 @@ class Envelope:
                 delta["content"] = text
             if tool_calls:  # tools.call_deltas: each with its index
                 delta["tool_calls"] = tool_calls
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out["choices"] = [choice]
         out.update(extra or {})
         return out
