@@ -68,8 +68,8 @@ def test_get_weather_streamed(client):
 
 
 def test_tool_choice_named_and_required(client):
-    """A named function and "required" start the reply with the template's call opener, so the model
-    writes a call even for a question it would answer in prose."""
+    """A named function and "required" force a call (a grammar of the template's calls where llguidance is
+    installed, else the call opener) even for a question the model would answer in prose."""
     tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "description": "The time in a city",
                                                        "parameters": {"type": "object", "properties": {
                                                            "city": {"type": "string"}}}}}]

@@ -136,9 +136,12 @@ def test_model_outputs_beyond_the_rendered_turn():
     assert content == "I'll check." and json.loads(calls[0]["function"]["arguments"]) == {"city": "3", "days": 3}
 
 
-def test_run_on_call_and_forced_prefixes():
+def test_run_on_call_and_forced_prefixes(monkeypatch):
     """What the 0.5B default model wrote after a named function's prefix: the call, then another one
-    it never finished, without the closing tag."""
+    it never finished, without the closing tag. (Without llguidance a forced call is this prefix; with
+    it, a grammar: test_forced_call_takes_the_grammar_with_llguidance.)"""
+    from strata_jax.engine import constrained
+    monkeypatch.setattr(constrained, "available", lambda: False)
     hermes = detect_family("<tool_call>")
     prefix = hermes.forced_prefix("get_time")
     out = ' {"city": "sea"}}\n{"name": "get_weather", "arguments":  {"city": "sea"}'
@@ -152,6 +155,22 @@ def test_run_on_call_and_forced_prefixes():
     assert engine.tool_parser(req).prefix == hermes.forced_prefix("get_weather")  # the only tool
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"})
     assert engine.tool_parser(req).prefix == ""
+
+
+def test_forced_call_takes_the_grammar_with_llguidance():
+    """With llguidance, "required" / a named function is a grammar of the family's calls (hermes: the
+    <tool_call> blocks; a template without markup: one bare JSON call), not a prefix."""
+    pytest.importorskip("llguidance")
+    for fam, wrapped in (("<tool_call>", True), ("", False)):
+        engine = Engine(lambda: None)
+        engine.tool_family = detect_family(fam)
+        req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                          "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+        assert engine.tool_parser(req).prefix == "" and '"const": "get_time"' in req.constraint
+        assert ("<tool_call>" in req.constraint) == wrapped
+    engine.tool_family = detect_family("<|python_tag|>")  # other formats: the opener, no grammar
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
+    assert engine.tool_parser(req).prefix and req.constraint is None
 
 
 def test_bare_json_fallback_in_every_family():
