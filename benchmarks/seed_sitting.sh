@@ -23,27 +23,12 @@
 # B30_SHAPE (qtiny / tiny for a local dry run), LLAMA_BIN (an existing llama-bench: no build), SKIP_IQ=1.
 set -u
 cd "$(dirname "$0")/.."
-S=${SITTING_DIR:-/tmp/ssit}
-PY=${PY:-python3}
-SITTING_S=${SITTING_S:-1500}
-SCRIPT=benchmarks/seed_sitting.sh
-source benchmarks/sitting_lib.sh
+source benchmarks/sitting_lib.sh /tmp/ssit 1500
 export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 QSEED=${QSEED_SHAPE:-qseed} B30=${B30_SHAPE:-b30}
 LLAMA_LINK=$S/llama-bench  # made once the build is done (/bin/false if it failed); bench waits for it
 COMMON=(--tokens 128 --prompt-len 32)
-
-build() {
-  if [ -n "${LLAMA_BIN:-}" ]; then
-    ln -sf "$LLAMA_BIN" "$LLAMA_LINK"
-  elif phase build 900 "$PY" benchmarks/llamacpp.py build --src .gpu/llama-src.tar.xz --dir /tmp/llama -j 12; then
-    ln -sf /tmp/llama/build/bin/llama-bench "$LLAMA_LINK"
-  else
-    ln -sf /bin/false "$LLAMA_LINK"
-  fi
-  note "llama-bench: $(readlink "$LLAMA_LINK")"
-}
 
 # the synthetic GGUF, written once into the cache (bench then takes the same file, under its lock)
 WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
@@ -51,7 +36,7 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
 
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  build &
+  build_llama 12 &
   phase write-qseed 900 "$PY" "${WRITE[@]}" "$QSEED" &
   local writer=$!
   [ -n "${SKIP_IQ:-}" ] || phase iq-check 300 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts check,kernels \
@@ -75,25 +60,10 @@ pipeline() {
   note "pipeline: done"
 }
 
-start() {
-  mkdir -p "$S"
-  if [ -f "$S/progress" ]; then
-    echo "already started"
-    wait_for "$1"
-    return
-  fi
-  note "start"
-  install_wheels || { collect; return 1; }
+prepare() {
   [ -n "${LLAMA_BIN:-}" ] || [ -f .gpu/llama-src.tar.xz ] || note "no .gpu/llama-src.tar.xz (carry .gpu): llama.cpp rows will fail"
   machine_info
   snapshot "$S/repo"
-  (cd "$S/repo" && setsid nohup bash "$SCRIPT" pipeline > "$S/pipeline.log" 2>&1 < /dev/null &)
-  wait_for "$1"
 }
 
-case "${1:-}" in
-  start) start "${2:-540}" ;;
-  wait) wait_for "${2:-560}" "${3:-}" ;;
-  pipeline) pipeline ;;
-  *) echo "usage: $0 start|wait [SECONDS [DEADLINE_S]]" >&2; exit 2 ;;
-esac
+sitting_main "$@"
