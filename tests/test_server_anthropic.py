@@ -416,7 +416,7 @@ def test_body_limit_is_413(url, endpoint):
     assert raw(url, endpoint, VALID[endpoint]).status_code == 200
 
 
-JSONV = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
+JSONV = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
                      | st.text(max_size=6), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c,
                                                                                                 max_size=3),
                      max_leaves=6)

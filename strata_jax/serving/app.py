@@ -256,14 +256,11 @@ class Routes:
             return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        gathered = await self._gather(request, job, first, t0)
+        gathered = await self._gather_calls(request, job, first, t0, parser)
         if isinstance(gathered, Response):
             return gathered
-        text, ev, n, ttft, _ = gathered
-        calls: list[dict] = []
-        if parser is not None:
-            content, calls = parser.parse(parser.prefix + text)
-            text = content or ""
+        content, calls, ev, n, ttft = gathered
+        text = content or ""
         use, extra = self._account(job, "responses", ev, n, ttft)
         return JSON(rb.final(text, calls, ev.chunk.finish_reason, self._responses_usage(use), extra))
 
@@ -349,6 +346,17 @@ class Routes:
             return got
         texts, finals, n, ttft, lps = got
         return texts[0], finals[0], n, ttft, lps[0]
+
+    async def _gather_calls(self, request: Request, job: Job, ev: Event | None, t0: float,
+                            parser: ToolParser | None) -> tuple[str | None, list, Event, int, float] | Response:
+        """A one-choice job's output split by its tool-call parser: (content, tool calls, the final event,
+        tokens, time to first token), or the response when it ends otherwise."""
+        got = await self._gather(request, job, ev, t0)
+        if isinstance(got, Response):
+            return got
+        text, ev, n, ttft, _ = got
+        content, calls = parser.parse(parser.prefix + text) if parser is not None else (text, [])
+        return content, calls, ev, n, ttft
 
     async def _gather_choices(self, request: Request, job: Job, ev: Event | None, t0: float,
                               n_choices: int) -> tuple[list[str], list[Event], int, float, list[list]] | Response:
@@ -477,13 +485,10 @@ class AnthropicRoutes:
         if req.stream:
             return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        gathered = await self.r._gather(request, job, first, t0)
+        gathered = await self.r._gather_calls(request, job, first, t0, parser)
         if isinstance(gathered, Response):
             return gathered
-        text, ev, n, ttft, _ = gathered
-        calls: list[dict] = []
-        if parser is not None:
-            text, calls = parser.parse(parser.prefix + text)
+        text, calls, ev, n, ttft = gathered
         blocks = anthropic.content_blocks(text, calls)
         reason = anthropic.stop_reason(ev.chunk.finish_reason, ev.chunk.stop_string, blocks)
         _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
