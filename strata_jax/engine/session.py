@@ -219,6 +219,9 @@ class Session:
             log.warning("spec=%r ignored: speculative decoding runs on one-row sessions only (parallel 1), this one "
                         "has %d rows", self.spec, n_rows)
             self.spec = None
+        elif self.spec is not None:
+            log.info("speculative decoding: %s drafts, up to %d per verify pass, for greedy requests", self.spec,
+                     self.spec_max)
         if n_rows > 1:
             kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
             log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
