@@ -42,7 +42,7 @@ def resolve_model(ref):
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
-    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS
+    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
     p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's, capped at 4096)")
@@ -52,6 +52,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-chunk", default=None,
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
+    p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
+                   help="speculative decoding of greedy requests: lookup drafts n-gram matches from the prompt and "
+                        "output so far and verifies them in one pass (one-row sessions: --parallel 1)")
+    p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -81,7 +85,8 @@ def engine_config(args):
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                parallel=getattr(args, "parallel", 1),
-                               ple_table=getattr(args, "ple_table", "auto"))
+                               ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
+                               spec_max=getattr(args, "spec_max", 4))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by
@@ -124,8 +129,9 @@ def _cmd_generate(args) -> int:
     sys.stdout.write("\n")
     t = final.timings
     print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
-          f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; finish: {final.finish_reason}",
-          file=sys.stderr)
+          f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
+          + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
+          + f"finish: {final.finish_reason}", file=sys.stderr)
     if model.config.is_moe:
         st = model.stats()
         print(f"experts: {st['lookups']} lookups, hit rate {st['hit_rate']:.1%}, {st['bytes_h2d'] / 1e6:.1f} MB "

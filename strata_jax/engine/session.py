@@ -24,6 +24,14 @@ grammar forces (fed without sampling, up to a chunk) and one masked sampled step
 model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
 its first token is masked in the prefill.
 
+Speculative decoding (EngineConfig.spec "lookup", one-row sessions): a greedy request's step drafts up
+to spec_max tokens by prompt lookup (engine/lookup.py) and verifies them in one multi-token pass of its
+row (model/decode.py verify), which accepts the drafts the model's argmax agrees with, plus the argmax
+after them: the same tokens plain greedy decode gives, several per pass, their expert fetches shared.
+Without a match, or while the row's recent acceptance is low, the step is a plain decode call. A
+sampling, penalized, logprobs or constrained request decodes without speculation. A row that
+speculates takes no call queued ahead (its drafts need the tokens before).
+
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
 
@@ -49,6 +57,7 @@ from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, Pena
                                       SamplingParams, allowed_mask, validate_sampling)
 from strata_jax.engine.config import MIN_PREFILL_CHUNK
 from strata_jax.engine.constrained import Constraint
+from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
@@ -150,6 +159,10 @@ class _Request:
     planned: int = 1  # tokens once the dispatched calls have run in full (the prefill's first included)
     constraint: Constraint | None = None  # its grammar's state, None when unconstrained
     in_flight: int = 0  # dispatched calls whose tokens have not been read (a constrained row waits for 0)
+    spec: Acceptance | None = None  # its speculative decoding's recent acceptance; None: it does not speculate
+    draft_n: int = 0  # tokens drafted for it (llama.cpp's names) ...
+    draft_n_accepted: int = 0  # ... and how many of them the verify passes accepted
+    spec_on: bool = False  # the session speculates: its timings report the draft counts
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -162,6 +175,8 @@ class _Request:
         # decode time includes the prefills of requests admitted meanwhile
         timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
                                   self.t1, self.t_steady, time.perf_counter(), n_before_steady=1)
+        if self.spec_on:
+            timings.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
         return self.stream.last(finish, timings, self.ids)
 
 
@@ -198,6 +213,15 @@ class Session:
         self._t_last = 0.0  # when the previous call's tokens arrived (telemetry: seconds per step)
         self._stops: tuple[frozenset, jax.Array] | None = None
         cfg = model.config
+        ec = model.engine_config
+        self.spec, self.spec_max = ec.spec, ec.spec_max
+        if self.spec is not None and n_rows > 1:
+            log.warning("spec=%r ignored: speculative decoding runs on one-row sessions only (parallel 1), this one "
+                        "has %d rows", self.spec, n_rows)
+            self.spec = None
+        elif self.spec is not None:
+            log.info("speculative decoding: %s drafts, up to %d per verify pass, for greedy requests", self.spec,
+                     self.spec_max)
         if n_rows > 1:
             kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
             log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
@@ -281,6 +305,14 @@ class Session:
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
+        if self.spec is not None:
+            q.spec_on = True
+            if mode == GREEDY and constraint is None:
+                q.spec = Acceptance()
+            else:
+                log.info("spec %s: this request decodes without speculation (verification is greedy only; it %s)",
+                         self.spec, "has a grammar" if constraint is not None else
+                         "samples, takes penalties or logprobs")
         q.t_prefill = time.perf_counter() - t0
         q.t1 = q.t_steady = time.perf_counter()
         self._reqs[row] = q
@@ -294,9 +326,13 @@ class Session:
         t_start = time.perf_counter()
         if not self._pending:
             self._t_last = t_start
+            out = self._speculate()
+            if out is not None:
+                return out
         # a call queued ahead could not serve a constrained row (its mask waits for the call before), so
         # while one runs the calls go one at a time and it takes a token in every call
-        queued = 1 if any(q is not None and q.constraint is not None for q in self._reqs) else QUEUED
+        queued = 1 if any(q is not None and (q.constraint is not None or q.spec is not None)
+                          for q in self._reqs) else QUEUED
         while len(self._pending) < queued and self._dispatch():
             pass
         if not self._pending:
@@ -447,6 +483,51 @@ class Session:
                 q.t_steady = now
         self._pending.append(_Pending(out, owners))
         return True
+
+    def _speculate(self) -> dict[int, list[GenerationChunk]] | None:
+        """One verify pass of the speculating row's drafts and its tokens; None when this step should be a
+        plain decode call (no speculating row, no n-gram match, or low recent acceptance)."""
+        live = [(r, q) for r, q in enumerate(self._reqs) if q is not None and q.planned < q.max_tokens]
+        if len(live) != 1 or live[0][1].spec is None:
+            return None
+        r, q = live[0]
+        n_max = min(self.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
+        if n_max < 1 or not q.spec.should_draft():
+            return None
+        drafts = lookup_draft(q.fed + [q.last], n_max)
+        if not drafts:
+            return None
+        m = self.model
+        toks = np.zeros((1, self.spec_max + 1), np.int32)  # one program for every draft count
+        toks[0, 0], toks[0, 1: len(drafts) + 1] = q.last, drafts
+        pos = len(q.fed)
+        t_d = time.perf_counter()
+        (out, routed) = self._call(programs.verify, np.int32(r), toks, np.array([len(drafts) + 1], np.int32),
+                                   self._stop_St, end=pos + toks.shape[1], **m.forced_prefill(pos, toks.shape[1]))
+        m.host.dispatch(time.perf_counter() - t_d)
+        t_w = time.perf_counter()
+        greedy, n_emit = np.asarray(out.greedy_T), int(out.n_emit)
+        now = time.perf_counter()
+        m.host.wait(now - t_w, 1)
+        m.note_steps(now - self._t_last, 1)  # one pass: the expert cache saw one step
+        self._t_last = now
+        if m.routing is not None:
+            m.routing.append(np.asarray(routed).transpose(1, 0, 2)[:n_emit])
+        accepted = 0  # the drafts the argmax agreed with (n_emit may be cut shorter by max_tokens)
+        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
+            accepted += 1
+        q.draft_n += len(drafts)
+        q.draft_n_accepted += accepted
+        q.spec.record(len(drafts), accepted)
+        q.planned += n_emit
+        if q.t_steady == q.t1:
+            q.t_steady = t_d
+        chunks = []
+        for tok in greedy[:n_emit].tolist():
+            chunks += self._push(r, q, tok, None)
+            if self._reqs[r] is not q:  # done: a stop id or string, or max_tokens
+                break
+        return {r: chunks} if chunks else {}
 
     def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, all_logits: bool,
                  keep: bool = False):

@@ -211,3 +211,43 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(running(c)), step, carry)
     _, rows, kv, experts, out = carry
     return out, kv, experts, None, rows
+
+
+@struct.dataclass
+class VerifyOut:
+    greedy_T: jax.Array  # int32: the argmax after each position of [last, d1..dk]: accepted drafts, then the bonus
+    n_emit: jax.Array  # int32 scalar: tokens the pass produced (accepted drafts + the bonus, capped by tokens left)
+
+
+@functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
+def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
+           kernels, attn_len, attn_block=None, forced=None):
+    """A greedy speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
+    n_valid_1) at the row's position, all logits; the longest prefix of drafts equal to the argmax at
+    each position is accepted, and the argmax after it is the bonus token. The row's state moves to the
+    accepted position: the cache entries written for rejected drafts lie past it, where attention never
+    reads (it masks by position) and the next steps overwrite them. Greedy rows only (no penalties,
+    sampling or logprobs). Returns (VerifyOut, kv, experts, routed [M, T, k], rows)."""
+    B, T = rows.tok_B.shape[0], tokens_1T.shape[1]
+    start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
+    row_kv = kv if B == 1 else kv.take_row(row)
+    logits_1TV, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
+                                                  n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
+                                                  attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
+    experts = split_provider(experts)[0]
+    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    greedy_T = jnp.argmax(logits_1TV[0], axis=-1).astype(jnp.int32)
+    t = jnp.arange(T)
+    # draft j + 1 is accepted while every draft before it was and it equals the argmax at position j
+    ok_T = (greedy_T[:-1] == tokens_1T[0, 1:]) & (t[:-1] < n_valid_1[0] - 1)
+    n_acc = jnp.sum(jnp.cumprod(ok_T.astype(jnp.int32)))
+    left = rows.left_B[row]
+    n_emit = jnp.minimum(n_acc + 1, left)
+    stopped = jnp.any(jnp.isin(greedy_T, stop_St) & (t < n_emit))
+    one = lambda a: a.reshape(1)  # noqa: E731
+    state = dataclasses.replace(
+        jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows),
+        tok_B=one(greedy_T[jnp.maximum(n_emit - 1, 0)]), pos_B=start_1 + n_emit, step_B=one(rows.step_B[row] + n_emit),
+        left_B=one(left - n_emit), live_B=one(rows.live_B[row] & ~stopped & (left - n_emit > 0)))
+    rows = _set_row(rows, row, state)
+    return VerifyOut(greedy_T, n_emit), kv, experts, routed, rows

@@ -400,9 +400,12 @@ TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "pre
                "cache_n")
 
 
+SPEC_TIMING_KEYS = ("draft_n", "draft_n_accepted")  # with speculative decoding on, as llama.cpp's server
+
+
 def timings(t: dict[str, Any] | None) -> dict[str, Any]:
     t = t or {}
-    return {k: t.get(k, 0) for k in TIMING_KEYS}
+    return {k: t.get(k, 0) for k in TIMING_KEYS} | {k: t[k] for k in SPEC_TIMING_KEYS if k in t}
 
 
 @dataclasses.dataclass
