@@ -22,40 +22,22 @@
 # Knobs: SITTING_S (pipeline deadline, default 1400 s), SITTING_DIR (default /tmp/esit), PY (python3),
 # SITE (/tmp/site; NO_WHEELS=1 skips the install), B30_SHAPE (a bench shape, tiny for a dry run), BENCH_ORDER,
 # DEFAULT_SPEC ("k=v,..." over the default model's shape), PHASES (names to run, default all),
-# SERVE_BATCH ("p4 p1"), CLIENTS_LIMIT_S. Dry run: see benchmarks/engine_sitting.md.
+# SERVE_BATCH ("p4 p1"), CLIENTS_LIMIT_S. Dry run: see benchmarks/engine_sitting.md. The shared steps
+# (phases cut at the deadline, rows in phases.tsv; start, wait, collect) are benchmarks/sitting_lib.sh.
 set -u
 cd "$(dirname "$0")/.."
-S=${SITTING_DIR:-/tmp/esit}
-SITE=${SITE:-/tmp/site}
-PY=${PY:-python3}
-SITTING_S=${SITTING_S:-1400}
+source benchmarks/sitting_lib.sh /tmp/esit 1400
+RUN_TREE=new
+RETURNED="progress phases.tsv results-*.json"
+TAILED="*.log *.err *.failed"
+USAGE="prep|start|wait"
 export PYTHONUNBUFFERED=1
 B30=$S/models/b30.gguf DENSE=$S/models/dense.gguf
 
-deadline() { cat "$S/deadline" 2>/dev/null || echo "$SITTING_S"; }
-note() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" >> "$S/progress"; }
-
-# one tree's environment: its own folder first on the path (python -m puts the cwd first, so run from
-# the tree), its own compiled-program cache; the models are shared by path
-tree_env() { echo "PYTHONPATH=$S/$1:$SITE STRATA_JAX_CACHE=/tmp/sj-$1"; }
-
-phase() {  # phase NAME LIMIT_S TREE CMD...: in TREE's folder and environment, cut at min(LIMIT_S, deadline)
-  local name=$1 limit=$2 tree=$3 t0=$SECONDS rc left
-  shift 3
-  left=$(($(deadline) - SECONDS))
-  if (( left < 30 )); then
-    note "$name: skipped, ${left} s left before the deadline"
-    printf '%s\tskipped\t\t0\n' "$name" >> "$S/phases.tsv"
-    return 0
-  fi
-  (( limit > left )) && limit=$left
-  note "$name: start (limit ${limit} s, tree $tree): $*"
-  (cd "$S/$tree" && env $(tree_env "$tree") timeout -s TERM -k 40 "$limit" "$@") > "$S/$name.log" 2>&1
-  rc=$?
-  note "$name: rc $rc after $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (cut at its limit)')"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$([ $rc = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - t0))" >> "$S/phases.tsv"
-  return $rc
-}
+# in_tree TREE: the wrapper that runs a command in one tree's folder and environment (a phase's command
+# prefix, unquoted): its own folder first on the path (python -m puts the cwd first, so run from the
+# tree), its own compiled-program cache; the models are shared by path
+in_tree() { echo "env -C $S/$1 PYTHONPATH=$S/$1:$SITE STRATA_JAX_CACHE=/tmp/sj-$1"; }
 
 # serve-one TREE MODEL PAR PORT CLIENTS...: a fresh server, /health 200, then server_load.py per client count
 # (greedy, 64 tokens, 8 requests per client; its untimed warm-up compiles the programs), then the server ends
@@ -105,8 +87,8 @@ pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   # OLD's writer first: its code is fixed, NEW may be mid-refactor; NEW's if OLD's fails
   local margs=("$S/models" --b30-shape "${B30_SHAPE:-b30}" --dense "${DEFAULT_SPEC:-}")
-  phase models 400 old "$PY" "$S/new/benchmarks/engine_sitting_models.py" "${margs[@]}" \
-    || phase models-newwriter 400 new "$PY" "$S/new/benchmarks/engine_sitting_models.py" "${margs[@]}"
+  phase models 400 $(in_tree old) "$PY" "$S/new/benchmarks/engine_sitting_models.py" "${margs[@]}" \
+    || phase models-newwriter 400 $(in_tree new) "$PY" "$S/new/benchmarks/engine_sitting_models.py" "${margs[@]}"
   note "models: $(ls -l "$S/models" 2>&1 | tail -n +2 | awk '{print $5, $9}' | tr '\n' ' '); disk: $(df -h "$S" | tail -1)"
   want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
   local t port=8200 par model clients
@@ -116,8 +98,8 @@ pipeline() {
     local i=0
     for t in ${BENCH_ORDER:-old new}; do
       i=$((i + 1))
-      phase "bench-b30-$t-r$i" 300 "$t" "$PY" -m strata_jax.cli bench --model "$B30" --label b30 --resident-only \
-        --tokens 128 --prompt-len 32 --routing model --decode-chunk 16 --out "$S/results-b30-$t-r$i.json"
+      phase "bench-b30-$t-r$i" 300 $(in_tree "$t") "$PY" -m strata_jax.cli bench --model "$B30" --label b30 \
+        --resident-only --tokens 128 --prompt-len 32 --routing model --decode-chunk 16 --out "$S/results-b30-$t-r$i.json"
     done
   fi
   for par in ${SERVE_BATCH:-p4 p1}; do
@@ -127,7 +109,7 @@ pipeline() {
       clients=$([ "$par" = p4 ] && echo "4 1" || echo "1 4")
       for t in old new; do
         port=$((port + 1))
-        phase "serve-$model-$par-$t" "$([ "$model" = b30 ] && echo 420 || echo 240)" "$t" \
+        phase "serve-$model-$par-$t" "$([ "$model" = b30 ] && echo 420 || echo 240)" $(in_tree "$t") \
           bash "$S/new/benchmarks/engine_sitting.sh" serve-one "$t" "$model" "${par#p}" "$port" $clients
       done
     done
@@ -135,10 +117,7 @@ pipeline() {
   note "pipeline: done"
 }
 
-collect() {
-  [ -n "${OUT:-}" ] || return 0
-  cp -f "$S/progress" "$S/phases.tsv" "$S"/results-*.json "$OUT"/ 2>/dev/null
-  # every load-*.json in one file, keyed by its name: a call returns at most 8 files
+collect_more() {  # every load-*.json in one file, keyed by its name: a call returns at most 8 files
   "$PY" - "$S" "$OUT/loads.json" <<'PYEOF'
 import glob, json, os, sys
 docs = {}
@@ -149,69 +128,24 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "load-*.json"))):
         docs[os.path.basename(f)[:-5]] = {"error": f"unreadable: {e}"}
 json.dump(docs, open(sys.argv[2], "w"), indent=1)
 PYEOF
-  mkdir -p "$S/tails"
-  for f in "$S"/*.log "$S"/*.err "$S"/*.failed; do
-    [ -f "$f" ] && tail -n 300 "$f" > "$S/tails/$(basename "$f").tail"
-  done
-  tar -czf "$OUT/logs.tar.gz" -C "$S" tails
-  return 0
 }
 
-wait_for() {
-  local limit=${1:-560} t0=$SECONDS
-  if [ -n "${2:-}" ]; then echo "$2" > "$S/deadline"; note "deadline moved to ${2} s of the pipeline"; fi
-  while (( SECONDS - t0 < limit )) && ! grep -q "pipeline: done" "$S/progress" 2>/dev/null; do sleep 5; done
-  collect
-  tail -n 40 "$S/progress"
-  [ -f "$S/phases.tsv" ] && { column -t -s $'\t' "$S/phases.tsv" 2>/dev/null || cat "$S/phases.tsv"; }
-  if grep -q "pipeline: done" "$S/progress"; then
-    echo "SITTING DONE: the results are in \$OUT; give the machine back"
-  else
-    echo "STILL RUNNING: send 'bash benchmarks/engine_sitting.sh wait N' now (the machine goes back 30 s after a call)"
-  fi
-}
-
-start() {
-  mkdir -p "$S"
-  if [ -f "$S/progress" ]; then
-    echo "already started"
-    wait_for "$1"
-    return
-  fi
-  note "start"
-  [ -d .sitting/old/strata_jax ] || { note "no .sitting/old (carry .sitting): stop"; collect; return 1; }
-  if [ -z "${NO_WHEELS:-}" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-      >> "$S/progress" 2>&1 || { note "the wheels did not install (carry .whl): stop"; collect; return 1; }
-  fi
-  rm -rf "$S/new" "$S/old" && mkdir -p "$S/new"
-  # snapshots: a later call re-sends the working tree, which must not change running code
-  tar --exclude=./.git --exclude=./.sitting --exclude=./.whl --exclude=./.venv --exclude='*/__pycache__' -cf - . \
-    | tar -xf - -C "$S/new"
-  cp -a .sitting/old "$S/old"
-  {
-    cat .sitting/meta.txt 2>/dev/null
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-    echo "cores $(nproc)"; free -g | head -2; df -h /tmp | tail -1
-    for t in old new; do
-      (cd "$S/$t" && env $(tree_env $t) "$PY" -c "import sys, jax, strata_jax; print('$t:', strata_jax.__file__, 'python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())")
-    done
-    (cd "$S/new" && env $(tree_env new) "$PY" -c "
-import importlib
-for m in ('gguf', 'flax.struct', 'httpx', 'starlette', 'uvicorn', 'numpy', 'tokenizers', 'jinja2'):
-    try:
-        mod = importlib.import_module(m); print(m, getattr(mod, '__version__', '?'), mod.__file__)
-    except Exception as e:
-        print(m, 'MISSING', e)
-")
-  } >> "$S/progress" 2>&1
-  (cd "$S/new" && setsid nohup bash benchmarks/engine_sitting.sh pipeline > "$S/pipeline.log" 2>&1 < /dev/null &)
-  wait_for "$1"
+prepare() {  # NEW as sent and OLD as prep exported it, each snapshotted; the machine as NEW sees it
+  [ -d .sitting/old/strata_jax ] || { note "no .sitting/old (carry .sitting): stop"; return 1; }
+  snapshot "$S/new"
+  rm -rf "$S/old" && cp -a .sitting/old "$S/old"
+  cat .sitting/meta.txt >> "$S/progress" 2>/dev/null
+  machine_info $(in_tree new)
+  $(in_tree old) "$PY" -c "import sys, jax, strata_jax
+print('old:', strata_jax.__file__, 'python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" \
+    >> "$S/progress" 2>&1
 }
 
 prep() {  # here, not on the device
-  mkdir -p .git/info && touch .git/info/exclude
-  for p in /.whl/ /.sitting/; do grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file: ask git where it is
+  mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+  for p in /.whl/ /.sitting/; do grep -qxF "$p" "$exclude" || echo "$p" >> "$exclude"; done
   rm -rf .sitting/old && mkdir -p .sitting/old
   git archive d41abbe | tar -x -C .sitting/old
   { echo "OLD d41abbe ($(git log -1 --format='%h %s' d41abbe | cut -c1-100))"
@@ -224,10 +158,7 @@ prep() {  # here, not on the device
 }
 
 case "${1:-}" in
-  start) start "${2:-540}" ;;
-  wait) wait_for "${2:-560}" "${3:-}" ;;
-  pipeline) pipeline ;;
   serve-one) shift; serve_one "$@" ;;
   prep) prep ;;
-  *) echo "usage: $0 prep|start|wait [SECONDS]" >&2; exit 2 ;;
+  *) sitting_main "$@" ;;
 esac

@@ -1,4 +1,4 @@
-"""The `strata-jax` command: generate, inspect, serve."""
+"""The `strata-jax` command: generate, inspect, serve, check, pull."""
 
 from __future__ import annotations
 
@@ -28,12 +28,23 @@ def _positive_int(name):
     return _int_at_least(name, 1)
 
 
+MODEL_HELP = ("GGUF file (a split set's first shard), or REPO[@REV]:FILE on a Hugging Face-compatible hub, pulled "
+              "into the cache and verified on first use (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M)")
+
+
+def resolve_model(ref):
+    """--model as a local path: a hub reference pulled (verified) into the cache first; run after the
+    options are validated, so a bad flag never waits for a download."""
+    from strata_jax.hub import resolve_model as resolve
+
+    return resolve(ref)
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
-    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS
+    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
 
-    p.add_argument("--model", "-m", metavar="PATH",
-                   help="GGUF file (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched once)")
+    p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
     p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's, capped at 4096)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default=512,
@@ -41,6 +52,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-chunk", default=None,
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
+    p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
+                   help="speculative decoding of greedy requests: lookup drafts n-gram matches from the prompt and "
+                        "output so far and verifies them in one pass (one-row sessions: --parallel 1)")
+    p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -70,7 +85,8 @@ def engine_config(args):
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                parallel=getattr(args, "parallel", 1),
-                               ple_table=getattr(args, "ple_table", "auto"))
+                               ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
+                               spec_max=getattr(args, "spec_max", 4))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by
@@ -96,7 +112,7 @@ def _cmd_generate(args) -> int:
         raise StrataError("give --prompt TEXT (raw completion) or --chat TEXT (one user turn through the chat template)")
     config = engine_config(args)
     check_generate_flags(args)
-    model = strata_jax.load(args.model, config)
+    model = strata_jax.load(resolve_model(args.model), config)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -113,8 +129,9 @@ def _cmd_generate(args) -> int:
     sys.stdout.write("\n")
     t = final.timings
     print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
-          f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; finish: {final.finish_reason}",
-          file=sys.stderr)
+          f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
+          + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
+          + f"finish: {final.finish_reason}", file=sys.stderr)
     if model.config.is_moe:
         st = model.stats()
         print(f"experts: {st['lookups']} lookups, hit rate {st['hit_rate']:.1%}, {st['bytes_h2d'] / 1e6:.1f} MB "
@@ -129,7 +146,9 @@ def _cmd_inspect(args) -> int:
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None
-    print(format_report(report(GGUFFile(args.path), vram_budget=budget, ctx=args.ctx, vram_reserve=reserve,
+    if (args.path is None) == (args.model is None):
+        raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
+    print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx, vram_reserve=reserve,
                                parallel=args.parallel)))
     return 0
 
@@ -137,7 +156,41 @@ def _cmd_inspect(args) -> int:
 def _cmd_serve(args) -> int:
     from strata_jax.serving.server import serve
 
-    return serve(args, engine_config(args))
+    config = engine_config(args)
+    args.model = resolve_model(args.model)
+    return serve(args, config)
+
+
+def _cmd_check(args) -> int:
+    import json
+
+    from strata_jax.check import check, format_check
+    from strata_jax.core.units import parse_size
+
+    if args.model_pos is not None and args.model is not None:
+        raise StrataError("give the model once: `strata-jax check MODEL` or `--model MODEL`")
+    if args.vram_budget is not None:
+        parse_size(args.vram_budget, "--vram-budget")
+    model = resolve_model(args.model_pos or args.model)
+    c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
+              probe_pinned=args.pinned_probe)
+    if args.json:  # the text output carries them itself
+        for w in c["warnings"]:
+            log.warning("%s", w)
+    print(json.dumps(c, indent=2, default=str) if args.json else format_check(c))
+    return 0
+
+
+def _cmd_pull(args) -> int:
+    from strata_jax.core.units import fmt_bytes
+    from strata_jax.hub import pull
+
+    got = pull(args.repo, args.files, revision=args.revision, dest_dir=args.dir, retries=args.retries,
+               progress=not args.quiet)
+    for f in got:
+        state = "verified  " if f.verified else "UNVERIFIED"  # the hub publishes no sha256 for it
+        print(f"{state} {f.path}  {fmt_bytes(f.size)}  sha256 {f.sha256}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a GGUF file and what fits in a VRAM budget")
-    i.add_argument("path")
+    i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE")
+    i.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as PATH")
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
@@ -182,11 +236,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens that also keeps its conversation's prefix for the next turn")
     s.add_argument("--queue-size", type=_positive_int("--queue-size"), default=64,
                    help="requests that may wait for the engine; more get 429 (default 64)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 10)")
+    s.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish on SIGTERM/SIGINT; then each stream ends with an "
+                        "error event (default 10)")
+    s.add_argument("--max-body", default="4MiB",
+                   help="largest request body, e.g. 4MiB or 1000000 bytes; larger ones get 413 (default 4MiB)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling the decode step before reporting ready")
     s.set_defaults(func=_cmd_serve)
+    k = sub.add_parser("check", help="is this machine fit (GPU, PCIe link, bandwidth, RAM, pinned memory, disk), "
+                                     "and does MODEL fit it")
+    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or REPO[@REV]:FILE")
+    k.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as MODEL")
+    k.add_argument("--json", action="store_true", help="machine-readable output")
+    k.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for (4096)")
+    k.add_argument("--parallel", type=_positive_int("--parallel"), default=1, help="KV-cache rows, as serve --parallel")
+    k.add_argument("--vram-budget", default=None, help="size the verdict for this much device memory (default: free)")
+    k.add_argument("--no-pinned-probe", dest="pinned_probe", action="store_false",
+                   help="skip the largest-pinned-allocation probe (it briefly pins up to the model's expert bytes)")
+    k.set_defaults(func=_cmd_check)
+    pl = sub.add_parser("pull", help="download GGUF files (split sets whole) from a Hugging Face-compatible hub "
+                                     "($HF_ENDPOINT, $HF_TOKEN), resumable, verified by size and sha256")
+    pl.add_argument("repo", help="OWNER/NAME")
+    pl.add_argument("files", nargs="*", metavar="FILE",
+                    help="files or globs in the repo (a shard brings its whole split set); default: the repo's one model")
+    pl.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    pl.add_argument("--dir", default=None, help="where to put the files (default: the cache, "
+                                                 "~/.cache/strata-jax/hub/OWNER--NAME/REVISION)")
+    pl.add_argument("--retries", type=_int_at_least("--retries", 0), default=5,
+                    help="new requests after a dropped or short transfer, per file (default 5)")
+    pl.set_defaults(func=_cmd_pull)
     sub.add_parser("bench", help="offload benchmark on a synthetic MoE (strata-jax bench --help)", add_help=False)
     return parser
 

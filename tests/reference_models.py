@@ -24,6 +24,11 @@ and the config's layer types supplied around it). Their tokenizer is the Qwen2 o
 glm4moe (`glm4moe_model(outtype, mtp)`): a tiny Glm4MoeForCausalLM with an MTP block added to its
 checkpoint, converted through the same wrapper (for the pre-tokenizer name), with or without
 `--no-mtp`. Its tokenizer is the cut Qwen2 one with GLM's special tokens, which its converter looks up.
+
+deepseek2 (`deepseek2_model(variant, outtype)`): tiny DeepseekV3ForCausalLM models ("v3": a query latent
+and YaRN; "lite": attn_q, plain rope), their config.json given back the scoring_func / topk_method a
+real checkpoint has (transformers drops them; without scoring_func the converter writes no gating
+function and the file means softmax), converted through the same wrapper with the cut Qwen2 tokenizer.
 """
 
 from __future__ import annotations
@@ -250,7 +255,40 @@ GPTOSS_BIAS_STD = 0.5
 GPTOSS_SINK_STD = 1.0
 # the pre-tokenizer name the converter is given for the cut vocabulary (the gpt-oss family's)
 _PRE_NAME = {"gpt-oss": "gpt-4o"}
-assert set(ARCH_SPECS) == set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS) | {"glm4moe", "gpt-oss"}
+
+# deepseek2 (DeepSeek-V3 shape, llama.cpp arch deepseek2): 3 layers (layer 0 a dense MLP:
+# first_k_dense_replace 1), 4 MLA heads: query through a rank-32 latent (q_lora_rank), keys and values
+# through a rank-96 latent (kv_lora_rank) shared by all heads, per head 32 no-rope + 16 rope key dims
+# and 24 value dims (every dim distinct, so a transposed absorption cannot fit); interleaved-pair rope
+# with YaRN (factor 16 over 32 original positions: most rope dims interpolated within a test's
+# sequence, and the attention scale's mscale^2 = 1.63); 8 routed experts of width 32 in 4 groups of 2,
+# top-3 from the best 2 groups (sigmoid + e_score_correction_bias), renormalised, scaled by 2.5, plus 3
+# shared experts. "lite": no query latent (attn_q, DeepSeek-V2-Lite style) and plain rope.
+DEEPSEEK2_VARIANTS: tuple[str, ...] = ("v3", "lite")
+_DEEPSEEK2 = dict(
+    _Q4_SPECIAL, vocab_size=_Q4_SMALL_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=WEIGHT_STD,
+    tie_word_embeddings=False, q_lora_rank=32, kv_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    v_head_dim=24, rope_interleave=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=32,
+                         mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
+    intermediate_size=96, moe_intermediate_size=32, n_shared_experts=3, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, num_mtp_layers=0,
+)
+_DEEPSEEK2_VARIANT_KWARGS = {
+    "v3": {},
+    "lite": dict(q_lora_rank=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+}
+# what a real DeepSeek-V3 config.json says and transformers drops on save (the converter reads scoring_func)
+_DEEPSEEK2_CHECKPOINT_KEYS = dict(scoring_func="sigmoid", topk_method="noaux_tc")
+for _v in DEEPSEEK2_VARIANTS:
+    ARCH_SPECS[f"deepseek2-{_v}"] = ("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek2", "qwen2-512",
+                                    dict(_DEEPSEEK2, **_DEEPSEEK2_VARIANT_KWARGS[_v]))
+DEEPSEEK2_ARCHS = tuple(f"deepseek2-{v}" for v in DEEPSEEK2_VARIANTS)
+DEEPSEEK2_RECIPE_VERSION = 1  # bump to rebuild the deepseek2 models only
+assert set(ARCH_SPECS) == (set(TINY_ARCHS) | set(QWEN4EXP_ARCHS) | set(HYBRID_ARCHS) | {"glm4moe", "gpt-oss"}
+                           | set(DEEPSEEK2_ARCHS))
 
 
 # -- paths and keys ----------------------------------------------------------------------------------
@@ -339,6 +377,23 @@ def _download_sdist(dest: Path) -> Path:
     return found[0]
 
 
+def _extract_from_sdist(out: Path, members: tuple[str, ...], work: Path) -> None:
+    """Copy the sdist's vendor/llama.cpp files under `members` (paths; "dir/" takes a folder) into out."""
+    sdist = _download_sdist(work)
+    got = _sha256_file(sdist)
+    if got != LLAMA_CPP_PYTHON_SDIST_SHA256:
+        raise RuntimeError(f"llama-cpp-python sdist sha256 {got}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}")
+    with tarfile.open(sdist, "r:gz") as tar:
+        for m in tar:
+            rel = m.name[len(_SDIST_ROOT):] if m.name.startswith(_SDIST_ROOT) else None
+            wanted = rel and any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in members)
+            if wanted and m.isfile():
+                target = out / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, dst)
+
+
 @functools.lru_cache(maxsize=None)
 def llama_cpp_converter() -> Path:
     """Path of convert_hf_to_gguf.py, extracted (with the modules it imports) from the pinned sdist."""
@@ -350,23 +405,22 @@ def llama_cpp_converter() -> Path:
         if script.is_file():
             return script
         with _building(root) as out, tempfile.TemporaryDirectory(dir=root.parent) as work:
-            sdist = _download_sdist(Path(work))
-            got = _sha256_file(sdist)
-            if got != LLAMA_CPP_PYTHON_SDIST_SHA256:
-                raise RuntimeError(
-                    f"llama-cpp-python sdist sha256 {got}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}")
-            with tarfile.open(sdist, "r:gz") as tar:
-                for m in tar:
-                    rel = m.name[len(_SDIST_ROOT):] if m.name.startswith(_SDIST_ROOT) else None
-                    wanted = rel and any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in _CONVERTER_MEMBERS)
-                    if wanted and m.isfile():
-                        target = out / rel
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        with tar.extractfile(m) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
-                            shutil.copyfileobj(src, dst)
+            _extract_from_sdist(out, _CONVERTER_MEMBERS, Path(work))
             if not (out / "convert_hf_to_gguf.py").is_file() or not (out / "conversion" / "base.py").is_file():
-                raise RuntimeError(f"{sdist.name} lacks {_SDIST_ROOT}convert_hf_to_gguf.py or conversion/")
+                raise RuntimeError(f"the sdist lacks {_SDIST_ROOT}convert_hf_to_gguf.py or conversion/")
     return script
+
+
+def chat_template(name: str) -> str:
+    """A real model's chat template from llama.cpp's collection (models/templates/NAME.jinja in the pinned
+    sdist), e.g. "Qwen-Qwen2.5-7B-Instruct" or "openai-gpt-oss-120b"."""
+    root = artifacts_dir() / f"llama-cpp-templates-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_PYTHON_SDIST_SHA256[:12]}"
+    if not root.is_dir():
+        with _lock("templates"):
+            if not root.is_dir():
+                with _building(root) as out, tempfile.TemporaryDirectory(dir=root.parent) as work:
+                    _extract_from_sdist(out, ("models/templates/",), Path(work))
+    return (root / "models" / "templates" / f"{name}.jinja").read_text()
 
 
 _QWEN4EXP_WRAPPER = Path(__file__).with_name("qwen4exp_convert.py")
@@ -558,6 +612,9 @@ def _hf_key(arch: str) -> str:
     if arch == "gpt-oss":
         return _key(GPTOSS_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, GPTOSS_GATE_UP_STD,
                     GPTOSS_BIAS_STD, GPTOSS_SINK_STD, f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
+    if arch in DEEPSEEK2_ARCHS:
+        return _key(DEEPSEEK2_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, _DEEPSEEK2_CHECKPOINT_KEYS, SEED,
+                    stds, SCORE_BIAS_STD, f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
     if arch == "glm4moe":
         return _key(GLM4MOE_RECIPE_VERSION, arch, cfg_cls, model_cls, kwargs, SEED, stds, SCORE_BIAS_STD,
                     f"{DEFAULT_MODEL_SHA256}-{tok_kind}", transformers.__version__)
@@ -757,7 +814,8 @@ def tiny_hf_dir(arch: str) -> Path:
         torch.manual_seed(SEED)
         config = getattr(transformers, cfg_cls)(**kwargs)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        init = {"glm4moe": _init_weights_glm4moe, "gpt-oss": _init_weights_gptoss}.get(
+        init = {"glm4moe": _init_weights_glm4moe, "gpt-oss": _init_weights_gptoss,
+                **dict.fromkeys(DEEPSEEK2_ARCHS, _init_weights_glm4moe)}.get(
             arch, _init_weights_qwen4exp if arch in QWEN4EXP_ARCHS else _init_weights_hybrid if arch in HYBRID_ARCHS
             else _init_weights)
         init(model, SEED)
@@ -771,6 +829,10 @@ def tiny_hf_dir(arch: str) -> Path:
                 _add_mtp_block(tmp, kwargs["hidden_size"], like_layer=1, seed=SEED)
             if arch == "glm4moe":
                 _add_glm4moe_mtp(tmp, kwargs, SEED)
+            if arch in DEEPSEEK2_ARCHS:
+                config_path = tmp / "config.json"
+                config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()),
+                                                       **_DEEPSEEK2_CHECKPOINT_KEYS), indent=2))
             for f in tok_dir.iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
@@ -799,6 +861,14 @@ def glm4moe_model(outtype: str = "f32", mtp: bool = True) -> TinyModel:
     return tiny_model("glm4moe", outtype, mtp=mtp)
 
 
+def deepseek2_model(variant: str = "v3", outtype: str = "f32") -> TinyModel:
+    """A tiny DeepseekV3ForCausalLM of one of DEEPSEEK2_VARIANTS (see _DEEPSEEK2), converted to llama.cpp's
+    deepseek2 arch through tests/qwen4exp_convert.py for the pre-tokenizer name, as the glm4moe model."""
+    if variant not in DEEPSEEK2_VARIANTS:
+        raise ValueError(f"unknown deepseek2 variant {variant!r}; choose from {DEEPSEEK2_VARIANTS}")
+    return tiny_model(f"deepseek2-{variant}", outtype)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_model(arch: str, outtype: str = "f32", mtp: bool = True) -> TinyModel:
     """A tiny random model of `arch` as GGUF (`outtype` f32 or q8_0) plus the HF directory it came from.
@@ -807,7 +877,8 @@ def tiny_model(arch: str, outtype: str = "f32", mtp: bool = True) -> TinyModel:
         raise ValueError(f"outtype {outtype!r}: the converter is run with one of {OUTTYPES}")
     hf_dir = tiny_hf_dir(arch)
     _, _, gguf_arch, _, kwargs = ARCH_SPECS[arch]
-    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS or arch in ("glm4moe", "gpt-oss")  # through the wrapper
+    # through the wrapper
+    q4 = arch in QWEN4EXP_ARCHS or arch in HYBRID_ARCHS or arch in ("glm4moe", "gpt-oss") or arch in DEEPSEEK2_ARCHS
     # the hybrids' converter refuses a checkpoint without MTP weights unless told to skip them
     extra = ("--no-mtp",) if arch in HYBRID_BASE_ARCHS or not mtp else ()
     key = _key(hf_dir.name, LLAMA_CPP_PYTHON_SDIST_SHA256, outtype,

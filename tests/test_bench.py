@@ -176,6 +176,13 @@ def test_render_updates_only_the_region(bench_run, tmp_path):
     assert ("| strata-jax | resident, 3-step decode calls (32 experts, "
             "`XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) |") in both
     assert "| strata-jax | resident, 3-step decode calls (32 experts) | realistic |" in both
+    # so is a run under a STRATA_JAX_* switch, in its rows and its command
+    variant["machine"]["env_user"] = "STRATA_JAX_QMATVEC=1"
+    (tmp_path / "variant.json").write_text(json.dumps(variant))
+    both = table.render(table.load([out, tmp_path / "variant.json"]))
+    assert ("| strata-jax | resident, 3-step decode calls (32 experts, `STRATA_JAX_QMATVEC=1 "
+            "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) |") in both
+    assert " with `STRATA_JAX_QMATVEC=1 XLA_FLAGS=" in both
     # runs of one machine at two commits: one description naming both
     a, b = table.load([out, out])
     a["machine"]["commit"], b["machine"]["commit"] = "ba9876543210", "0123456789ab"

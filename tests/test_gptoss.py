@@ -159,8 +159,9 @@ def test_every_tensor_is_consumed(outtype):
     assert cfg.n_layers == 3 and cfg.moe_layers == (0, 1, 2) and spec.moe_layers == (0, 1, 2)
     assert cfg.sliding_window == 8 and cfg.swa_layers == (0, 2)
     assert cfg.expert_gating == "softmax_weight" and cfg.expert_act == "swiglu_oai" and not cfg.norm_topk
-    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_orig_ctx) == ("yarn", 4.0, 64)
-    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_ext_factor) == (32.0, 1.0, 1.0)
+    y = cfg.rope_scaling
+    assert (y.kind, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow, y.ext_factor, y.log_mul) == (
+        "yarn", 4.0, 64, 32.0, 1.0, 1.0, 0.0)
     assert cfg.rope_style == "neox" and cfg.qkv_bias and cfg.ffn_norm_tensor == "post_attention_norm"
     assert cfg.head_dim == 32 and cfg.q_dim == 128 != cfg.d_model
     for lp in params.layers:
@@ -175,18 +176,18 @@ def test_every_tensor_is_consumed(outtype):
 
 
 def test_yarn_frequencies_match_transformers():
-    """rope_frequencies against transformers' YaRN init for the checkpoint's parameters (truncate at
+    """rope_freqs against transformers' YaRN init for the checkpoint's parameters (truncate at
     its default, True, which is what llama.cpp computes: GGUF cannot say otherwise), and the ramp's
     ends are truncated: truncate=False gives other frequencies. Linear scaling against its init too."""
     import torch
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from strata_jax.model.layers import rope_frequencies
+    from strata_jax.model.layers import rope_freqs
 
     tm = gptoss_model("f32")
     _, cfg, _, _, _ = _load(tm)
-    inv_freq, mscale = rope_frequencies(cfg)
+    inv_freq, mscale = rope_freqs(cfg)
     hf_cfg = GptOssConfig(**tm.config)
     ref, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, torch.device("cpu"))
     inv_freq = np.asarray(inv_freq)
@@ -196,10 +197,10 @@ def test_yarn_frequencies_match_transformers():
     other, _ = ROPE_INIT_FUNCTIONS["yarn"](untruncated, torch.device("cpu"))
     assert np.abs(other.numpy() - inv_freq).max() > 1e-3 * inv_freq.max()
     # linear scaling (any architecture's rope.scaling.type = linear)
-    linear = dataclasses.replace(cfg, rope_scaling="linear")
+    linear = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, kind="linear"))
     lin_cfg = GptOssConfig(**dict(tm.config, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=150000.0)))
     lin_ref, lin_scale = ROPE_INIT_FUNCTIONS["linear"](lin_cfg, torch.device("cpu"))
-    lin, lin_mscale = rope_frequencies(linear)
+    lin, lin_mscale = rope_freqs(linear)
     np.testing.assert_allclose(np.asarray(lin), lin_ref.numpy(), rtol=1e-6)
     assert lin_mscale == lin_scale == 1.0
 
@@ -387,7 +388,7 @@ SWITCHED_OFF = {
     "softmax after top-k": (dict(expert_gating="softmax"), None),
     "clamp": (dict(swiglu_limit=float("inf")), None),
     "clamped swiglu (+1 on up, alpha)": (dict(expert_act="silu"), None),
-    "yarn": (dict(rope_scaling="none"), None),
+    "yarn": (dict(rope_scaling=None), None),
 }
 
 

@@ -293,14 +293,16 @@ def test_host_table_matches_device_table():
     np.testing.assert_array_equal(np.asarray(sa.conv_BKcCc), np.asarray(sb.conv_BKcCc))
 
 
-@pytest.mark.parametrize("memory_kind", ple.MEMORY_KINDS)
-def test_quantized_table_rows(memory_kind):
-    """A Q8_0 table: the gathered rows equal gguf-py's dequantization of those rows, in both places."""
+@pytest.mark.parametrize("memory_kind,n_rows", [("device", 40), ("pinned_host", 40),
+                                                 ("pinned_host", ple.DMA_ROWS_MAX + 1)])
+def test_quantized_table_rows(memory_kind, n_rows):
+    """A Q8_0 table: the gathered rows equal gguf-py's dequantization of those rows, in both places, and a
+    host table in both of its gathers (a decode step's rows by DMA, a prefill chunk's by host compute)."""
     rng = np.random.default_rng(5)
     table = rng.standard_normal((300, 64)).astype(np.float32)
     q = gguf_quantize(table, GGMLQuantizationType.Q8_0)
     t = ple.place_table(QTensor(q, GGMLQuantizationType.Q8_0, 64), memory_kind)
-    idx = rng.integers(0, 300, size=40).astype(np.int32)
+    idx = rng.integers(0, 300, size=n_rows).astype(np.int32)
     compiled = jax.jit(ple.gather_rows).lower(t, jnp.asarray(idx)).compile()
     # the program reads the table where it was placed (a host table is not copied over whole)
     assert compiled.input_shardings[0][0].rows.data.memory_kind == memory_kind

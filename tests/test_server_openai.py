@@ -182,7 +182,7 @@ def test_tools_accepted(client):
 
 def test_errors_are_sdk_exceptions(client, server):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=MSGS, n=2)
+        client.chat.completions.create(model="m", messages=MSGS, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[], max_tokens=2)

@@ -144,6 +144,15 @@ def _user_xla_flags() -> str:
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in ours)
 
 
+# the environment switches a reproduction must set too (engine/config.py reads them); the cache location is not one
+_ENV_SWITCHES = ("STRATA_JAX_QMATVEC", "STRATA_JAX_MOE_PREFILL", "STRATA_JAX_XLA_DEFAULTS", "STRATA_JAX_COMPILATION_CACHE")
+
+
+def _user_env() -> str:
+    """The STRATA_JAX_* switches set for this run, as `NAME=value` words ('' when none)."""
+    return " ".join(f"{k}={os.environ[k]}" for k in _ENV_SWITCHES if os.environ.get(k))
+
+
 def machine_info(smi: dict | None) -> dict:
     """Everything about the machine that is known without starting JAX's backend."""
     import strata_jax
@@ -165,6 +174,7 @@ def machine_info(smi: dict | None) -> dict:
         "commit": _git_commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "xla_flags_user": _user_xla_flags(),
+        "env_user": _user_env(),
     }
 
 

@@ -27,3 +27,7 @@ class TensorShapeError(StrataError):
 
 class ConfigError(StrataError):
     """An option or request value is invalid."""
+
+
+class HubError(StrataError):
+    """A hub listing or download failed, or a downloaded file did not verify."""

@@ -20,10 +20,12 @@ Model and serving:
   H   query heads
   G   query heads per kv head (H // K)
   Dh  head dim
+  Do  per-head value dims, what each head outputs (Dh, but where the values are narrower: deepseek2)
   D   model dim
   F   ffn dim (dense, shared or routed expert)
   V   vocab
   W   repeat-penalty window
+  Vw  words of a vocab bitmask (32 tokens per 32-bit word, bit t % 32 of word t // 32: llguidance's)
   St  stop token ids (-1 padded)
   R   row bytes of one GGML matrix (its quantized last axis)
   P   bytes of one expert row (gate, up and down rows back to back: core/experts.py)
@@ -49,6 +51,12 @@ PLE: model/ple.py):
   Hi  QSA indexer query heads
   Di  QSA indexer head dim
   Gp  PLE n-gram hash heads (table rows gathered per token)
+
+deepseek2 (multi-head latent attention: model/mla.py; its cache is one key "head" of Dh = Rk + Dr):
+  Rq  query latent rank (q_lora_rank)
+  Rk  key/value latent rank (kv_lora_rank)
+  Dn  per-head key dims without rope
+  Dr  rotated key dims (one rope key shared by every head)
 
 Inside a GGML row (gguf/quant.py's decoders, the qmatvec kernel):
   Y   blocks in a row (n_cols // block size)

@@ -34,6 +34,7 @@ DEFAULT_CTX_CAP = 4096  # ctx=None: the trained context, capped here to keep the
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
 DECODE_CHUNK_GPU = 16
+SPEC_DRAFTERS = ("lookup",)  # speculative decoding's drafters (engine/lookup.py)
 
 
 def default_decode_chunk(platform: str) -> int:
@@ -44,7 +45,7 @@ FLAGS = {
     "ctx": "--ctx", "dtype": "--dtype", "prefill_chunk": "--prefill-chunk", "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
-    "ple_table": "--ple-table",
+    "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model)
@@ -83,6 +84,11 @@ class EngineConfig:
     # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
     # cross the bus) or "auto": host when the experts are offloaded or the table is over 1 GiB
     ple_table: str = "auto"
+    # speculative decoding of greedy requests: None (off) or "lookup" (drafts are n-gram matches over the
+    # prompt and output so far, verified in one multi-token pass that shares its expert fetches)
+    spec: str | None = None
+    # drafted tokens per verify pass at most
+    spec_max: int = 4
     # keep the routed experts of every token (Model.routing_trace(), for the offload simulator)
     record_routing: bool = False
     # which kernel each jitted program traces (model/kernels.py); default from the environment
@@ -141,6 +147,10 @@ class EngineConfig:
             raise ConfigError(f"prefetch={self.prefetch} (--prefetch-depth) is not supported for "
                               f"{model_config.arch}: the hybrid forward (gated DeltaNet layers) does not prefetch "
                               "experts; use prefetch=0.")
+        if self.spec is not None and model_config.is_hybrid:
+            # a rejected draft has advanced the recurrent state, which cannot be rolled back yet
+            raise ConfigError(f"spec={self.spec!r} (--spec) is not supported for {model_config.arch}: its recurrent "
+                              "layers' state would need rolling back past rejected drafts; leave spec unset.")
         return dataclasses.replace(self, ctx=ctx)
 
     def resolved(self, platform: str) -> "EngineConfig":
@@ -322,6 +332,8 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
         "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),
+        "spec": lambda v: v if v is None else _choice(v, n("spec"), SPEC_DRAFTERS),
+        "spec_max": lambda v: _int(v, n("spec_max"), text, 1, "a positive integer (drafted tokens per verify pass)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),

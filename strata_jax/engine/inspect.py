@@ -102,6 +102,12 @@ def format_report(r: dict[str, Any]) -> str:
         f"architecture  {cfg.arch}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
         f"({cfg.n_kv_heads} kv, head dim {cfg.head_dim}), vocab {cfg.vocab_size:,}, context {cfg.context_length:,}",
     ]
+    if cfg.mla is not None:
+        d = cfg.mla
+        lines.append(
+            f"attention     latent (MLA): query latent {d.q_lora_rank or 'none'}, kv latent {d.kv_lora_rank}, per head "
+            f"{d.nope_dim} + {d.rope_dim} rope key dims and {d.v_dim} value dims; cache {cfg.kv_values_per_position} "
+            f"values per position and layer" + (f", {cfg.rope_scaling.kind} rope x{cfg.rope_scaling.factor:g}" if cfg.rope_scaling else ""))
     if cfg.is_moe:
         lines.append(
             f"experts       {len(cfg.moe_layers)} MoE layers x {cfg.n_experts} experts = {r['experts']:,}, "

@@ -22,6 +22,7 @@ import numpy as np
 from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import PLE_DEVICE_MAX, EngineConfig
+from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
@@ -195,9 +196,11 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], **template_kwargs) -> list[int]:
+    def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], *, response_prefix: str = "",
+                      **template_kwargs) -> list[int]:
         """A raw prompt is tokenized as is (with BOS if the model wants one); a message list goes through
-        the GGUF's chat template first; a list of token ids is used as is."""
+        the GGUF's chat template first, and response_prefix (the start of the assistant's reply, which
+        the model continues) follows its generation prompt; a list of token ids is used as is."""
         if isinstance(prompt_or_messages, str):
             return self.tokenize(prompt_or_messages)
         if not prompt_or_messages:
@@ -212,7 +215,7 @@ class Model:
             raise ConfigError("a prompt list must hold either token ids or message dicts "
                               "({'role': ..., 'content': ...}), not a mix.")
         text = self.tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
-                                                  **template_kwargs)
+                                                  **template_kwargs) + response_prefix
         bos = self.tokenizer.bos_id
         has_bos = bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
         return self.tokenize(text, add_special=not has_bos)
@@ -249,6 +252,9 @@ class Model:
         repeat_last_n: int = 64,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        json_schema: dict | None = None,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
@@ -258,13 +264,17 @@ class Model:
         presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) act on the tokens generated so far;
         repeat_penalty (llama.cpp's, 1 = off) on the last repeat_last_n tokens of prompt and output.
         logprobs: each chunk's `logprobs` holds a TokenLogprob per token (the model's log-probability and
-        the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs)."""
+        the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs).
+        Constrained output (llguidance): response_format as OpenAI's ({"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"schema": {...}}}), or llama.cpp's grammar (GBNF text) or
+        json_schema (a schema dict); at most one of them."""
+        constraint = request_grammar(response_format, grammar, json_schema)
         s = self.session()
         row, chunks = s.admit(prompt_or_messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, min_p=min_p, seed=seed, stop=stop, cache_prompt=cache_prompt,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
-                              top_logprobs=top_logprobs, **template_kwargs)
+                              top_logprobs=top_logprobs, constraint=constraint, **template_kwargs)
         try:
             yield from chunks
             while row in s.active_rows:

@@ -18,6 +18,20 @@ position, where they neither write the cache nor look experts up (forward). MoE 
 per decode step: while B * k <= n_experts they take the few-token path, which fetches each expert
 the batch routes to once, shared by all rows.
 
+A request with a grammar (engine/constrained.py) gets its next token's mask from the host after each
+sampled token: it joins a decode call only when its previous tokens have arrived, for the tokens the
+grammar forces (fed without sampling, up to a chunk) and one masked sampled step (a capped row in
+model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
+its first token is masked in the prefill.
+
+Speculative decoding (EngineConfig.spec "lookup", one-row sessions): a greedy request's step drafts up
+to spec_max tokens by prompt lookup (engine/lookup.py) and verifies them in one multi-token pass of its
+row (model/decode.py verify), which accepts the drafts the model's argmax agrees with, plus the argmax
+after them: the same tokens plain greedy decode gives, several per pass, their expert fetches shared.
+Without a match, or while the row's recent acceptance is low, the step is a plain decode call. A
+sampling, penalized, logprobs or constrained request decodes without speculation. A row that
+speculates takes no call queued ahead (its drafts need the tokens before).
+
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
 """
 
@@ -40,8 +54,10 @@ from strata_jax.model import decode as programs
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
-                                      SamplingParams, validate_sampling)
+                                      SamplingParams, allowed_mask, validate_sampling)
 from strata_jax.engine.config import MIN_PREFILL_CHUNK
+from strata_jax.engine.constrained import Constraint
+from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
@@ -141,6 +157,12 @@ class _Request:
     fed: list[int]  # tokens written to the row's cache, from position 0
     last: int  # the latest sampled token, not yet fed back
     planned: int = 1  # tokens once the dispatched calls have run in full (the prefill's first included)
+    constraint: Constraint | None = None  # its grammar's state, None when unconstrained
+    in_flight: int = 0  # dispatched calls whose tokens have not been read (a constrained row waits for 0)
+    spec: Acceptance | None = None  # its speculative decoding's recent acceptance; None: it does not speculate
+    draft_n: int = 0  # tokens drafted for it (llama.cpp's names) ...
+    draft_n_accepted: int = 0  # ... and how many of them the verify passes accepted
+    spec_on: bool = False  # the session speculates: its timings report the draft counts
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -153,6 +175,8 @@ class _Request:
         # decode time includes the prefills of requests admitted meanwhile
         timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
                                   self.t1, self.t_steady, time.perf_counter(), n_before_steady=1)
+        if self.spec_on:
+            timings.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
         return self.stream.last(finish, timings, self.ids)
 
 
@@ -189,6 +213,15 @@ class Session:
         self._t_last = 0.0  # when the previous call's tokens arrived (telemetry: seconds per step)
         self._stops: tuple[frozenset, jax.Array] | None = None
         cfg = model.config
+        ec = model.engine_config
+        self.spec, self.spec_max = ec.spec, ec.spec_max
+        if self.spec is not None and n_rows > 1:
+            log.warning("spec=%r ignored: speculative decoding runs on one-row sessions only (parallel 1), this one "
+                        "has %d rows", self.spec, n_rows)
+            self.spec = None
+        elif self.spec is not None:
+            log.info("speculative decoding: %s drafts, up to %d per verify pass, for greedy requests", self.spec,
+                     self.spec_max)
         if n_rows > 1:
             kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
             log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
@@ -233,9 +266,12 @@ class Session:
               min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
               cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
+              keep_special: Sequence[int] = (), constraint: str | None = None,
               **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
-        Model.generate_stream. Returns the row and the chunks of that first token (ending with the final
+        Model.generate_stream, and keep_special: special token ids whose text stays in the streamed
+        text (a tool-call parser's markers); constraint: an llguidance grammar (engine/constrained.py's
+        request_grammar). Returns the row and the chunks of that first token (ending with the final
         chunk if the request is already done, and then the row is free again)."""
         m = self.model
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -247,6 +283,8 @@ class Session:
         m.check_len(len(ids) + 1)
         if not self.free_rows:
             raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
+        if constraint is not None:
+            constraint = Constraint(constraint, m.tokenizer, m.config.vocab_size)
         # a recurrent layer's state cannot be rewound to a shared prefix (and a call queued ahead may have
         # run a row past the request's end), so those models prefill every prompt from position 0
         cache_prompt = cache_prompt and not m.config.has_recurrent_state
@@ -258,14 +296,23 @@ class Session:
         seed = seed if seed is not None else time.time_ns() % (2**31)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1, temperature, top_p, top_k, min_p, **penalties))
         start = programs.RowStart(np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))), sp,
-                                  PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool))
+                                  PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool),
+                                  constraint.mask() if constraint else allowed_mask(m.config.vocab_size))
         self._touch(row)
         t0 = time.perf_counter()
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
-        stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(), n_top is not None)
-        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok)
+        stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
+        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
+        if self.spec is not None:
+            q.spec_on = True
+            if mode == GREEDY and constraint is None:
+                q.spec = Acceptance()
+            else:
+                log.info("spec %s: this request decodes without speculation (verification is greedy only; it %s)",
+                         self.spec, "has a grammar" if constraint is not None else
+                         "samples, takes penalties or logprobs")
         q.t_prefill = time.perf_counter() - t0
         q.t1 = q.t_steady = time.perf_counter()
         self._reqs[row] = q
@@ -279,7 +326,14 @@ class Session:
         t_start = time.perf_counter()
         if not self._pending:
             self._t_last = t_start
-        while len(self._pending) < QUEUED and self._dispatch():
+            out = self._speculate()
+            if out is not None:
+                return out
+        # a call queued ahead could not serve a constrained row (its mask waits for the call before), so
+        # while one runs the calls go one at a time and it takes a token in every call
+        queued = 1 if any(q is not None and (q.constraint is not None or q.spec is not None)
+                          for q in self._reqs) else QUEUED
+        while len(self._pending) < queued and self._dispatch():
             pass
         if not self._pending:
             # every planned token was delivered, so TextStream has ended each request; never spin on one
@@ -304,6 +358,9 @@ class Session:
                 if rows:
                     m.routing.append(routed[c][:, rows].transpose(1, 0, 2))
         out: dict[int, list[GenerationChunk]] = {}
+        for q in p.owners:
+            if q is not None:
+                q.in_flight -= 1
         for r, q in enumerate(p.owners):
             if q is None or self._reqs[r] is not q:  # ended since the call was dispatched: drop its tokens
                 continue
@@ -326,6 +383,20 @@ class Session:
         self._end(row)
         return n
 
+    def fork(self, row: int) -> int | None:
+        """Copy the prompt active row `row` has prefilled into a free row, which then holds it for prefix
+        reuse: admitting the same prompt again (another choice of it) prefills only its last token there.
+        Returns that row, or None where there is none free or the model's recurrent state cannot be
+        shared (it then prefills the prompt whole)."""
+        q = self._reqs[row]
+        free = [r for r in range(self.n_rows) if self._reqs[r] is None]
+        if q is None or not free or self._kv is None or self.model.config.has_recurrent_state:
+            return None
+        dst = min(free, key=self._used.__getitem__)
+        self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
+        self._cached[dst] = list(q.ids)
+        return dst
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """float32 [len(ids), vocab]: the next-token logits after each position, prefilled into a free row
         (which then holds ids for prefix reuse; the row is not decoded)."""
@@ -334,7 +405,7 @@ class Session:
         row = self._pick_row(ids, cache_prompt=False)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1))
         start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0),
-                                  np.zeros(3, bool))
+                                  np.zeros(3, bool), allowed_mask(self.model.config.vocab_size))
         outs = self._prefill(row, ids, 0, start, all_logits=True, keep=True)
         return np.concatenate(outs, axis=0)
 
@@ -353,6 +424,9 @@ class Session:
             q.fed.append(q.last)  # the step that sampled tok took `last` in
             q.last = tok
         chunks, finish = q.stream.push(tok, self.model.tokenizer.stop_ids, lp)
+        if q.constraint is not None and finish is None:
+            q.constraint.take(tok)
+            finish = "stop" if q.constraint.done else None  # the grammar is complete: nothing may follow
         if finish is not None:
             chunks.append(q.final(finish))
             self._end(row)
@@ -361,34 +435,99 @@ class Session:
     def _dispatch(self) -> bool:
         """Queue one decode call for the rows with tokens still to plan; False when there is none."""
         live = [(r, q) for r, q in enumerate(self._reqs) if q is not None and q.planned < q.max_tokens]
-        if not live:
+        # a constrained row needs its last token's mask: it waits (cap 0, still alive) while a call is out
+        ready = [(r, q) for r, q in live if q.constraint is None or not q.in_flight]
+        if not ready:
             return False
         m = self.model
-        n = min(self.decode_chunk, max(q.max_tokens - q.planned for _, q in live))
+        free_running = [q for _, q in ready if q.constraint is None]
+        n = min(self.decode_chunk, max(q.max_tokens - q.planned for q in free_running)) if free_running else 1
+        # a constrained row takes the tokens its grammar forces (up to a chunk, leaving one step to sample)
+        ff = {r: q.constraint.forced(min(self.decode_chunk, q.max_tokens - q.planned) - 1)
+              for r, q in ready if q.constraint is not None}
+        n = max([n] + [len(f) + 1 for f in ff.values()])
         owners: list[_Request | None] = [None] * self.n_rows
         pos = [m.ctx] * self.n_rows
         alive = np.zeros(self.n_rows, bool)
+        caps = np.zeros(self.n_rows, np.int32)
         mode = GREEDY
         for r, q in live:
-            owners[r], pos[r], alive[r] = q, len(q.ids) + q.planned - 1, True
+            pos[r], alive[r] = len(q.ids) + q.planned - 1, True
+        for r, q in ready:
+            owners[r], caps[r] = q, (len(ff[r]) + 1 if q.constraint is not None else n)
             mode = mode | q.mode
-        end = max(pos[r] for r, _ in live) + n
+        constraint = {}
+        if any(q.constraint is not None for _, q in live):
+            allowed = allowed_mask(m.config.vocab_size, self.n_rows)
+            ff_BN = np.zeros((self.n_rows, self.decode_chunk), np.int32)
+            n_ff = np.zeros(self.n_rows, np.int32)
+            for r, f in ff.items():
+                allowed[r] = self._reqs[r].constraint.mask()[0]
+                ff_BN[r, : len(f)], n_ff[r] = f, len(f)
+            constraint = {"constraint": (allowed, caps, ff_BN, n_ff)}
+        end = max(pos[r] for r, _ in ready) + n
         t_d = time.perf_counter()
         try:
             out, _ = self._call(programs.decode, alive, self._stop_St, np.int32(n), end=end, mode=mode,
-                                n_max=self.decode_chunk, **self._forced_decode(pos))
+                                n_max=self.decode_chunk, **self._forced_decode(pos), **constraint)
         except BaseException:
             for r, _ in live:  # the call did not happen: every request it was to serve ends here
                 self._end(r)
             raise
         m.host.dispatch(time.perf_counter() - t_d)
         now = time.perf_counter()
-        for r, q in live:
-            q.planned += min(n, q.max_tokens - q.planned)
+        for r, q in ready:
+            q.planned += min(int(caps[r]), q.max_tokens - q.planned)
+            q.in_flight += 1
             if q.t_steady == q.t1:  # steady-state speed starts once its first decode call is launched
                 q.t_steady = now
         self._pending.append(_Pending(out, owners))
         return True
+
+    def _speculate(self) -> dict[int, list[GenerationChunk]] | None:
+        """One verify pass of the speculating row's drafts and its tokens; None when this step should be a
+        plain decode call (no speculating row, no n-gram match, or low recent acceptance)."""
+        live = [(r, q) for r, q in enumerate(self._reqs) if q is not None and q.planned < q.max_tokens]
+        if len(live) != 1 or live[0][1].spec is None:
+            return None
+        r, q = live[0]
+        n_max = min(self.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
+        if n_max < 1 or not q.spec.should_draft():
+            return None
+        drafts = lookup_draft(q.fed + [q.last], n_max)
+        if not drafts:
+            return None
+        m = self.model
+        toks = np.zeros((1, self.spec_max + 1), np.int32)  # one program for every draft count
+        toks[0, 0], toks[0, 1: len(drafts) + 1] = q.last, drafts
+        pos = len(q.fed)
+        t_d = time.perf_counter()
+        (out, routed) = self._call(programs.verify, np.int32(r), toks, np.array([len(drafts) + 1], np.int32),
+                                   self._stop_St, end=pos + toks.shape[1], **m.forced_prefill(pos, toks.shape[1]))
+        m.host.dispatch(time.perf_counter() - t_d)
+        t_w = time.perf_counter()
+        greedy, n_emit = np.asarray(out.greedy_T), int(out.n_emit)
+        now = time.perf_counter()
+        m.host.wait(now - t_w, 1)
+        m.note_steps(now - self._t_last, 1)  # one pass: the expert cache saw one step
+        self._t_last = now
+        if m.routing is not None:
+            m.routing.append(np.asarray(routed).transpose(1, 0, 2)[:n_emit])
+        accepted = 0  # the drafts the argmax agreed with (n_emit may be cut shorter by max_tokens)
+        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
+            accepted += 1
+        q.draft_n += len(drafts)
+        q.draft_n_accepted += accepted
+        q.spec.record(len(drafts), accepted)
+        q.planned += n_emit
+        if q.t_steady == q.t1:
+            q.t_steady = t_d
+        chunks = []
+        for tok in greedy[:n_emit].tolist():
+            chunks += self._push(r, q, tok, None)
+            if self._reqs[r] is not q:  # done: a stop id or string, or max_tokens
+                break
+        return {r: chunks} if chunks else {}
 
     def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, all_logits: bool,
                  keep: bool = False):

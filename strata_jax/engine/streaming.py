@@ -42,6 +42,7 @@ class GenerationChunk:
     timings: dict[str, float] | None = None
     prompt_token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    stop_string: str | None = None  # on the last chunk: the stop string that ended it (Anthropic reports it)
 
 
 @dataclasses.dataclass
@@ -68,6 +69,7 @@ class TextStream:
     generated: list[int] = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)  # ids whose text is still held back
     pending_lp: list[TokenLogprob] = dataclasses.field(default_factory=list)  # their logprobs
+    stop_string: str | None = None  # the stop string that ended the request, once one has
 
     def push(self, tok: int, stop_ids, tok_lp: TokenLogprob | None = None) -> tuple[list[GenerationChunk], str | None]:
         """Take in a sampled token: the chunks to stream now, and the finish reason once the request is
@@ -82,7 +84,7 @@ class TextStream:
         self.text += self.decoder.push(tok)
         hit = _find_stop(self.text, self.stops, self.emitted)
         if hit is not None:
-            self.text = self.text[:hit]
+            self.text, self.stop_string = self.text[:hit[0]], hit[1]
             return [], "stop"
         out = []
         safe = len(self.text) - _stop_prefix_len(self.text[self.emitted:], self.stops)
@@ -97,7 +99,7 @@ class TextStream:
     def last(self, finish: str, timings: dict[str, float], prompt_token_ids: list[int]) -> GenerationChunk:
         """The final chunk: whatever text was held back, the finish reason and the timings."""
         return GenerationChunk(self.text[self.emitted:], self.pending, finish_reason=finish, timings=timings,
-                               prompt_token_ids=prompt_token_ids, logprobs=self._lp())
+                               prompt_token_ids=prompt_token_ids, logprobs=self._lp(), stop_string=self.stop_string)
 
     def _lp(self) -> list[TokenLogprob] | None:
         return self.pending_lp if self.logprobs else None
@@ -123,11 +125,11 @@ def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, 
     }
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in text (searching from `start`, the yielded boundary:
-    a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """(where, which): the earliest stop string in text, searching from `start`, the yielded boundary
+    (a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""
+    hits = [(i, s) for s, i in ((s, text.find(s, start)) for s in stops) if i >= 0]
+    return min(hits, key=lambda h: h[0]) if hits else None
 
 
 def _stop_prefix_len(tail: str, stops: list[str]) -> int:

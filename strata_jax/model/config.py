@@ -33,6 +33,9 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     "glm4moe": ("neox", True),
     # sinks, alternating sliding-window layers, biases everywhere, softmax over the top-k logits
     "gpt-oss": ("neox", False),
+    # DeepSeek-V2/V3: multi-head latent attention (MLADims), rope on interleaved pairs, optional YaRN;
+    # expert_weights_norm comes from the file (llama.cpp's default: off)
+    "deepseek2": ("normal", False),
 }
 # gated DeltaNet + gated full attention layers: model/hybrid.py's forward
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
@@ -75,6 +78,43 @@ class LinearAttnDims:
     @property
     def conv_channels(self) -> int:
         return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention (deepseek2: model/mla.py), from the GGUF's attention.* keys: the query
+    through a rank-q_lora_rank latent (0: one projection, attn_q), keys and values of every head through
+    one rank-kv_lora_rank latent; per head nope_dim + rope_dim key dims (key_length_mla; only the
+    rope_dim part is rotated, its key shared by all heads) and v_dim value dims (value_length_mla).
+    The cache holds the latent and the rotated key: kv_lora_rank + rope_dim values per position."""
+
+    q_lora_rank: int  # Rq
+    kv_lora_rank: int  # Rk
+    nope_dim: int  # Dn
+    rope_dim: int  # Dr
+    v_dim: int  # Do
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """rope.scaling.*, ggml's rope_yarn with llama.cpp's meaning of its keys. kind "linear": every
+    frequency divided by factor. kind "yarn": frequencies interpolated by 1 / factor below the original
+    context's correction range, extrapolated above it (ramp over dims [beta_fast, beta_slow] rotations,
+    ext_factor of the mix), and a magnitude (mscale) correction; log_mul: rope.scaling.yarn_log_multiplier
+    without the converter's 0.1 factor (HF's mscale_all_dim; 0: none). model/layers.py's rope_freqs and
+    attn_mscale are the formulas."""
+
+    kind: str
+    factor: float
+    orig_ctx: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    log_mul: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +197,6 @@ class ModelConfig:
     # positions only (the query's own included)
     sliding_window: int = 0
     swa_layers: tuple[int, ...] = ()
-    # RoPE scaling: "none", "linear" or "yarn" (rope.scaling.*: factor, original context, beta
-    # fast/slow, ext factor; model/layers.py rope_frequencies)
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_orig_ctx: int = 0
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_ext_factor: float = 1.0
     # MTP ("nextn") blocks stored after the n_layers text blocks (blk.{n_layers + j}; MTP_ARCHITECTURES):
     # loaded into params.nextn where their tensors are in the file, never run by the forward pass
     n_nextn_layers: int = 0
@@ -178,6 +210,10 @@ class ModelConfig:
     linear: LinearAttnDims | None = None
     indexer: IndexerDims | None = None
     ple: PLEDims | None = None
+    # deepseek2: multi-head latent attention (None elsewhere); n_kv_heads = 1 and head_dim = its cached
+    # values per position (kv_lora_rank + rope_dim), as the GGUF's MQA view of it says
+    mla: MLADims | None = None
+    rope_scaling: RopeScaling | None = None  # rope.scaling.* (None: unscaled)
 
     @property
     def is_moe(self) -> bool:
@@ -190,6 +226,21 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """(heads, dims) per position of one KV layer's key cache and value cache: the one layout
+        KVCache.zeros allocates and memory.kv_cache_bytes counts. MLA caches its latent and rotated key
+        as one single-head key (the latent is also the value: no value cache, None)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank + self.mla.rope_dim), None
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
+    @property
+    def kv_values_per_position(self) -> int:
+        """Cached values per position and KV layer (keys and values together)."""
+        (kh, kd), v = self.kv_cache_dims
+        return kh * kd + (v[0] * v[1] if v is not None else 0)
 
     def kind(self, layer: int) -> str:
         return self.layer_kinds[layer] if self.layer_kinds else ATTENTION
@@ -269,6 +320,8 @@ class ModelConfig:
             shared_ffn = int(gguf.tensor(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight").shape[0])
         ffn_dim = _scalar_or_first(m("feed_forward_length", 0))
 
+        mla = _mla(gguf, m, arch, n_kv, head_dim) if arch == "deepseek2" else None
+        rope_scaling = _rope_scaling(gguf, m, arch)
         qk_norm = "none"
         if gguf.has("blk.0.attn_q_norm.weight"):
             qk_norm = "head" if gguf.tensor("blk.0.attn_q_norm.weight").shape[0] == head_dim else "full"
@@ -303,7 +356,8 @@ class ModelConfig:
             n_nextn_layers=n_nextn,
             **_EXPERT_ACT.get(arch, {}),
             **_sliding_window(gguf, m, arch, n_layers),
-            **_rope_scaling(gguf, m),
+            mla=mla,
+            rope_scaling=rope_scaling,
         )
 
 
@@ -325,25 +379,61 @@ def _sliding_window(gguf: GGUFFile, m, arch: str, n_layers: int) -> dict:
     return dict(sliding_window=window, swa_layers=tuple(i for i, f in enumerate(flags) if f))
 
 
-def _rope_scaling(gguf: GGUFFile, m) -> dict:
-    """rope.scaling.type and its parameters: linear (positions divided by the factor) or YaRN (llama.cpp's
-    defaults for the keys a file leaves out: beta fast 32, slow 1, ext factor 1). GGUF has no key for transformers' YaRN
-    `truncate`: llama.cpp always truncates the ramp's ends to whole dims, and so does this."""
-    kind = m("rope.scaling.type", None)
+def _mla(gguf: GGUFFile, m, arch: str, n_kv: Any, head_dim: int) -> MLADims:
+    """deepseek2's latent attention dims. The converter writes the MQA view llama.cpp runs (one kv head
+    of key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank) and the per-head dims as
+    key_length_mla / value_length_mla, with kv_b split into attn_k_b / attn_v_b."""
+    if not gguf.has("blk.0.attn_k_b.weight"):
+        unsplit = gguf.has("blk.0.attn_kv_b.weight")
+        what = "an MLA file with the unsplit attn_kv_b" if unsplit else "a file without attn_k_b"
+        _refuse(gguf, f"{arch}: {what} (an older converter's layout)",
+                "reconvert it with a current convert_hf_to_gguf.py, which writes attn_k_b and attn_v_b")
+    # what llama.cpp reads but this forward pass would ignore: query temperature tuning (mistral-large,
+    # on where non-zero) and an extra rope magnitude factor (neutral at 1)
+    for key, neutral in (("attention.temperature_scale", 0.0), ("rope.scaling.attn_factor", 1.0)):
+        if m(key, neutral) != neutral:
+            _refuse(gguf, f"{arch}.{key} = {m(key)}")
+    rank = int(m("attention.kv_lora_rank"))
+    rope_dim = int(m("rope.dimension_count"))
+    q_rank = int(m("attention.q_lora_rank", 0) or 0) if gguf.has("blk.0.attn_q_a.weight") else 0
+    dims = MLADims(q_lora_rank=q_rank, kv_lora_rank=rank, nope_dim=int(m("attention.key_length_mla")) - rope_dim,
+                   rope_dim=rope_dim, v_dim=int(m("attention.value_length_mla")))
+    if int(_scalar_or_first(n_kv)) != 1 or head_dim != rank + rope_dim or int(m("attention.value_length", rank)) != rank:
+        _refuse(gguf, f"{arch} attention of {n_kv} kv heads, key_length {head_dim}, value_length "
+                      f"{m('attention.value_length', None)} (MLA's MQA view is 1 head of kv_lora_rank + rope dims "
+                      f"= {rank + rope_dim}, value kv_lora_rank = {rank})")
+    if dims.nope_dim < 1 or (q_rank == 0 and not gguf.has("blk.0.attn_q.weight")):
+        _refuse(gguf, f"{arch} attention dims {dims} (no query projection, or no dims without rope)")
+    return dims
+
+
+def _rope_scaling(gguf: GGUFFile, m, arch: str) -> RopeScaling | None:
+    """rope.scaling.* for every architecture, with llama.cpp's defaults for the keys a file leaves out
+    (beta fast 32, slow 1, ext factor 1; the original context: context_length). A factor of 1 or none
+    scales nothing. The YaRN log multiplier is read where the graph applies it (deepseek2's kq scale)."""
+    kind = m("rope.scaling.type", "none")
     factor = float(m("rope.scaling.factor", 0.0) or 0.0)
-    if kind in (None, "none") or factor <= 1.0:
-        return {}
+    if kind == "none" or (kind in ("linear", "yarn") and factor == 1.0):
+        return None
+    if kind not in ("linear", "yarn"):
+        _refuse(gguf, f"rope.scaling.type {kind!r}", "supported: none, linear, yarn")
+    if factor < 1.0:
+        _refuse(gguf, f"rope.scaling.factor {factor} for {kind} rope scaling", "it must be at least 1")
     if kind == "linear":
-        return dict(rope_scaling="linear", rope_factor=factor)
-    if kind != "yarn":
-        _refuse(gguf, f"rope.scaling.type = {kind!r}", "supported: linear, yarn")
-    if float(m("rope.scaling.yarn_log_multiplier", 0.0) or 0.0):
-        _refuse(gguf, "rope.scaling.yarn_log_multiplier (DeepSeek-style YaRN attention scaling)")
-    return dict(rope_scaling="yarn", rope_factor=factor,
-                rope_orig_ctx=int(m("rope.scaling.original_context_length", m("context_length", 4096))),
-                yarn_beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)),
-                yarn_beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
-                yarn_ext_factor=float(m("rope.scaling.yarn_ext_factor", 1.0)))
+        return RopeScaling(kind="linear", factor=factor)
+    # the converter writes 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX] in llama.cpp)
+    log_mul = float(m("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+    if log_mul and arch != "deepseek2":
+        _refuse(gguf, f"{arch}: rope.scaling.yarn_log_multiplier (DeepSeek-style YaRN attention scaling)",
+                "only deepseek2's graph applies it")
+    y = RopeScaling(kind="yarn", factor=factor,
+                    orig_ctx=int(m("rope.scaling.original_context_length", m("context_length", 4096))),
+                    beta_fast=float(m("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(m("rope.scaling.yarn_beta_slow", 1.0)),
+                    ext_factor=float(m("rope.scaling.yarn_ext_factor", 1.0)), log_mul=log_mul)
+    if y.ext_factor <= 0.0:
+        _refuse(gguf, f"YaRN with ext_factor {y.ext_factor}", "it must be positive")
+    return y
 
 
 def _scalar_or_first(v: Any) -> Any:

@@ -13,6 +13,13 @@ when it samples a stop id or runs out of tokens; a row that is not live computes
 position (its cache writes are dropped) and keeps its state. Stop strings are text, found by the host,
 which then marks the row dead in the next call's `alive_B` and drops what a queued call produced.
 
+Constrained rows (a grammar: engine/constrained.py) need the host's next mask after every sampled
+token, so a decode call given `constraint` (each row's forced tokens, the bitmask of its next sampled
+token, and its step cap) runs such a row through the tokens the grammar forces (fed without sampling)
+and one masked sampled step (cap = forced + 1), or not at all (cap 0: its last token is still on its
+way to the host), while the other rows (no forced tokens, all-ones mask, cap n_max) keep the whole
+chunk. A capped row stays live.
+
 The expert provider (core/experts.py) travels split: its changing part (slot pools, cache state,
 counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
 its own, never donated.
@@ -31,7 +38,8 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.sampling import Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs
+from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs,
+                                      token_logprobs)
 
 STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "attn_block")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
@@ -67,6 +75,7 @@ class RowStart:
     recent_1W: jax.Array  # int32: the prompt's tail, for the repeat penalty
     max_tokens: jax.Array  # int32: tokens to generate at most, the first included (0: prefill only)
     mode_3: jax.Array  # bool: its SamplingMode (sample, penalties, logprobs), chosen by conditionals here
+    allowed_1Vw: jax.Array  # int32: the bitmask of tokens its first token may be (all ones: unconstrained)
 
 
 @struct.dataclass
@@ -101,6 +110,12 @@ def _set_row(tree, row, value):
                         tree, value)
 
 
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_row(kv: KVCache, src, dst) -> KVCache:
+    """The cache with row dst a copy of row src (in place: kv is donated)."""
+    return kv.put_row(dst, kv.take_row(src))
+
+
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
             stop_St, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
@@ -120,7 +135,8 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
-    tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode)
+    tok_1, pen, lp = next_token(last_1V, jax.random.fold_in(req.key_2, 0)[None], req.sp, pen, mode,
+                                allowed_BVw=req.allowed_1Vw)
     left_1 = req.max_tokens.reshape(1) - 1
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
                      ~_is_stop(tok_1, stop_St) & (left_1 > 0), req.key_2[None], req.sp, pen)
@@ -130,11 +146,14 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
-           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None):
+           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None, constraint=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [N, M, B, k]): step i replays
-    forced[i] as the routed experts. Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
+    forced[i] as the routed experts. constraint (allowed_BVw int32 bitmasks, cap_B int32, ff_BN int32
+    forced tokens, n_ff_B int32 how many): step i gives a row its forced token while i < n_ff_B, masks
+    its logits with its bitmask at i == n_ff_B, and runs only the rows with i < cap_B (see the module
+    docstring). Returns (ChunkOut, kv, experts, routed, rows), the order of prefill's
     outputs (routed is in the ChunkOut; its place holds None)."""
     B = rows.tok_B.shape[0]
     M, K = len(cfg.moe_layers), max(cfg.n_experts_used, 1)
@@ -147,6 +166,12 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
     def step(carry):
         i, r, kv, experts, out = carry
         live, pos_B = r.live_B, r.pos_B
+        allowed = None
+        if constraint is not None:  # a capped row computes past the cache, as a row that is not live
+            allowed_BVw, cap_B, ff_BN, n_ff_B = constraint
+            live = live & (i < cap_B)
+            pos_B = jnp.where(live, pos_B, ctx)
+            allowed = jnp.where((i == n_ff_B)[:, None], allowed_BVw, -1)
         # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk = forward(
@@ -155,13 +180,21 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
             forced_MNk=None if forced is None else forced[i])
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
-        tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live)
+        tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
+        if constraint is not None:  # a forced token replaces the draw; penalties and logprobs take it instead
+            ff_B = jax.lax.dynamic_index_in_dim(ff_BN, jnp.minimum(i, n_max - 1), axis=1, keepdims=False)
+            tok_B = jnp.where(i < n_ff_B, ff_B, tok_B)
+            pen = r.pen.push(tok_B, live) if mode.penalties else pen
+            lp = token_logprobs(logits_BV, tok_B) if mode.logprobs else lp
         tok_B = jnp.where(live, tok_B, r.tok_B)
         inc = live.astype(jnp.int32)
         left = r.left_B - inc
         live_next = live & ~_is_stop(tok_B, stop_St) & (left > 0)
-        r = RowState(tok_B, jnp.where(live_next, r.pos_B + inc, ctx), r.step_B + inc, left, live_next,
-                     r.key_B2, r.sp, pen)
+        pos_next = jnp.where(live_next, r.pos_B + inc, ctx)
+        if constraint is not None:  # a row past its cap keeps its state for the next call
+            held = r.live_B & ~live
+            live_next, pos_next = live_next | held, jnp.where(held, r.pos_B, pos_next)
+        r = RowState(tok_B, pos_next, r.step_B + inc, left, live_next, r.key_B2, r.sp, pen)
         out = ChunkOut(out.tokens_NB.at[i].set(tok_B), out.n_B + inc, out.routed_NMBk.at[i].set(routed_MBk),
                        None if out.logprobs is None else jax.tree.map(lambda a, v: a.at[i].set(v), out.logprobs, lp))
         return i + 1, r, kv, experts, out
@@ -174,6 +207,47 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
     if n_max == 1:  # a plain step: no loop, and no conditional to skip it (see the module docstring)
         carry = step(carry)
     else:
-        carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(c[1].live_B), step, carry)
+        running = (lambda c: c[1].live_B) if constraint is None else (lambda c: c[1].live_B & (c[0] < constraint[1]))
+        carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(running(c)), step, carry)
     _, rows, kv, experts, out = carry
     return out, kv, experts, None, rows
+
+
+@struct.dataclass
+class VerifyOut:
+    greedy_T: jax.Array  # int32: the argmax after each position of [last, d1..dk]: accepted drafts, then the bonus
+    n_emit: jax.Array  # int32 scalar: tokens the pass produced (accepted drafts + the bonus, capped by tokens left)
+
+
+@functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
+def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
+           kernels, attn_len, attn_block=None, forced=None):
+    """A greedy speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
+    n_valid_1) at the row's position, all logits; the longest prefix of drafts equal to the argmax at
+    each position is accepted, and the argmax after it is the bonus token. The row's state moves to the
+    accepted position: the cache entries written for rejected drafts lie past it, where attention never
+    reads (it masks by position) and the next steps overwrite them. Greedy rows only (no penalties,
+    sampling or logprobs). Returns (VerifyOut, kv, experts, routed [M, T, k], rows)."""
+    B, T = rows.tok_B.shape[0], tokens_1T.shape[1]
+    start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
+    row_kv = kv if B == 1 else kv.take_row(row)
+    logits_1TV, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
+                                                  n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
+                                                  attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
+    experts = split_provider(experts)[0]
+    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    greedy_T = jnp.argmax(logits_1TV[0], axis=-1).astype(jnp.int32)
+    t = jnp.arange(T)
+    # draft j + 1 is accepted while every draft before it was and it equals the argmax at position j
+    ok_T = (greedy_T[:-1] == tokens_1T[0, 1:]) & (t[:-1] < n_valid_1[0] - 1)
+    n_acc = jnp.sum(jnp.cumprod(ok_T.astype(jnp.int32)))
+    left = rows.left_B[row]
+    n_emit = jnp.minimum(n_acc + 1, left)
+    stopped = jnp.any(jnp.isin(greedy_T, stop_St) & (t < n_emit))
+    one = lambda a: a.reshape(1)  # noqa: E731
+    state = dataclasses.replace(
+        jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows),
+        tok_B=one(greedy_T[jnp.maximum(n_emit - 1, 0)]), pos_B=start_1 + n_emit, step_B=one(rows.step_B[row] + n_emit),
+        left_B=one(left - n_emit), live_B=one(rows.live_B[row] & ~stopped & (left - n_emit > 0)))
+    rows = _set_row(rows, row, state)
+    return VerifyOut(greedy_T, n_emit), kv, experts, routed, rows

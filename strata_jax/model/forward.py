@@ -19,6 +19,7 @@ from flax import struct
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
+from strata_jax.model import mla
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
 from strata_jax.model.moe import moe_block, route, routed_ids
@@ -27,25 +28,26 @@ from strata_jax.model.weights import Params
 
 @struct.dataclass
 class KVCache:
-    """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers)
-    and, for a model with recurrent layers (the hybrid family), `rec`: their per-row state, a pytree whose every
-    leaf has the batch axis first (None otherwise, so other models' programs are what they were). Both
-    are donated and updated in place by the two programs."""
+    """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers;
+    heads and dims: cfg.kv_cache_dims) and, for a model with recurrent layers (the hybrid family), `rec`:
+    their per-row state, a pytree whose every leaf has the batch axis first (None otherwise, so other
+    models' programs are what they were). v_LBSKDh is None where the keys carry the values (deepseek2's
+    latent cache, model/mla.py). All are donated and updated in place by the two programs."""
 
     k_LBSKDh: jax.Array
-    v_LBSKDh: jax.Array
+    v_LBSKDh: jax.Array | None
     rec: Any = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> "KVCache":
-        shape = (cfg.n_kv_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-        make = functools.partial(jnp.zeros, shape, dtype)
+        k_dims, v_dims = cfg.kv_cache_dims
+        make = lambda dims: jnp.zeros((cfg.n_kv_layers, batch, length, *dims), dtype)  # noqa: E731
         rec = None
         if cfg.has_recurrent_state:
             from strata_jax.model import hybrid  # noqa: PLC0415 - the one family with recurrent state
 
             rec = hybrid.state_zeros(cfg, batch, length)
-        kv = cls(make(), make(), rec)
+        kv = cls(make(k_dims), None if v_dims is None else make(v_dims), rec)
         return jax.device_put(kv, device) if device is not None else kv
 
     @property
@@ -56,13 +58,15 @@ class KVCache:
         """Row `row` (traced) as a batch-1 cache."""
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1)
         rec = jax.tree.map(lambda a: take(a, axis=0), self.rec)
-        return KVCache(take(self.k_LBSKDh, axis=1), take(self.v_LBSKDh, axis=1), rec)
+        v = None if self.v_LBSKDh is None else take(self.v_LBSKDh, axis=1)
+        return KVCache(take(self.k_LBSKDh, axis=1), v, rec)
 
     def put_row(self, row, one: "KVCache") -> "KVCache":
         """This cache with row `row` replaced by the batch-1 cache `one` (in place when donated)."""
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row)
         rec = jax.tree.map(lambda a, v: put(a, v.astype(a.dtype), axis=0), self.rec, one.rec)
-        return KVCache(put(self.k_LBSKDh, one.k_LBSKDh, axis=1), put(self.v_LBSKDh, one.v_LBSKDh, axis=1), rec)
+        v = None if self.v_LBSKDh is None else put(self.v_LBSKDh, one.v_LBSKDh, axis=1)
+        return KVCache(put(self.k_LBSKDh, one.k_LBSKDh, axis=1), v, rec)
 
 
 def forward(
@@ -126,8 +130,11 @@ def forward(
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attn"):
                 h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
-                h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
-                                            attn_block)
+                if cfg.mla is not None:
+                    h, k_all = mla.attention(layer.attn, h, pos_BT, k_all, i, cfg, kernels, attn_len, attn_block)
+                else:
+                    h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
+                                                attn_block)
                 x = x + h
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
             if layer.moe is not None:

@@ -10,6 +10,7 @@ import dataclasses
 
 QMATVEC = ("auto", "on", "off")
 MOE_PREFILL = ("dense", "grouped")
+MLA_FORMS = ("auto", "absorbed", "naive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,10 @@ class Kernels:
     # the prefill MoE formulation (model/moe.py): "dense" (every token through every expert, a scan over
     # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)
     moe_prefill: str = "dense"
+    # deepseek2's latent attention (model/mla.py): "absorbed" (queries against the cached latents),
+    # "naive" (the latents expanded to every head's keys and values), or "auto": per step, the form with
+    # fewer multiply-adds for its tokens per row (decode absorbed, long prefill chunks naive)
+    mla: str = "auto"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -29,3 +34,5 @@ class Kernels:
             raise ValueError(f"qmatvec={self.qmatvec!r}: choose one of {QMATVEC}")
         if self.moe_prefill not in MOE_PREFILL:
             raise ValueError(f"moe_prefill={self.moe_prefill!r}: choose one of {MOE_PREFILL}")
+        if self.mla not in MLA_FORMS:
+            raise ValueError(f"mla={self.mla!r}: choose one of {MLA_FORMS}")

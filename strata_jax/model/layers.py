@@ -49,44 +49,53 @@ def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
     return outs
 
 
-def rope_frequencies(cfg) -> tuple[jax.Array, float]:
-    """The rotary pairs' inverse frequencies (float32 [rope_dim / 2]) and the factor cos and sin are
-    scaled by (cfg: a ModelConfig, or any dims with rope_dim and rope_theta, e.g. QSA's, which are
-    unscaled; cfg.rope_scaling). Linear scaling divides every frequency by the factor. YaRN: pairs
-    below the ramp keep their frequency (extrapolation), pairs above it are divided by the factor
-    (interpolation), a linear mix between; the ramp's ends are the dims where beta_fast and beta_slow
-    rotations fit the original context, truncated to whole dims as llama.cpp does
-    (ggml_rope_yarn_corr_dims; transformers' truncate=True); cos and sin scale by 1 + 0.1 ln(factor)."""
+def rope_freqs(cfg: ModelConfig) -> tuple[jax.Array, float]:
+    """The rotary pairs' inverse frequencies (float32 [rope_dim / 2]) and the magnitude cos and sin are
+    scaled by (cfg.rope_scaling; cfg: anything with rope_dim, rope_theta, rope_style: QSA's dims, which
+    are unscaled, too). Linear: every frequency divided by the factor. YaRN, ggml's rope_yarn: the dims
+    past the correction range (ggml_rope_yarn_corr_dims: the slow frequencies) are divided by the factor,
+    those before it kept, a linear ramp between (mixed by ext_factor), its ends truncated to whole dims as
+    llama.cpp does (transformers' truncate=True); the magnitude is 1 + 0.1 ln(factor), which llama.cpp
+    cancels for deepseek2 when the file has a log multiplier (its kq scale takes the mscale instead:
+    attn_mscale)."""
     n = cfg.rope_dim
-    scaling = getattr(cfg, "rope_scaling", "none")  # rope's other callers pass dims without scaling
-    if scaling == "none":
+    y = getattr(cfg, "rope_scaling", None)
+    if y is None:
         return cfg.rope_theta ** (-jnp.arange(0, n, 2, dtype=jnp.float32) / n), 1.0
-    inv_freq = cfg.rope_theta ** (-np.arange(0, n, 2, dtype=np.float64) / n)
-    if scaling == "linear":
-        return jnp.asarray((inv_freq / cfg.rope_factor).astype(np.float32)), 1.0
+    inv_freq = cfg.rope_theta ** (-np.arange(0, n, 2, dtype=np.float64) / n)  # [n/2], a trace-time constant
+    if y.kind == "linear":
+        return jnp.asarray((inv_freq / y.factor).astype(np.float32)), 1.0
 
-    def corr_dim(rotations: float) -> float:
-        return n * math.log(cfg.rope_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    def corr_dim(n_rot: float) -> float:
+        return n * math.log(y.orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
-    low = max(0.0, math.floor(corr_dim(cfg.yarn_beta_fast)))
-    high = min(n - 1.0, math.ceil(corr_dim(cfg.yarn_beta_slow)))
-    ramp = np.clip((np.arange(n // 2) - low) / max(0.001, high - low), 0.0, 1.0)
-    extrapolate = (1.0 - ramp) * cfg.yarn_ext_factor
-    inv_freq = inv_freq / cfg.rope_factor * (1.0 - extrapolate) + inv_freq * extrapolate
-    return jnp.asarray(inv_freq.astype(np.float32)), 1.0 + 0.1 * math.log(cfg.rope_factor)
+    low, high = max(0.0, math.floor(corr_dim(y.beta_fast))), min(n - 1.0, math.ceil(corr_dim(y.beta_slow)))
+    ramp = 1.0 - np.clip((np.arange(n // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+    mix = ramp * y.ext_factor  # 1: the original frequency (extrapolated), 0: divided by the factor
+    inv_freq = inv_freq * ((1.0 - mix) / y.factor + mix)
+    return jnp.asarray(inv_freq.astype(np.float32)), 1.0 if y.log_mul else 1.0 + 0.1 * math.log(y.factor)
+
+
+def attn_mscale(cfg: ModelConfig) -> float:
+    """What llama.cpp's deepseek2 graph multiplies the kq scale by (squared): the rope magnitude times
+    1 + 0.1 log_mul ln(factor) (HF's yarn_get_mscale(factor, mscale_all_dim)); 1 without YaRN."""
+    y = cfg.rope_scaling
+    if y is None or y.kind != "yarn":
+        return 1.0
+    return rope_freqs(cfg)[1] * (1.0 + 0.1 * y.log_mul * math.log(y.factor))
 
 
 def rope(x_BTHDh: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Rotary embedding in llama.cpp's two layouts: "normal" rotates consecutive pairs (2i, 2i+1),
     "neox" rotates (i, i + n/2). Only the first `rope_dim` dims rotate (partial rotary); frequencies
-    and scale from rope_frequencies (linear, YaRN)."""
+    and magnitude from rope_freqs (linear, YaRN)."""
     n = cfg.rope_dim
-    inv_freq, mscale = rope_frequencies(cfg)  # [n/2]
+    inv_freq, magnitude = rope_freqs(cfg)
     ang = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, n/2]
     cos = jnp.cos(ang)[:, :, None, :]
     sin = jnp.sin(ang)[:, :, None, :]
-    if mscale != 1.0:
-        cos, sin = cos * mscale, sin * mscale
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
     x = x_BTHDh.astype(jnp.float32)
     rot, rest = x[..., :n], x[..., n:]
     if cfg.rope_style == "neox":
@@ -149,58 +158,80 @@ def _visible(s_S, pos_BT, window: int):
     return mask_BTS
 
 
-def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
-           select_BTS: jax.Array | None = None, attn_block: int | None = None, window: int = 0,
-           sinks_H: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
-    GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
-    `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
-    causality (QSA's selected blocks). window: a sliding window (_visible). sinks_H: per head a logit
-    that joins the softmax's denominator and multiplies no value (gpt-oss). Returns the heads' outputs
-    [B, T, H * Dh] in float32 and the cache."""
-    B, T, H, Dh = q_BTHDh.shape
-    K = k_BTKDh.shape[2]
-    b_idx = jnp.arange(B)[:, None]
-    k_LBSKDh = k_LBSKDh.at[layer, b_idx, pos_BT].set(k_BTKDh.astype(k_LBSKDh.dtype), mode="drop")
-    v_LBSKDh = v_LBSKDh.at[layer, b_idx, pos_BT].set(v_BTKDh.astype(v_LBSKDh.dtype), mode="drop")
+def cache_write(c_LBSKDh: jax.Array, layer: int, pos_BT: jax.Array, new_BTKDh: jax.Array) -> jax.Array:
+    """The (donated) cache with the step's entries scattered into layer `layer` at pos_BT, in place;
+    positions past the cache (an idle row) are dropped."""
+    b_idx = jnp.arange(pos_BT.shape[0])[:, None]
+    return c_LBSKDh.at[layer, b_idx, pos_BT].set(new_BTKDh.astype(c_LBSKDh.dtype), mode="drop")
 
-    S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
-    if attn_block:
-        return (attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, window, sinks_H),
-                k_LBSKDh, v_LBSKDh)
-    k_att, v_att = k_LBSKDh[layer, :, :S], v_LBSKDh[layer, :, :S]
+
+def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax.Array | None = None,
+                window: int = 0, sinks_H: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention of q over keys and values at positions 0..S-1 (query t sees positions <=
+    pos_BT[t]; select_BTS: also only those selected; window: a sliding window, _visible). sinks_H: per
+    head a logit that joins the softmax's denominator and multiplies no value (gpt-oss). Heads' outputs
+    [B, T, H * Do] in float32."""
+    B, T, H, Dh = q_BTHDh.shape
+    S, K = k_BSKDh.shape[1], k_BSKDh.shape[2]
     q = q_BTHDh.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_att, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(Dh)))
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKDh, preferred_element_type=jnp.float32) * scale
     mask_BTS = _visible(jnp.arange(S), pos_BT, window)
     if select_BTS is not None:
         mask_BTS = mask_BTS & select_BTS[:, :, :S]
     scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
     if sinks_H is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_att.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKDo.dtype)
     else:  # the sink as one more column of the softmax, dropped after it
-        sink = jnp.broadcast_to(sinks_H.reshape(1, K, H // K, 1, 1), (*scores.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v_att.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_att, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H * Dh), k_LBSKDh, v_LBSKDh
+        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, K, H // K, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v_BSKDo.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKDo, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, -1)
+
+
+def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
+           select_BTS: jax.Array | None = None, attn_block: int | None = None, *, scale: float | None = None,
+           v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
+    GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
+    `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
+    causality (QSA's selected blocks). scale: of the scores (default 1 / sqrt(Dh)). With v_LBSKDh None
+    (and v_BTKDh None) there is no value cache: each key's first v_dim dims are its value (MLA's
+    latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs [B, T, H * Do] in float32
+    and the caches."""
+    Dh = q_BTHDh.shape[-1]
+    scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
+    k_LBSKDh = cache_write(k_LBSKDh, layer, pos_BT, k_BTKDh)
+    if v_LBSKDh is not None:
+        v_LBSKDh = cache_write(v_LBSKDh, layer, pos_BT, v_BTKDh)
+
+    S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
+    if attn_block:
+        out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
+                             v_dim=v_dim, window=window, sinks_H=sinks_H)
+        return out, k_LBSKDh, v_LBSKDh
+    k_att = k_LBSKDh[layer, :, :S]
+    v_att = k_att[..., :v_dim] if v_LBSKDh is None else v_LBSKDh[layer, :, :S]
+    return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
 
 
 def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, block: int,
-                   select_BTS: jax.Array | None = None, window: int = 0, sinks_H: jax.Array | None = None
-                   ) -> jax.Array:
+                   select_BTS: jax.Array | None = None, *, scale: float | None = None,
+                   v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written),
     `block` positions at a time with an online softmax (float32 running max, sum and output), for as
     many blocks as reach the furthest position below S in pos_BT: the trip count is a run-time value, so
     the program does not depend on the span. A query at or past S (an idle row) extends no loop; the
     blocks it is given are all it sees. With a sliding window the loop starts at the block of the
     earliest position any query still sees; sinks start the running max and sum (exp(sink - sink) = 1).
-    Heads' outputs [B, T, H * Dh] in float32."""
+    scale, v_dim and v_LBSKDh None: see `attend`. Heads' outputs [B, T, H * Do] in float32."""
     B, T, H, Dh = q_BTHDh.shape
     _, _, _, K, _ = k_LBSKDh.shape
     G = H // K
+    Do = v_dim if v_LBSKDh is None else v_LBSKDh.shape[-1]
     block = min(block, S)
     q = q_BTHDh.reshape(B, T, K, G, Dh)
-    scale = 1.0 / jnp.sqrt(jnp.float32(Dh))
+    scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
     reach = jnp.max(jnp.where(pos_BT < S, pos_BT, 0))
     n_blocks = reach // block + 1
     first = 0
@@ -209,13 +240,14 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         first = jnp.minimum(jnp.maximum(earliest, 0) // block, n_blocks - 1)
 
     def body(j, carry):
-        m_BKGT, l_BKGT, acc_BKGTDh = carry
+        m_BKGT, l_BKGT, acc_BKGTDo = carry
         lo = j * block
         # the last block ends at S (a dynamic slice never reads past it): positions below lo, which the
         # block before covered, are masked out of it
         at = jnp.minimum(lo, S - block)
         k_blk = jax.lax.dynamic_slice(k_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
-        v_blk = jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
+        v_blk = k_blk[..., :Do] if v_LBSKDh is None else \
+            jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Do))[0]
         s_S = at + jnp.arange(block)
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
@@ -228,17 +260,17 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         corr = jnp.exp(m_BKGT - m_ref)
         l_BKGT = l_BKGT * corr + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-        return m_new, l_BKGT, acc_BKGTDh * corr[..., None] + pv
+        return m_new, l_BKGT, acc_BKGTDo * corr[..., None] + pv
 
     if sinks_H is None:
         m0, l0 = jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32)
     else:
         m0 = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, K, G, 1), (B, K, G, T))
         l0 = jnp.ones((B, K, G, T), jnp.float32)
-    init = (m0, l0, jnp.zeros((B, K, G, T, Dh), jnp.float32))
-    _, l_BKGT, acc_BKGTDh = jax.lax.fori_loop(first, n_blocks, body, init)
-    out = acc_BKGTDh / l_BKGT[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
+    init = (m0, l0, jnp.zeros((B, K, G, T, Do), jnp.float32))
+    _, l_BKGT, acc_BKGTDo = jax.lax.fori_loop(first, n_blocks, body, init)
+    out = acc_BKGTDo / l_BKGT[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Do)
 
 
 def gated_attention(

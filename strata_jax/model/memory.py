@@ -25,8 +25,9 @@ def is_routed_expert(name: str) -> bool:
 
 def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2) -> int:
     """K and V of every attention layer for `rows` sequences of `ctx` positions (model/forward.py's
-    KVCache; a recurrent layer's state, a few KiB per row, is not counted)."""
-    return 2 * cfg.n_kv_layers * rows * ctx * cfg.kv_dim * itemsize
+    KVCache, cfg.kv_values_per_position per layer and position; a recurrent layer's state, a few KiB per
+    row, is not counted)."""
+    return cfg.n_kv_layers * rows * ctx * cfg.kv_values_per_position * itemsize
 
 
 def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = ()) -> int:

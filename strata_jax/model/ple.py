@@ -238,14 +238,34 @@ _compute_on = getattr(compute_on_api, "compute_on2", None) or compute_on_api.com
 _host_take = _compute_on(_take, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
 
+# Up to this many rows (a decode step's), a host table is read with one DMA per row from device code, as the
+# expert misses are: host compute inside the decode loop would keep the loop off the GPU's command buffers
+# and make the host drive every step. Larger gathers (prefill chunks) take the host compute gather.
+DMA_ROWS_MAX = 512
+
+
+def _dma_take(data, idx_N: jax.Array) -> jax.Array:
+    """data[idx_N] (clipped, as _take) copied row by row from host memory into a device array."""
+    idx_N = jnp.clip(idx_N, 0, data.shape[0] - 1)
+
+    def body(i, out):
+        row = jax.device_put(jax.lax.dynamic_index_in_dim(data, idx_N[i], 0, keepdims=False), jax.memory.Space.Device)
+        return jax.lax.dynamic_update_index_in_dim(out, row, i, 0)
+
+    return jax.lax.fori_loop(0, idx_N.shape[0], body, jnp.zeros((idx_N.shape[0],) + data.shape[1:], data.dtype))
+
+
 def gather_rows(table: PLETable, idx_N: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows idx_N of the table, dequantized on the device: dtype [N, row_dim]. A host table sends only
     these rows' bytes to the device."""
     qt = table.rows
     if table.memory_kind == "device":
         return quant.take_rows(qt, idx_N, dtype)
-    raw = _host_take(qt.data, jax.device_put(idx_N, jax.memory.Space.Host))
-    return quant.dequant(QTensor(jax.device_put(raw, jax.memory.Space.Device), qt.qtype, qt.n_cols), dtype)
+    if idx_N.shape[0] <= DMA_ROWS_MAX:
+        raw = _dma_take(qt.data, idx_N)
+    else:
+        raw = jax.device_put(_host_take(qt.data, jax.device_put(idx_N, jax.memory.Space.Host)), jax.memory.Space.Device)
+    return quant.dequant(QTensor(raw, qt.qtype, qt.n_cols), dtype)
 
 
 def embed(table: PLETable, rows_BTGp: jax.Array, dtype=jnp.float32) -> jax.Array:

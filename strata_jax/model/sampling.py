@@ -11,6 +11,9 @@ Zero penalties (repeat_penalty 1) leave the logits bit for bit as they were.
 Logprobs are OpenAI's: log_softmax of the raw logits, the model's own distribution, before penalties,
 temperature and filtering (llama.cpp's n_probs reports the sampling chain's output instead).
 
+Constrained decoding: a per-row vocab bitmask (computed on the host by a grammar matcher) sets the
+logits of disallowed tokens to -inf after the penalties, before the draw; an all-ones mask is a no-op.
+
 Shape legend: strata_jax/core/shapes.py; the letter that differs here: N top logprobs (not tokens of a step).
 """
 
@@ -183,15 +186,35 @@ def _choose(flag, on, off):
     return jax.lax.cond(flag, on, off)
 
 
+ALL_ALLOWED = -1  # a bitmask word with every bit set (int32): no token of its 32 masked
+
+
+def allowed_mask(V: int, batch: int = 1) -> np.ndarray:
+    """int32 [batch, Vw]: a bitmask that allows every token (the unconstrained rows' mask)."""
+    return np.full((batch, (V + 31) // 32), ALL_ALLOWED, np.int32)
+
+
+def apply_mask(logits_BV: jax.Array, allowed_BVw: jax.Array) -> jax.Array:
+    """Disallowed tokens' logits to -inf: bit t % 32 of word t // 32 of a row's bitmask allows token t."""
+    V = logits_BV.shape[-1]
+    t_V = jnp.arange(V)
+    bits_BV = (allowed_BVw[:, t_V >> 5].astype(jnp.uint32) >> (t_V & 31).astype(jnp.uint32)) & 1
+    return jnp.where(bits_BV.astype(bool), logits_BV, -jnp.inf)
+
+
 def next_token(logits_BV: jax.Array, keys_B2: jax.Array, sp: SamplingParams, pen: PenaltyState, mode: SamplingMode,
-               active_B: jax.Array | None = None) -> tuple[jax.Array, PenaltyState, Logprobs]:
+               active_B: jax.Array | None = None,
+               allowed_BVw: jax.Array | None = None) -> tuple[jax.Array, PenaltyState, Logprobs]:
     """One sampling step for every row: penalties, then each row drawn with its own key (uint32 [B, 2],
     already folded with the row's step), then the penalty state takes in the token (rows with active_B
-    False keep theirs). Without mode.penalties the state is left as it is: no row served reads it (a
+    False keep theirs). allowed_BVw: each row's bitmask of allowed tokens (apply_mask), or None.
+    Without mode.penalties the state is left as it is: no row served reads it (a
     row's penalties are on for its whole request, and then so is the mode of every call serving it).
     Returns (tokens int32 [B], new state, logprobs: zeros unless mode.logprobs)."""
     logits_BV = logits_BV.astype(jnp.float32)
     penalized_BV = _choose(mode.penalties, lambda: penalize(logits_BV, sp, pen), lambda: logits_BV)
+    if allowed_BVw is not None:
+        penalized_BV = apply_mask(penalized_BV, allowed_BVw)
     tok_B = sample(penalized_BV, keys_B2, sp, mode)
     lp = _choose(mode.logprobs, lambda: token_logprobs(logits_BV, tok_B), lambda: no_logprobs(*logits_BV.shape))
     return tok_B, _choose(mode.penalties, lambda: pen.push(tok_B, active_B), lambda: pen), lp

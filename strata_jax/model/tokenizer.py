@@ -373,9 +373,11 @@ class GGUFTokenizer:
         ids = np.asarray(ids, np.int64).reshape(-1)
         return self._tok.decode(ids[ids >= 0].tolist(), skip_special_tokens=skip_special)
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
-        return StreamDecoder(self._piece_bytes(), self.special_ids if skip_special else frozenset(),
-                             self._strip_first_space)
+    def stream_decoder(self, skip_special: bool = True, keep: Iterable[int] = ()) -> StreamDecoder:
+        """keep: special ids whose text stays in the output anyway (llama.cpp's preserved tokens: the
+        markers a tool-call parser reads)."""
+        skip = self.special_ids.difference(keep) if skip_special else frozenset()
+        return StreamDecoder(self._piece_bytes(), skip, self._strip_first_space)
 
     def _piece_bytes(self) -> list[bytes]:
         """The bytes each id contributes to decoded text, mirroring the tokenizer's decoder."""

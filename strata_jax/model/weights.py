@@ -55,6 +55,22 @@ class AttnParams:
 
 
 @struct.dataclass
+class MLAParams:
+    """deepseek2's multi-head latent attention (model/mla.py; dims: ModelConfig.mla). `qkv_a` is the two
+    products of the normed input: the query latent attn_q_a [Rq, D] (or, without one, the whole query
+    attn_q [H*(Dn+Dr), D]) and attn_kv_a_mqa [Rk+Dr, D] (the kv latent, then the shared rope key)."""
+
+    norm_D: jax.Array
+    qkv_a: Projections
+    q_a_norm_Rq: jax.Array | None  # None: no query latent (attn_q)
+    q_b: QTensor | None  # [H*(Dn+Dr), Rq]
+    kv_a_norm_Rk: jax.Array
+    k_b: QTensor  # attn_k_b [H, Rk, Dn]: a head's no-rope key is k_b[h] @ latent
+    v_b: QTensor  # attn_v_b [H, Do, Rk]: its value v_b[h] @ latent
+    wo: QTensor  # [D, H*Do]
+
+
+@struct.dataclass
 class MLPParams:
     """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
 
@@ -77,7 +93,7 @@ class MoEParams:
 
 @struct.dataclass
 class LayerParams:
-    attn: AttnParams
+    attn: AttnParams | MLAParams
     ffn_norm_D: jax.Array
     mlp: MLPParams | None  # dense layers
     moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
@@ -410,6 +426,23 @@ def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Param
                   nextn=_nextn_params(loader))
 
 
+def _mla_params(loader: WeightLoader, p: str) -> MLAParams:
+    cfg = loader.cfg
+    d, D, H = cfg.mla, cfg.d_model, cfg.n_heads
+    Rq, Rk = d.q_lora_rank, d.kv_lora_rank
+    q_first = (p + "attn_q_a", Rq) if Rq else (p + "attn_q", H * d.qk_dim)
+    return MLAParams(
+        norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+        qkv_a=loader.projections([q_first, (p + "attn_kv_a_mqa", Rk + d.rope_dim)], D),
+        q_a_norm_Rq=loader.f32(p + "attn_q_a_norm.weight", (Rq,)) if Rq else None,
+        q_b=loader.qtensor(p + "attn_q_b.weight", (H * d.qk_dim, Rq)) if Rq else None,
+        kv_a_norm_Rk=loader.f32(p + "attn_kv_a_norm.weight", (Rk,)),
+        k_b=loader.qtensor(p + "attn_k_b.weight", (H, Rk, d.nope_dim)),
+        v_b=loader.qtensor(p + "attn_v_b.weight", (H, d.v_dim, Rk)),
+        wo=loader.qtensor(p + "attn_output.weight", (D, H * d.v_dim)),
+    )
+
+
 def _layer_params(loader: WeightLoader, i: int, moe: bool) -> LayerParams:
     """Block i: attention, the FFN norm, and a MoE block (its routed experts excepted) or a dense MLP."""
     cfg = loader.cfg
@@ -417,15 +450,18 @@ def _layer_params(loader: WeightLoader, i: int, moe: bool) -> LayerParams:
     p = f"blk.{i}."
     qn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.q_dim,)
     kn_shape = (cfg.head_dim,) if cfg.qk_norm == "head" else (cfg.kv_dim,)
-    attn = AttnParams(
-        norm_D=loader.f32(p + "attn_norm.weight", (D,)),
-        qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)], D),
-        wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
-        q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
-        k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
-        sinks_H=loader.optional_f32(p + "attn_sinks.weight", (cfg.n_heads,)),
-        wo_bias_D=loader.optional_f32(p + "attn_output.bias", (D,)),
-    )
+    if cfg.mla is not None:
+        attn = _mla_params(loader, p)
+    else:
+        attn = AttnParams(
+            norm_D=loader.f32(p + "attn_norm.weight", (D,)),
+            qkv=loader.projections([(p + "attn_q", cfg.q_dim), (p + "attn_k", cfg.kv_dim), (p + "attn_v", cfg.kv_dim)], D),
+            wo=loader.qtensor(p + "attn_output.weight", (D, cfg.q_dim)),
+            q_norm=loader.optional_f32(p + "attn_q_norm.weight", qn_shape),
+            k_norm=loader.optional_f32(p + "attn_k_norm.weight", kn_shape),
+            sinks_H=loader.optional_f32(p + "attn_sinks.weight", (cfg.n_heads,)),
+            wo_bias_D=loader.optional_f32(p + "attn_output.bias", (D,)),
+        )
     mlp = moe_p = None
     if moe:
         moe_p = _moe_params(loader, p)

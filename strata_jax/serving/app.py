@@ -1,7 +1,8 @@
-"""The Starlette app: OpenAI-compatible routes around an Engine.
+"""The Starlette app: OpenAI-compatible routes (Chat Completions, Completions, Responses), and
+Anthropic's Messages API, around an Engine.
 
-Handlers validate (protocol.py), tokenize on a worker thread, enqueue a Job, and turn the engine's
-events into one JSON response or an SSE stream. Nothing here touches JAX.
+Handlers validate (protocol.py, responses.py, anthropic.py), tokenize on a worker thread, enqueue a Job, and turn the
+engine's events into one JSON response or an SSE stream. Nothing here touches JAX.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -23,14 +25,21 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from strata_jax.core.units import fmt_bytes
+from strata_jax.serving import anthropic
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, ToolCallStream, bad, parse_chat,
-                                         parse_completion, parse_tool_calls, timings, usage)
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
+                                         usage)
+from strata_jax.serving.responses import ResponseBuilder, parse_responses
+from strata_jax.serving.responses import usage as responses_usage
+from strata_jax.serving.tools import ToolCallStream, ToolParser
 
 log = logging.getLogger("strata_jax")
 
-MAX_BODY = 32 << 20
+MAX_BODY = 4 << 20  # the default --max-body
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers and probes
 DISCONNECT_POLL_S = 0.5
 
@@ -44,16 +53,20 @@ class JSON(Response):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(e: APIError) -> Response:
-    return JSON(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, path: str = "") -> Response:
+    """The error in the envelope of the API that `path` belongs to (Anthropic's or OpenAI's)."""
+    body = anthropic.error_body(e) if anthropic.is_anthropic_path(path) else e.body()
+    return JSON(body, status_code=e.status, headers=e.headers)
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""  # the Responses API names each event, as OpenAI's does
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class Gate:
-    """Pure ASGI middleware (so streaming is untouched): the API key check and per-request metrics."""
+    """Pure ASGI middleware (so streaming is untouched): the API key check (OpenAI's Bearer header or
+    Anthropic's x-api-key) and per-request metrics."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -63,7 +76,10 @@ class Gate:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.key):
+                return True
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -79,10 +95,10 @@ class Gate:
 
         try:
             if self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-                err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' with "
-                               "the key the server was started with (--api-key or STRATA_JAX_API_KEY).",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err)(scope, receive, send_status)
+                err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' (or "
+                               "'x-api-key: <key>') with the key the server was started with (--api-key or "
+                               "STRATA_JAX_API_KEY).", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(err, scope["path"])(scope, receive, send_status)
                 return
             await self.app(scope, receive, send_status)
         finally:
@@ -90,21 +106,63 @@ class Gate:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise APIError(413, f"the request body is {len(raw)} bytes; the limit is {MAX_BODY}.")
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes; the limit is {limit} ({fmt_bytes(limit)}): send a "
+                    "smaller request, or restart the server with a larger --max-body.", code="request_too_large")
+
+
+def _surrogate_at(obj: Any) -> str | None:
+    """Where the first string (key or value) holding a lone UTF-16 surrogate is, e.g. "messages[0].content"."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str) and _SURROGATE.search(v):
+            return where or "the body"
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    return f"the key {k.encode('utf-8', 'backslashreplace').decode()[:40]!r}"
+                todo.append((f"{where}.{k}" if where else k, x))
+        elif isinstance(v, list):
+            todo += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return None
+
+
+async def read_json(request: Request, limit: int = MAX_BODY) -> Any:
+    """The body as JSON: at most `limit` bytes (refused from Content-Length before reading, else as soon
+    as the stream passes it), strict UTF-8, and no lone surrogates (which json accepts as \\ud800 but no
+    text can hold)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(declared, limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(f"over {limit}", limit)
+        parts.append(part)
+    raw = b"".join(parts)
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object.")
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); send JSON "
+                  "encoded as UTF-8.") from None
+    try:
+        body = json.loads(text.removeprefix("\ufeff"))
+    except (ValueError, RecursionError) as e:
         raise bad(f"the request body is not valid JSON ({str(e)[:120]}); send a JSON object.") from None
+    if _SURROGATE_ESCAPE.search(text) and (where := _surrogate_at(body)) is not None:
+        raise bad(f"the request body has a lone UTF-16 surrogate escape (such as \\ud800) in {where}: JSON strings "
+                  "must be valid Unicode; send the character itself or a complete surrogate pair.")
+    return body
 
 
 class Routes:
-    def __init__(self, engine: Engine, metrics: Metrics, model_id: str, api_key: bool):
+    def __init__(self, engine: Engine, metrics: Metrics, model_id: str, api_key: bool, max_body: int = MAX_BODY):
         self.engine, self.metrics, self.model_id, self.api_key = engine, metrics, model_id, api_key
+        self.max_body = max_body
         self.created = int(time.time())
 
     # -- status ---------------------------------------------------------------------------------------
@@ -143,20 +201,20 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
-        t0 = time.perf_counter()
+    async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
+        """Validate, tokenize and queue a request, and wait for its first event: (request, job, its
+        tool-call parser, event), or the response when it ends before any output (an error, a disconnect)."""
         try:
-            body = await read_json(request)
-            req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
+            req = parse(await read_json(request, self.max_body))
             self.engine.check_accepting()
-            ids = await run_in_threadpool(self.engine.tokenize, req)
+            parser = self.engine.tool_parser(req)
+            ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
             job = Job(req, ids)
             self.engine.submit(job)
         except APIError as e:
-            return error_response(e)
+            return error_response(e, request.url.path)
         except ClientDisconnect:  # gone before its body arrived: nothing to answer
             return Response(status_code=499)
-        env = Envelope(endpoint, req.model or self.model_id)
         try:
             first = await self._next(job, request)
         except BaseException:
@@ -165,11 +223,82 @@ class Routes:
         if first is None:  # the client left while queued; it reads no answer
             return Response(status_code=499)
         if first.kind == "error":
-            return error_response(first.error)
+            return error_response(first.error, request.url.path)
+        return req, job, parser, first
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        t0 = time.perf_counter()
+        started = await self._start(request, parse_chat if endpoint == "chat" else parse_completion)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        env = Envelope(endpoint, req.model or self.model_id)
         if req.stream:
-            return StreamingResponse(self._stream(job, req, env, first, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, job, req, env, first, t0)
+        return await self._collect(request, job, req, env, first, t0, parser)
+
+    async def responses(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        echo: dict[str, Any] = {}
+
+        def parse(body: Any) -> GenRequest:
+            req, options = parse_responses(body)
+            echo.update(options)
+            return req
+
+        started = await self._start(request, parse)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        rb = ResponseBuilder(req.model or self.model_id, echo)
+        if req.stream:
+            return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        gathered = await self._gather_calls(request, job, first, t0, parser)
+        if isinstance(gathered, Response):
+            return gathered
+        content, calls, ev, n, ttft = gathered
+        text = content or ""
+        use, extra = self._account(job, "responses", ev, n, ttft)
+        return JSON(rb.final(text, calls, ev.chunk.finish_reason, self._responses_usage(use), extra))
+
+    @staticmethod
+    def _responses_usage(use: dict) -> dict:
+        return responses_usage(use["prompt_tokens"], use["completion_tokens"],
+                               use["prompt_tokens_details"]["cached_tokens"])
+
+    async def _responses_stream(self, job: Job, rb: ResponseBuilder, ev: Event, t0: float,
+                                parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
+        n, ttft = 0, None
+        try:
+            for e in rb.start():
+                yield sse(e, e["type"])
+            while True:
+                if ev.kind == "error":
+                    e = rb.error(ev.error.body())
+                    yield sse(e, e["type"])
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                n += len(ev.chunk.token_ids)
+                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                for e in rb.delta(text) if text else []:
+                    yield sse(e, e["type"])
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            calls: list[dict] = []
+            if tools:
+                rest, _, calls = tools.finish()  # the calls go out whole, after the message
+                for e in rb.delta(rest) if rest else []:
+                    yield sse(e, e["type"])
+            use, extra = self._account(job, "responses", ev, n, ttft)
+            for e in rb.finish(calls, ev.chunk.finish_reason, self._responses_usage(use), extra):
+                yield sse(e, e["type"])
+        finally:
+            job.cancel()
 
     async def _next(self, job: Job, request: Request) -> Event | None:
         """The job's next event, or None once the client has disconnected (the job is cancelled)."""
@@ -186,14 +315,16 @@ class Routes:
             if not get.done():
                 get.cancel()
 
-    def _account(self, job: Job, env: Envelope, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
-        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job; updates metrics."""
+    def _account(self, job: Job, endpoint: str, final: Event, n: int, ttft: float) -> tuple[dict, dict]:
+        """usage and the llama.cpp-style extras (timings, expert_cache) of a finished job (final: its first
+        choice's last event; n: the tokens of all its choices, the prompt counted once as OpenAI does);
+        updates metrics."""
         t = final.chunk.timings or {}
         prompt_n, cached = len(job.prompt_ids), int(t.get("cache_n", 0) or 0)
         extra: dict[str, Any] = {"timings": timings(t)}
         if final.expert_cache:
             extra["expert_cache"] = final.expert_cache
-        label = "chat_completions" if env.endpoint == "chat" else "completions"
+        label = {"chat": "chat_completions", "completion": "completions"}.get(endpoint, endpoint)
         self.metrics.observe_generation(label, prompt_n, n, cached, ttft, t)
         return usage(prompt_n, n, cached), extra
 
@@ -206,67 +337,120 @@ class Routes:
             base = len(p) if isinstance(p, str) else len(m.detokenize(p))
         return lambda entries: env.logprobs(entries, m.token_bytes, base)
 
-    async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
-                       t0: float) -> Response:
-        parts: list[str] = []
-        lps: list = []
+    async def _gather(self, request: Request, job: Job, ev: Event | None,
+                      t0: float) -> tuple[str, Event, int, float, list] | Response:
+        """A one-choice job's whole output: (text, the final event, tokens, time to first token, logprobs),
+        or the response when it ends otherwise."""
+        got = await self._gather_choices(request, job, ev, t0, 1)
+        if isinstance(got, Response):
+            return got
+        texts, finals, n, ttft, lps = got
+        return texts[0], finals[0], n, ttft, lps[0]
+
+    async def _gather_calls(self, request: Request, job: Job, ev: Event | None, t0: float,
+                            parser: ToolParser | None) -> tuple[str | None, list, Event, int, float] | Response:
+        """A one-choice job's output split by its tool-call parser: (content, tool calls, the final event,
+        tokens, time to first token), or the response when it ends otherwise."""
+        got = await self._gather(request, job, ev, t0)
+        if isinstance(got, Response):
+            return got
+        text, ev, n, ttft, _ = got
+        content, calls = parser.parse(parser.prefix + text) if parser is not None else (text, [])
+        return content, calls, ev, n, ttft
+
+    async def _gather_choices(self, request: Request, job: Job, ev: Event | None, t0: float,
+                              n_choices: int) -> tuple[list[str], list[Event], int, float, list[list]] | Response:
+        """Every choice's whole output: (texts, final events, tokens of all choices, time to first token,
+        logprobs), each list by choice index; or the response when the job ends otherwise."""
+        parts: list[list[str]] = [[] for _ in range(n_choices)]
+        lps: list[list] = [[] for _ in range(n_choices)]
+        finals: dict[int, Event] = {}
         n, ttft = 0, None
         while True:
             if ev is None:
                 return Response(status_code=499)
             if ev.kind == "error":
-                return error_response(ev.error)
+                job.cancel()  # its other choices stop too
+                return error_response(ev.error, request.url.path)
             ttft = ev.t - t0 if ttft is None else ttft
-            parts.append(ev.chunk.text)
-            lps += ev.chunk.logprobs or []
+            parts[ev.index].append(ev.chunk.text)
+            lps[ev.index] += ev.chunk.logprobs or []
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
-                break
+                finals[ev.index] = ev
+                if len(finals) == n_choices:
+                    return ["".join(p) for p in parts], [finals[i] for i in range(n_choices)], n, ttft, lps
             ev = await self._next(job, request)
-        text, finish, calls = "".join(parts), ev.chunk.finish_reason, []
-        if req.tools:
-            text, calls = parse_tool_calls(text)
-            finish = "tool_calls" if calls else finish
-        use, extra = self._account(job, env, ev, n, ttft)
-        return JSON(env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps)))
 
-    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float):
-        tools = ToolCallStream() if req.tools else None
-        n, ttft = 0, None
-        lps: list = []  # logprobs of tokens whose text is not sent yet: they ride on the next chunk
+    async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
+                       t0: float, parser: ToolParser | None) -> Response:
+        got = await self._gather_choices(request, job, ev, t0, req.n)
+        if isinstance(got, Response):
+            return got
+        texts, finals, n, ttft, lps = got
+        use, extra = self._account(job, env.endpoint, finals[0], n, ttft)
+        out = None
+        for i in range(req.n):
+            text, finish, calls = texts[i], finals[i].chunk.finish_reason, []
+            if parser is not None:
+                text, calls = parser.parse(parser.prefix + text)
+                finish = "tool_calls" if calls else finish
+            one = env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps[i]), index=i)
+            out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
+        return JSON(out)
+
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        """SSE chunks; with n > 1 the choices' chunks interleave, each with its index, and each choice
+        ends with its own finish chunk (the last one carries timings, then the usage chunk)."""
+        tools = [ToolCallStream(parser) if parser is not None else None for _ in range(req.n)]
+        n, ttft, finals = 0, None, 0
+        # per choice: logprobs of tokens whose text is not sent yet: they ride on the next chunk
+        lps: list[list] = [[] for _ in range(req.n)]
         logprobs = self._logprobs_of(job, env)
+        first_final: Event | None = None
 
-        def take_lps() -> dict | None:
-            nonlocal lps
-            out, lps = logprobs(lps), []
+        def take_lps(i: int) -> dict | None:
+            out, lps[i] = logprobs(lps[i]), []
             return out
 
         try:
             if env.endpoint == "chat":
-                yield sse(env.chunk(role=True, text=""))
+                for i in range(req.n):
+                    yield sse(env.chunk(role=True, text="", index=i))
             while True:
-                if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then close
+                if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then [DONE]
                     yield sse(ev.error.body())
+                    yield "data: [DONE]\n\n"
                     return
+                i, tool = ev.index, tools[ev.index]
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)
-                lps += ev.chunk.logprobs or []
-                text = tools.feed(ev.chunk.text) if tools else ev.chunk.text
+                lps[i] += ev.chunk.logprobs or []
+                text = tool.feed(ev.chunk.text) if tool else ev.chunk.text
                 if text:
-                    yield sse(env.chunk(text=text, logprobs=take_lps()))
+                    yield sse(env.chunk(text=text, logprobs=take_lps(i), index=i))
+                for delta in tool.take_deltas() if tool else []:
+                    yield sse(env.chunk(tool_calls=delta, logprobs=take_lps(i) if lps[i] else None, index=i))
                 if ev.kind == "final":
-                    break
+                    finish = ev.chunk.finish_reason
+                    if tool:
+                        rest, deltas, calls = tool.finish()
+                        if rest:
+                            yield sse(env.chunk(text=rest, logprobs=take_lps(i), index=i))
+                        for delta in deltas:
+                            yield sse(env.chunk(tool_calls=delta, logprobs=take_lps(i) if lps[i] else None, index=i))
+                        finish = "tool_calls" if calls else finish
+                    if i == 0:
+                        first_final = ev
+                    finals += 1
+                    if finals == req.n:
+                        use, extra = self._account(job, env.endpoint, first_final or ev, n, ttft)
+                        yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps(i) if lps[i] else None,
+                                            index=i))
+                        break
+                    yield sse(env.chunk(finish=finish, logprobs=take_lps(i) if lps[i] else None, index=i))
                 ev = await job.events.get()
-            finish = ev.chunk.finish_reason
-            if tools:
-                rest, calls = tools.finish()
-                if rest:
-                    yield sse(env.chunk(text=rest, logprobs=take_lps()))
-                if calls:
-                    yield sse(env.chunk(tool_calls=calls, logprobs=take_lps() if lps else None))
-                    finish = "tool_calls"
-            use, extra = self._account(job, env, ev, n, ttft)
-            yield sse(env.chunk(finish=finish, extra=extra, logprobs=take_lps() if lps else None))
             if req.include_usage:
                 yield sse(env.usage_chunk(use))
             yield "data: [DONE]\n\n"
@@ -274,28 +458,98 @@ class Routes:
             job.cancel()  # a disconnect cancels the stream here; the engine stops before its next token
 
 
+class AnthropicRoutes:
+    """/v1/messages and /v1/messages/count_tokens over the same engine (wire format: anthropic.py)."""
+
+    def __init__(self, routes: Routes):
+        self.r = routes
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            req = anthropic.parse_messages(await read_json(request, self.r.max_body), count_only=True)
+            self.r.engine.check_accepting()
+            ids = await run_in_threadpool(self.r.engine.tokenize, req)
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSON({"input_tokens": len(ids)})
+
+    async def messages(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        started = await self.r._start(request, anthropic.parse_messages)
+        if isinstance(started, Response):
+            return started
+        req, job, parser, first = started
+        env = Envelope("messages", req.model or self.r.model_id, id=anthropic.new_id())
+        if req.stream:
+            return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        gathered = await self.r._gather_calls(request, job, first, t0, parser)
+        if isinstance(gathered, Response):
+            return gathered
+        text, calls, ev, n, ttft = gathered
+        blocks = anthropic.content_blocks(text, calls)
+        reason = anthropic.stop_reason(ev.chunk.finish_reason, ev.chunk.stop_string, blocks)
+        _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
+        use = anthropic.usage(len(job.prompt_ids), n, int((ev.chunk.timings or {}).get("cache_n", 0) or 0))
+        return JSON(anthropic.message(env.id, env.model, blocks, reason,
+                                      ev.chunk.stop_string if reason == "stop_sequence" else None, use, extra))
+
+    async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
+                      parser: ToolParser | None):
+        tools = ToolCallStream(parser) if parser is not None else None
+        # the cache read is known once the request ends: message_delta's usage (cumulative) corrects it
+        out = anthropic.MessageStream(env.id, env.model, len(job.prompt_ids), 0, tools=tools is not None)
+        n, ttft = 0, None
+        try:
+            for e in out.start():
+                yield e
+            while True:
+                if ev.kind == "error":  # after the headers: Anthropic's error event ends the stream
+                    yield out.error(ev.error)
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                n += len(ev.chunk.token_ids)
+                for e in out.delta(tools.feed(ev.chunk.text) if tools else ev.chunk.text):
+                    yield e
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            rest, _, calls = tools.finish() if tools else ("", [], [])
+            _, extra = self.r._account(job, env.endpoint, ev, n, ttft)
+            out.cached_n = int((ev.chunk.timings or {}).get("cache_n", 0) or 0)
+            events, _ = out.finish(rest, calls, ev.chunk.finish_reason, ev.chunk.stop_string, n, extra)
+            for e in events:
+                yield e
+        finally:
+            job.cancel()
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/models, /health "
-               "or /metrics.")
+        msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
+               "/v1/messages, /v1/models, /health or /metrics.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
         msg = str(exc.detail)
-    return error_response(APIError(exc.status_code, msg, headers=dict(exc.headers or {})))
+    return error_response(APIError(exc.status_code, msg, headers=dict(exc.headers or {})), request.url.path)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
 
 
-def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
-               metrics: Metrics | None = None) -> Starlette:
-    """The ASGI app. Its lifespan starts the engine (loading in the background) and shuts it down."""
+def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, metrics: Metrics | None = None,
+               max_body: int = MAX_BODY) -> Starlette:
+    """The ASGI app. Its lifespan starts the engine (loading in the background) and shuts it down.
+    max_body: the largest request body in bytes (larger ones get 413)."""
     metrics = metrics or Metrics()
-    r = Routes(engine, metrics, model_id, api_key=bool(api_key))
+    r = Routes(engine, metrics, model_id, api_key=bool(api_key), max_body=max_body)
+    a = AnthropicRoutes(r)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -309,7 +563,10 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
-                   Route(prefix + "/completions", r.completions, methods=["POST"])]
+                   Route(prefix + "/completions", r.completions, methods=["POST"]),
+                   Route(prefix + "/responses", r.responses, methods=["POST"]),
+                   Route(prefix + "/messages", a.messages, methods=["POST"]),
+                   Route(prefix + "/messages/count_tokens", a.count_tokens, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(Gate, api_key=api_key, metrics=metrics)],
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})

@@ -8,26 +8,33 @@ engine posts into their asyncio loop with call_soon_threadsafe.
 The engine runs a Session of `parallel` rows (engine/session.py; one row is Model.generate_stream's
 own session): between decode calls it admits queued jobs into free rows (each admission prefills its
 row), then a call decodes up to decode_chunk tokens for every running job; a finished or cancelled job
-frees its row at once. A job's expert-cache counters are the engine's totals over the job's lifetime,
-so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
+frees its row at once. A job with n > 1 choices runs each in a row of its own, admitted one after
+another (before new jobs); a choice admitted while another is running shares its prefilled prompt (the
+KV row is copied, Session.fork), one admitted after another finished finds the prompt in the prefix
+cache. Choice i > 0 of a seeded job samples with a seed of its own derived from (seed, i). A job's
+expert-cache counters are the engine's totals over the job's lifetime, so with several rows they include the concurrent jobs' lookups and transfers (the experts a step
 fetches are shared by all its rows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from strata_jax.core.errors import StrataError
+from strata_jax.core.errors import ConfigError, StrataError
+from strata_jax.engine import constrained
 from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
+from strata_jax.serving.tools import Family, ToolParser, detect_family
 
 log = logging.getLogger("strata_jax")
 
@@ -45,6 +52,7 @@ class Event:
     error: APIError | None = None
     expert_cache: dict[str, Any] | None = None
     t: float = dataclasses.field(default_factory=time.perf_counter)
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 class Job:
@@ -56,6 +64,7 @@ class Job:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
         self.expert_base: dict[str, int] = {}  # the engine's expert counters when the job started (batched)
+        self.admitted = 0  # choices admitted so far (of req.n)
 
     def cancel(self) -> None:
         """Ask the engine to skip this job or stop it before its next token."""
@@ -87,8 +96,13 @@ class Engine:
         self.load_error: str | None = None
         self.draining = False
         self._stop = threading.Event()
+        self._end_running = threading.Event()
         self._thread: threading.Thread | None = None
         self._active: dict[int, Job] = {}  # session row -> its job
+        self.tool_family: Family | None = None  # the chat template's tool-call format, chosen at load
+        self._keep_ids: tuple[int, ...] = ()  # the special tokens that format is written in
+        self._index: dict[int, int] = {}  # session row -> the choice of its job it runs
+        self._more: collections.deque[Job] = collections.deque()  # jobs with choices still to admit
         # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
         self.snapshot: dict[str, Any] = {}
 
@@ -103,12 +117,17 @@ class Engine:
         """Refuse new work (503) while what is queued or running finishes."""
         self.draining = True
 
+    def end_running(self) -> None:
+        """End every running and queued job with a 503 error event (the shutdown grace period is over);
+        the engine thread does it before its next step, so each stream gets its closing events."""
+        self._end_running.set()
+
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop: fail queued jobs with 503, cancel the running one between tokens, join the thread."""
+        """Stop: fail queued jobs with 503, end the running ones between steps (each with an error event),
+        join the thread."""
         self.draining = True
+        self._end_running.set()
         self._stop.set()
-        for job in self._active.copy().values():  # copy: the engine thread changes it
-            job.cancel()
         self._fail_pending()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -146,19 +165,51 @@ class Engine:
             raise APIError(503, f"the model is not available: {self.load_error or self.state}.",
                            code="model_unavailable")
 
-    def tokenize(self, req: GenRequest) -> list[int]:
-        """The prompt's token ids (chat template applied), checked against the context. Runs on a
-        worker thread: it uses only the tokenizer."""
+    def tool_parser(self, req: GenRequest) -> ToolParser | None:
+        """The request's tool-call parser (None without tools). tool_choice "required" or a named
+        function starts the reply with the family's call opener (and the name): the model continues a
+        call; nothing constrains what it writes inside it."""
+        if not req.tools:
+            return None
+        family = self.tool_family or detect_family(None)
+        names = [t["function"]["name"] for t in req.tools]
+        prefix = ""
+        forced = req.tool_choice not in (None, "auto", "none")
+        if forced and family.name in ("hermes", "json") and constrained.available():
+            # a grammar of <tool_call> blocks (or one bare JSON call) whose arguments follow the schemas: a
+            # call that must happen, names only from the declared tools, arguments that parse (the other
+            # formats get the opener)
+            try:
+                tok = getattr(self.model, "tokenizer", None)
+                ids = {t: tok.token_to_id(t) if tok else None for t in (constrained.TOOL_OPEN, constrained.TOOL_CLOSE)}
+                req.constraint = constrained.tool_call_grammar(
+                    req.tools, None if req.tool_choice == "required" else req.tool_choice,
+                    {t: i for t, i in ids.items() if i is not None}, bare=family.name == "json")
+            except ConfigError as e:
+                raise bad(str(e), "tool_choice") from None
+        elif req.tool_choice == "required":  # one tool: that one; several: the start their names share
+            prefix = family.forced_prefix(names[0] if len(names) == 1 else None, os.path.commonprefix(names))
+        elif req.tool_choice not in (None, "auto"):
+            prefix = family.forced_prefix(req.tool_choice)
+        return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix)
+
+    def tokenize(self, req: GenRequest, response_prefix: str = "") -> list[int]:
+        """The prompt's token ids (chat template applied, then response_prefix: the start of the reply),
+        checked against the context. Runs on a worker thread: it uses only the tokenizer."""
         m = self.model
         kwargs = dict(req.template_kwargs)
         if req.tools:
             kwargs["tools"] = req.tools
+        if response_prefix:
+            kwargs["response_prefix"] = response_prefix
         if req.reasoning_effort in ("none", "minimal"):
             templates = [m.tokenizer.chat_template or "", *getattr(m.tokenizer, "named_templates", {}).values()]
             if any("enable_thinking" in t for t in templates):
                 kwargs.setdefault("enable_thinking", False)
         try:
             ids = m.prompt_tokens(req.prompt, **kwargs)
+            if req.prefill:  # after the generation prompt, so the reply continues it
+                ids += m.tokenize(req.prefill, add_special=False)
         except StrataError as e:
             raise bad(str(e), req.prompt_param) from None
         if not ids:
@@ -195,25 +246,54 @@ class Engine:
                 self._on_load_error(e)
             return
         self.model = model
+        self._choose_tool_family(model)
         self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
         self.state = "ready"
         while not self._stop.is_set():
+            if self._end_running.is_set():  # the shutdown grace period is over: nothing more runs
+                self._end_all(session)
+                self._stop.wait(0.25)
+                continue
             while session.free_rows:  # admit between calls; with nothing running, wait for work
-                try:
-                    job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
-                except queue.Empty:
-                    break
+                if self._more:  # a running job's next choice goes before new jobs
+                    job = self._more.popleft()
+                else:
+                    try:
+                        job = self._q.get_nowait() if self._active else self._q.get(timeout=0.25)
+                    except queue.Empty:
+                        break
                 if not job.cancelled:
                     self._admit(session, job)
             self._reap_cancelled(session)
             if self._active:
                 self._step(session)
+        self._end_all(session)
+
+    def _end_all(self, session: Any) -> None:
+        """Stop the running jobs (an error event each) and fail the queued ones."""
+        if self._active:
+            log.info("shutting down: stopping %d running request(s)", len(self._active))
         for row, job in list(self._active.items()):
-            session.release(row)
-            job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was stopped.",
-                                                   code="shutting_down")))
+            n = session.release(row)
+            job.emit(Event("error", error=APIError(503, f"the server is shutting down; the request was stopped "
+                                                   f"after {n} generated tokens.", code="shutting_down")))
+        stopped = set(map(id, self._active.values()))
         self._active.clear()
+        for job in self._more:  # choices never admitted: their job hears it unless a running choice told it
+            if id(job) not in stopped:
+                job.emit(Event("error", error=APIError(503, "the server is shutting down; the request was not "
+                                                       "finished.", code="shutting_down")))
+        self._more.clear()
         self._fail_pending()
+
+    def _choose_tool_family(self, model: Any) -> None:
+        tok = model.tokenizer
+        template = getattr(tok, "named_templates", {}).get("tool_use") or tok.chat_template
+        self.tool_family = f = detect_family(template, model.config.arch)
+        ids = [tok.token_to_id(t) for t in f.preserved]
+        self._keep_ids = tuple(i for i in ids if i is not None and i in tok.special_ids)
+        log.info("tool calls: %s format (%s)%s; bare JSON naming a declared tool is a call too", f.name, f.why,
+                 f", keeping {len(self._keep_ids)} special tokens in the output" if self._keep_ids else "")
 
     def _warm(self, session: Any) -> None:
         """Compile the programs before the first request pays for it: the smallest prefill and the decode
@@ -229,20 +309,33 @@ class Engine:
 
     def _admit(self, session: Any, job: Job) -> None:
         m, req = self.model, job.req
+        index = job.admitted
+        job.admitted += 1
+        if job.admitted < req.n:
+            self._more.append(job)
         kwargs = req.sampling()
         if kwargs["max_tokens"] is None:
             kwargs["max_tokens"] = m.ctx  # admit caps it at what the context has left
-        job.expert_base = self._expert_counters(m)
+        if index:
+            kwargs["seed"] = choice_seed(kwargs["seed"], index)
+            sibling = next((r for r, j in self._active.items() if j is job), None)
+            if sibling is not None and req.cache_prompt:
+                session.fork(sibling)  # the prompt's KV for this choice: only its last token is prefilled
+        else:
+            job.expert_base = self._expert_counters(m)
         try:
-            row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt, **kwargs)
+            row, chunks = session.admit(job.prompt_ids, cache_prompt=req.cache_prompt,
+                                        keep_special=self._keep_ids if req.tools else (), **kwargs)
         except StrataError as e:
-            job.emit(Event("error", error=bad(str(e))))
+            job.emit(Event("error", error=bad(str(e)), index=index))
+            job.cancel()  # its other choices stop too: the request has failed
             return self._fail_lost_rows(session)
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("prefill failed")
-            job.emit(Event("error", error=_engine_error(e)))
+            job.emit(Event("error", error=_engine_error(e), index=index))
+            job.cancel()
             return self._fail_lost_rows(session)
-        self._active[row] = job
+        self._active[row], self._index[row] = job, index
         self._deliver(session, row, chunks)
         self._snapshot(session)
 
@@ -256,13 +349,13 @@ class Engine:
             self._deliver(session, row, chunks)
 
     def _deliver(self, session: Any, row: int, chunks: list[Any]) -> None:
-        job = self._active[row]
+        job, index = self._active[row], self._index[row]
         for chunk in chunks:
             if chunk.finish_reason is None:
-                job.emit(Event("chunk", chunk))
+                job.emit(Event("chunk", chunk, index=index))
                 continue
             del self._active[row]
-            job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base)))
+            job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base), index=index))
             self._snapshot(session)
 
     def _reap_cancelled(self, session: Any) -> None:
@@ -281,7 +374,8 @@ class Engine:
         for row, job in list(self._active.items()):
             if row not in alive:
                 del self._active[row]
-                job.emit(Event("error", error=_engine_error(e) if e is not None else
+                job.cancel()
+                job.emit(Event("error", index=self._index[row], error=_engine_error(e) if e is not None else
                                APIError(500, "generation failed: another request's step failed and took the KV "
                                         "cache with it; retry.", code="engine_error")))
         self._snapshot(session)
@@ -316,6 +410,14 @@ class Engine:
         d: dict[str, Any] = {k: now[k] - base.get(k, 0) for k in EXPERT_COUNTERS}
         d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else None
         return d
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a seeded request (choice 0 keeps the request's own): distinct per
+    choice, the same on every run."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B1) % 2**32  # the golden-ratio step spreads consecutive choices
 
 
 def _engine_error(e: BaseException) -> APIError:

@@ -12,6 +12,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 ENDPOINTS = {"/health": "health", "/v1/models": "models", "/models": "models",
              "/v1/chat/completions": "chat_completions", "/chat/completions": "chat_completions",
              "/v1/completions": "completions", "/completions": "completions",
+             "/v1/responses": "responses", "/responses": "responses",
+             "/v1/messages": "messages", "/messages": "messages",
+             "/v1/messages/count_tokens": "count_tokens", "/messages/count_tokens": "count_tokens",
              "/metrics": "metrics", "/metrics.json": "metrics"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -1,4 +1,4 @@
-"""OpenAI wire format: request validation into `GenRequest`, tool-call parsing, and response and
+"""OpenAI wire format: request validation into `GenRequest`, and response and
 stream-chunk builders. Pure functions over JSON values: no model, no HTTP, no JAX.
 
 Every invalid request raises `APIError` (status 4xx) with a message that names the field and says
@@ -10,21 +10,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import secrets
 import time
 from typing import Any
 
 from strata_jax import __version__
+from strata_jax.core.errors import ConfigError
+from strata_jax.engine.constrained import request_grammar
 
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
+MAX_CHOICES = 16  # n: each choice holds a KV row while it runs (with --parallel 1 they run one after another)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; model/sampling.py's TOP_LOGPROBS)
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 REPEAT_WINDOW = 256  # the longest repeat_last_n (model/sampling.py's REPEAT_WINDOW)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # set by the server itself, or parameter names of Model.prompt_tokens / apply_chat_template
-RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self"})
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self",
+                                    "response_prefix"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "unavailable_error"}
@@ -52,7 +55,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 class GenRequest:
     """A validated generation request, endpoint-independent."""
 
-    endpoint: str  # "chat" | "completion"
+    endpoint: str  # "chat" | "completion" | "messages" (Anthropic's) | "responses" (the Responses API's input)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -65,6 +68,8 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     tools: list[dict] | None = None  # rendered through the chat template; output parsed for tool calls
+    tool_choice: str | None = None  # "auto" | "required" | a function's name (None: auto)
+    parallel_tool_calls: bool = True  # False: at most one call is returned
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     reasoning_effort: str | None = None
     cache_prompt: bool = True
@@ -74,16 +79,20 @@ class GenRequest:
     repeat_last_n: int = 64
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token: chat's top_logprobs, completions' integer logprobs
+    prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
+    n: int = 1  # choices, each sampled from the same prompt
+    constraint: str | None = None  # llguidance grammar (response_format, grammar or json_schema)
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.endpoint == "chat" else "prompt"
+        return {"completion": "prompt", "responses": "input"}.get(self.endpoint, "messages")
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, stop=self.stop or None, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
-                    repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+                    repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                    constraint=self.constraint)
 
 
 # -- field readers -----------------------------------------------------------------------------------
@@ -124,11 +133,7 @@ def _common(body: Any) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad(f"'model' must be a string, got {_kind(model)}.", "model")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad(f"'n'={json.dumps(n)[:40]} is not supported: only one choice per request (n=1); send several "
-                  "requests instead.", "n")
-    out: dict[str, Any] = {"model": model}
+    out: dict[str, Any] = {"model": model, "n": _number(body, "n", 1, 1, MAX_CHOICES, integer=True)}
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit_name) is not None:
         out["max_tokens"] = _number(body, limit_name, 0, 1, 2**31 - 1, integer=True)
@@ -163,11 +168,22 @@ def _common(body: Any) -> dict[str, Any]:
     lb = body.get("logit_bias")
     if lb is not None and not (isinstance(lb, dict) and not lb):
         raise bad("'logit_bias' is not supported yet; omit it.", "logit_bias")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' supports only {\"type\": \"text\"} so far (no JSON mode or schemas yet).",
-                  "response_format")
+    out["constraint"] = _constraint(body)
     return out
+
+
+def _constraint(body: dict) -> str | None:
+    """OpenAI's response_format, or llama.cpp's grammar (GBNF) / json_schema, as a validated grammar."""
+    rf = body.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise bad(f"'response_format' must be an object like {{\"type\": \"json_object\"}}, got {_kind(rf)}.",
+                  "response_format")
+    fields = {"response_format": rf, "grammar": body.get("grammar"), "json_schema": body.get("json_schema")}
+    param = next((k for k, v in fields.items() if v is not None and v != {"type": "text"}), None)
+    try:
+        return request_grammar(**fields)
+    except ConfigError as e:
+        raise bad(str(e), param) from None
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -243,7 +259,8 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
+    """(the tools offered to the template, the tool_choice: "auto", "required" or a function's name)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto", "required") and not (
             isinstance(choice, dict) and isinstance(choice.get("function"), dict)
@@ -251,26 +268,39 @@ def _tools(body: dict) -> list[dict] | None:
         raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                   "\"function\": {\"name\": ...}}.", "tool_choice")
     if tools is None:
-        return None
+        if choice not in (None, "none", "auto"):
+            raise bad("'tool_choice' asks for a tool call but no 'tools' were given; send the function tools "
+                      "too.", "tool_choice")
+        return None, None
     if not isinstance(tools, list):
         raise bad(f"'tools' must be an array of function tools, got {_kind(tools)}.", "tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if (not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict)
                 or not isinstance(fn.get("name"), str) or not fn["name"]
-                or not isinstance(fn.get("parameters", {}), dict)
+                or not isinstance(fn.get("parameters", {}), (dict, type(None)))
                 or not isinstance(fn.get("description", ""), (str, type(None)))):
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
                       "\"description\": str, \"parameters\": {JSON schema}}}}.", "tools")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"'tool_choice' names the function {name!r}, which is not among the 'tools' "
+                      f"({', '.join(t['function']['name'] for t in tools)}).", "tool_choice")
+        choice = name
     if choice == "none" or not tools:
-        return None  # the model is told about no tools and nothing is parsed as a call
-    return tools
+        return None, None  # the model is told about no tools and nothing is parsed as a call
+    return tools, choice
 
 
 def parse_chat(body: Any) -> GenRequest:
     req = GenRequest(endpoint="chat", prompt=[], **_common(body))
     req.prompt = _messages(body)
-    req.tools = _tools(body)
+    req.tools, req.tool_choice = _tools(body)
+    req.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    if req.tools and req.tool_choice not in (None, "auto") and req.constraint is not None:
+        raise bad("tool_choice forces a tool call, which response_format/grammar/json_schema would constrain too: "
+                  "give only one of them.", "tool_choice")
     req.logprobs = _bool(body, "logprobs", False)
     req.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
     if req.top_logprobs and not req.logprobs:
@@ -317,80 +347,6 @@ def parse_completion(body: Any) -> GenRequest:
         req.logprobs = True
         req.top_logprobs = _number(body, "logprobs", 0, 0, MAX_LEGACY_LOGPROBS, integer=True)
     return req
-
-
-# -- tool calls in the output -----------------------------------------------------------------------
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|\Z)", re.S)
-
-
-def _tool_call(payload: str) -> dict | None:
-    try:
-        obj = json.loads(payload.strip())
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Split Qwen/Hermes-style output into (content, tool_calls): each `<tool_call>{"name": ...,
-    "arguments": {...}}</tool_call>` becomes an OpenAI tool call (arguments as a JSON string); a block
-    cut off at the end still counts if its JSON is whole. Blocks that are not valid calls stay in the
-    content. Without calls the text comes back unchanged; with calls, content is the rest (or None)."""
-    calls: list[dict] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _TOOL_RE.finditer(text):
-        call = _tool_call(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        calls.append(call)
-        pos = m.end()
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
-    rest = "".join(kept).strip()
-    return rest or None, calls
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class ToolCallStream:
-    """Streams content while holding back anything from the first `<tool_call>` on (and any tail that
-    could start one), so tool calls are parsed whole at the end."""
-
-    def __init__(self) -> None:
-        self.text, self.emitted, self.in_call = "", 0, False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        if self.in_call:
-            return ""
-        i = self.text.find(TOOL_OPEN, self.emitted)
-        if i >= 0:
-            self.in_call = True
-            end = i
-        else:
-            end = len(self.text) - _partial_suffix(self.text[self.emitted:], TOOL_OPEN)
-        out, self.emitted = self.text[self.emitted:end], max(end, self.emitted)
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet streamed, tool calls)."""
-        content, calls = parse_tool_calls(self.text[self.emitted:])
-        return content or "", calls
 
 
 # -- logprobs --------------------------------------------------------------------------------------
@@ -444,9 +400,12 @@ TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "pre
                "cache_n")
 
 
+SPEC_TIMING_KEYS = ("draft_n", "draft_n_accepted")  # with speculative decoding on, as llama.cpp's server
+
+
 def timings(t: dict[str, Any] | None) -> dict[str, Any]:
     t = t or {}
-    return {k: t.get(k, 0) for k in TIMING_KEYS}
+    return {k: t.get(k, 0) for k in TIMING_KEYS} | {k: t[k] for k in SPEC_TIMING_KEYS if k in t}
 
 
 @dataclasses.dataclass
@@ -477,21 +436,23 @@ class Envelope:
         return completion_logprobs(entries, token_bytes, base_offset)
 
     def response(self, text: str, finish: str, use: dict, extra: dict, tool_calls: list | None = None,
-                 logprobs: dict | None = None) -> dict:
-        """logprobs: the choice's logprobs object (chat: {"content": [...], "refusal": None}), or None."""
+                 logprobs: dict | None = None, index: int = 0) -> dict:
+        """logprobs: the choice's logprobs object (chat: {"content": [...], "refusal": None}), or None.
+        index: the choice's (n > 1 joins the choices of several responses)."""
         out = self._base(False)
         if self.endpoint == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 msg["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out.update(choices=[choice], usage=use, **extra)
         return out
 
     def chunk(self, *, text: str | None = None, role: bool = False, tool_calls: list | None = None,
-              finish: str | None = None, extra: dict | None = None, logprobs: dict | None = None) -> dict:
+              finish: str | None = None, extra: dict | None = None, logprobs: dict | None = None,
+              index: int = 0) -> dict:
         out = self._base(True)
         if self.endpoint == "chat":
             delta: dict[str, Any] = {}
@@ -499,11 +460,11 @@ class Envelope:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if tool_calls:  # tools.call_deltas: each with its index
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out["choices"] = [choice]
         out.update(extra or {})
         return out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
 import signal
+import socket
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata_jax")
 
 API_KEY_ENV = "STRATA_JAX_API_KEY"
+SHUTDOWN_MARGIN_S = 5.0  # uvicorn waits this much past the grace period for streams to send their last events
 
 
 def is_loopback(host: str) -> bool:
@@ -40,11 +44,40 @@ def check_options(args: Any) -> str | None:
                           "--host 127.0.0.1 (this machine only).")
     if not 0 < args.port < 65536:
         raise StrataError(f"--port {args.port} is not a TCP port; give 1-65535.")
+    if not args.shutdown_timeout >= 0:
+        raise StrataError(f"--shutdown-grace {args.shutdown_timeout} must be a number of seconds >= 0.")
+    from strata_jax.core.units import parse_size
+
+    if parse_size(args.max_body, "--max-body") < 1024:
+        raise StrataError(f"--max-body {args.max_body} is too small for any request; give e.g. 4MiB.")
     if args.model is not None:
         from strata_jax.gguf.reader import GGUFFile
 
         GGUFFile(args.model)  # a missing or non-GGUF file fails now, not after the server is up
     return api_key
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails in a second, not after
+    the weights are read. uvicorn serves on it."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StrataError(f"--host {host}: cannot resolve it ({e.strerror}); give an IP address or a known host "
+                          "name.") from None
+    family, _, _, _, addr = info[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StrataError(f"port {port} on {host} is already in use (another server?): stop it, or pick a free "
+                              "port with --port N.") from None
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --host/--port.") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def model_id(args: Any) -> str:
@@ -63,15 +96,23 @@ def serve(args: Any, config: "EngineConfig") -> int:
     import uvicorn
 
     import strata_jax
+    from strata_jax.core.units import parse_size
     from strata_jax.serving.app import create_app
     from strata_jax.serving.engine import Engine
 
     api_key = check_options(args)
+    sock = bind(args.host, args.port)
     failure: list[BaseException] = []
+    grace = float(args.shutdown_timeout)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            engine.begin_drain()  # new requests get 503 while uvicorn lets in-flight ones finish
+            if not engine.draining:  # the first signal: new requests get 503, running ones get `grace` seconds
+                engine.begin_drain()
+                log.info("shutting down: running requests have %g s to finish", grace)
+                timer = threading.Timer(grace, engine.end_running)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
 
     def on_load_error(e: BaseException) -> None:
@@ -80,19 +121,21 @@ def serve(args: Any, config: "EngineConfig") -> int:
 
     engine = Engine(lambda: strata_jax.load(args.model, config), queue_size=args.queue_size,
                     warmup=args.warmup, parallel=config.parallel, on_load_error=on_load_error)
-    app = create_app(engine, model_id=model_id(args), api_key=api_key)
+    app = create_app(engine, model_id=model_id(args), api_key=api_key,
+                     max_body=parse_size(args.max_body, "--max-body"))
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                            access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_timeout,
-                            lifespan="on")
+                               access_log=not args.quiet, timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_S,
+                               lifespan="on")
     server = Server(uv_config)
-    log.info("serving %s on http://%s:%d (OpenAI API under /v1%s); the model loads in the background",
+    log.info("serving %s on http://%s:%d (OpenAI and Anthropic APIs under /v1%s); the model loads in the background",
              model_id(args), args.host, args.port, ", API key required" if api_key else "")
     # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers in
     # place that re-raise is harmless and a graceful stop exits 0
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         for s, h in previous.items():
             signal.signal(s, h)
     if failure:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The seed-model sitting: qwen4exp at the seed's scale (bench shape qseed, 56.6 GB) under a 32 GiB budget
+# beside llama.cpp's qwen4exp on the same file, the fused IQ kernels checked and timed, then B30 resident
+# (blocked attention prefill, command buffers on/off) if time is left. One nvidia-h200 lease.
+#
+#   bash benchmarks/seed_sitting.sh start [WAIT_S]   on the device: wheels, machine, snapshot, pipeline, wait
+#   bash benchmarks/seed_sitting.sh wait [WAIT_S [DEADLINE_S]]   as in benchmarks/sitting_lib.sh
+#   bash benchmarks/seed_sitting.sh pipeline         (start runs it)
+#
+# Carry .whl (benchmarks/engine_sitting.md lists them) and .gpu (llama.cpp's sources:
+# `python benchmarks/llamacpp.py pack --sdist llama_cpp_python-0.3.36.tar.gz`).
+#
+# Pipeline (the build and the qseed file are written in the background from the start):
+#   iq-check        decode_profile.py check + kernels for the seed's IQ types and Q4_K -> data-iq.json
+#   bench-qseed     32 GiB, realistic + model routing, decode and prefill 512 / 4096, llama.cpp first
+#                   (before JAX takes the card) -> results-qseed.json
+#   qseed-qmatvec   the same file, STRATA_JAX_QMATVEC=1 (the fused kernel for IQ too), realistic decode
+#   qseed-nocb      the same, XLA's command buffers off (--xla_gpu_enable_command_buffer=)
+#   then the qseed file is deleted (B30's 17 GB do not fit beside it on the 64 GiB disk) and
+#   b30-resident    bench --resident-only, prefill 512 / 4096 / 16384 (the blocked attention loop)
+#   b30-nocb        the same decode without command buffers
+# Knobs: SITTING_S (deadline, default 1500 s), SITTING_DIR (/tmp/ssit), PY, NO_WHEELS=1, QSEED_SHAPE /
+# B30_SHAPE (qtiny / tiny for a local dry run), LLAMA_BIN (an existing llama-bench: no build), SKIP_IQ=1.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/sitting_lib.sh /tmp/ssit 1500
+export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+QSEED=${QSEED_SHAPE:-qseed} B30=${B30_SHAPE:-b30}
+LLAMA_LINK=$S/llama-bench  # made once the build is done (/bin/false if it failed); bench waits for it
+COMMON=(--tokens 128 --prompt-len 32)
+
+# the synthetic GGUF, written once into the cache (bench then takes the same file, under its lock)
+WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
+from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path(sys.argv[1]))")
+
+pipeline() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  build_llama 12 &
+  phase write-qseed 900 "$PY" "${WRITE[@]}" "$QSEED" &
+  local writer=$!
+  [ -n "${SKIP_IQ:-}" ] || phase iq-check 300 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts check,kernels \
+    --types IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M,Q4_K
+  [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
+  wait "$writer"
+  phase bench-qseed 900 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" --routing realistic \
+    --routing model --prefill-len 512 --prefill-len 4096 --vram-budget 32GiB --no-resident \
+    --peer-llama-bench "$LLAMA_LINK" --peer-when before --peer-wait 600 --peer-reps 2 --out "$S/results-qseed.json"
+  phase qseed-qmatvec 240 env STRATA_JAX_QMATVEC=1 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" \
+    --routing realistic --vram-budget 32GiB --no-resident --out "$S/results-qseed-qmatvec.json"
+  phase qseed-nocb 240 env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$PY" -m strata_jax.cli bench --shape "$QSEED" \
+    "${COMMON[@]}" --routing realistic --vram-budget 32GiB --no-resident --out "$S/results-qseed-nocb.json"
+  rm -f "$STRATA_JAX_CACHE/synthetic/$QSEED-"*
+  note "qseed GGUF deleted; disk: $(df -h "$STRATA_JAX_CACHE" | tail -1)"
+  phase b30-resident 300 "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only \
+    --prefill-len 512 --prefill-len 4096 --prefill-len 16384 --out "$S/results-b30.json"
+  phase b30-nocb 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$PY" -m strata_jax.cli bench --shape "$B30" \
+    "${COMMON[@]}" --resident-only --out "$S/results-b30-nocb.json"
+  wait
+  note "pipeline: done"
+}
+
+prepare() {
+  [ -n "${LLAMA_BIN:-}" ] || [ -f .gpu/llama-src.tar.xz ] || note "no .gpu/llama-src.tar.xz (carry .gpu): llama.cpp rows will fail"
+  machine_info
+  snapshot "$S/repo"
+}
+
+sitting_main "$@"

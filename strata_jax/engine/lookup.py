@@ -1,0 +1,64 @@
+"""Prompt-lookup drafts for speculative decoding: no extra weights, only the sequence so far.
+
+The longest suffix of the sequence (prompt + output, NGRAM_MAX tokens down to NGRAM_MIN) that also
+occurs earlier proposes the tokens that followed its latest earlier occurrence. Text that repeats its
+context (code being edited, quoted passages) is drafted well; elsewhere there is often no match, and
+the session takes a plain decode step.
+
+`Acceptance` is the adaptive part: after a few passes that accepted little, a row drafts nothing for a
+while, so a prompt that does not repeat itself pays (almost) nothing for speculation.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+
+NGRAM_MAX = 4  # longest suffix matched
+NGRAM_MIN = 1  # shortest suffix matched
+WINDOW = 4  # verify passes the acceptance rate is taken over
+MIN_RATE = 0.3  # below this acceptance rate over the window, the row stops drafting ...
+COOLDOWN = 8  # ... for this many steps, then tries again
+
+
+def lookup_draft(seq: Sequence[int], n_max: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+    """Up to n_max tokens that followed the latest earlier occurrence of the longest matching suffix of
+    seq (ngram_max tokens down to ngram_min); [] when no suffix occurred before."""
+    a = np.asarray(seq, np.int64)
+    L = len(a)
+    if n_max < 1:
+        return []
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        # starts i < L - n whose n tokens equal the suffix (the suffix itself, at L - n, is excluded)
+        hit = np.ones(L - n, bool)
+        for j in range(n):
+            hit &= a[j: L - n + j] == a[L - n + j]
+        starts = np.flatnonzero(hit)
+        if len(starts):
+            i = int(starts[-1]) + n  # what followed the latest occurrence
+            return a[i: i + n_max].tolist()
+    return []
+
+
+class Acceptance:
+    """A row's recent verify passes (drafted, accepted): whether its next step should draft."""
+
+    def __init__(self):
+        self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=WINDOW)
+        self.cooldown = 0
+
+    def should_draft(self) -> bool:
+        if self.cooldown:
+            self.cooldown -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.recent.append((drafted, accepted))
+        if len(self.recent) == WINDOW:
+            d = sum(x for x, _ in self.recent)
+            if d and sum(y for _, y in self.recent) / d < MIN_RATE:
+                self.cooldown = COOLDOWN
+                self.recent.clear()

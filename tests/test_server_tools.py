@@ -1,0 +1,137 @@
+"""Tool calls and the Responses API on the real default model (Qwen2.5-Coder-0.5B-Instruct, its chat
+template from the GGUF), driven by the official openai SDK against one `strata-jax serve` process.
+
+The reported bug: the 0.5B model answers a get_weather request with a bare JSON object (no
+<tool_call> tags), which came back as plain content. Every request is greedy, so the outputs are
+the model's deterministic ones."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from test_server_openai import ServerProcess
+
+pytestmark = pytest.mark.slow  # a real 0.5B model decoding on the CPU
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name"}},
+                   "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+@pytest.fixture(scope="module")
+def server(qwen_gguf_path, tmp_path_factory):
+    srv = ServerProcess(qwen_gguf_path, tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_family_is_chosen_at_load_and_logged(server):
+    assert "tool calls: hermes format (the chat template wraps calls in <tool_call></tool_call>)" in server.output()
+
+
+def test_get_weather_is_a_tool_call(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_get_weather_streamed(client):
+    stream = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40,
+                                            stream=True)
+    chunks = [ch for ch in stream if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""  # no markup leaks into content
+    deltas = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    first = deltas[0]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_named_and_required(client):
+    """A named function and "required" force a call (a grammar of the template's calls where llguidance is
+    installed, else the call opener) even for a question the model would answer in prose."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                                       "parameters": {"type": "object", "properties": {
+                                                           "city": {"type": "string"}}}}}]
+    prose = [{"role": "user", "content": "Write a haiku about the sea."}]
+    auto = client.chat.completions.create(model="m", messages=prose, tools=tools, temperature=0, max_tokens=16)
+    assert auto.choices[0].finish_reason != "tool_calls" and "sea" in auto.choices[0].message.content.lower()
+    named = client.chat.completions.create(model="m", messages=prose, tools=tools, temperature=0, max_tokens=24,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].finish_reason == "tool_calls"
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict)
+    required = client.chat.completions.create(model="m", messages=prose, tools=TOOLS, temperature=0, max_tokens=24,
+                                              tool_choice="required", parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_tool_choice_none_offers_no_tools(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0,
+                                       max_tokens=12)
+    assert r.choices[0].finish_reason != "tool_calls" and r.choices[0].message.tool_calls is None
+    assert r.usage.prompt_tokens < 60  # the template's tool prompt was not rendered
+
+
+def test_responses_function_call_and_its_output(client):
+    r = client.responses.create(model="m", input=ASK[0]["content"], tools=RESPONSES_TOOLS, temperature=0,
+                                max_output_tokens=40)
+    assert r.status == "completed" and r.object == "response"
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the call and its output go back as input items; the model answers from the tool's result
+    follow = [{"role": "user", "content": ASK[0]["content"]},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 31, "sky": "sunny"}'}]
+    answer = client.responses.create(model="m", input=follow, tools=RESPONSES_TOOLS, temperature=0,
+                                     max_output_tokens=40)
+    assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
+    assert "31" in answer.output_text or "sunny" in answer.output_text.lower(), answer.output_text
+
+
+def test_responses_stream(client):
+    with client.responses.stream(model="m", input=ASK[0]["content"], tools=RESPONSES_TOOLS, temperature=0,
+                                 max_output_tokens=40) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" not in kinds  # the call is not streamed as text
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args) == {"city": "Paris"}
+    [call] = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # plain text, instructions and max_output_tokens: the streamed text is the non-streamed response's
+    kw = dict(model="m", instructions="You are a poet.", input="Describe the ocean at night.",
+              temperature=0, max_output_tokens=6)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text and whole.output_text
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6 and whole.instructions == kw["instructions"]
