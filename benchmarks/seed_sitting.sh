@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The seed-model sitting: qwen4exp at the seed's scale (bench shape qseed, 56.6 GB) under a 32 GiB budget
-# beside llama.cpp's qwen4exp on the same file, the fused IQ kernels checked and timed, then B30 resident
-# (blocked attention prefill, command buffers on/off) if time is left. One nvidia-h200 lease.
+# beside llama.cpp's qwen4exp on the same file (decode and prefill), the fused IQ kernels timed, the machine
+# as `strata-jax check` sees it, then B30 resident prefill (the blocked attention loop) if time is left. One
+# nvidia-h200 lease.
 #
 #   bash benchmarks/seed_sitting.sh start [WAIT_S]   on the device: wheels, machine, snapshot, pipeline, wait
 #   bash benchmarks/seed_sitting.sh wait [WAIT_S [DEADLINE_S]]   as in benchmarks/sitting_lib.sh
@@ -10,20 +11,22 @@
 # Carry .whl (benchmarks/engine_sitting.md lists them) and .gpu (llama.cpp's sources:
 # `python benchmarks/llamacpp.py pack --sdist llama_cpp_python-0.3.36.tar.gz`).
 #
-# Pipeline (the build and the qseed file are written in the background from the start):
-#   iq-check        decode_profile.py check + kernels for the seed's IQ types and Q4_K -> data-iq.json
-#   bench-qseed     32 GiB, realistic + model routing, decode and prefill 512 / 4096, llama.cpp first
-#                   (before JAX takes the card) -> results-qseed.json
-#   qseed-qmatvec   the same file, STRATA_JAX_QMATVEC=1 (the fused kernel for IQ too), realistic decode
-#   qseed-nocb      the same, XLA's command buffers off (--xla_gpu_enable_command_buffer=)
+# Pipeline (the build and the qseed file are written in the background once `check` has measured the
+# machine alone):
+#   check           `strata-jax check` (text in check.log, --json -> data-check.json): GPU, PCIe link, bandwidth
+#   iq-kernels      decode_profile.py kernels for the seed's IQ types at BSEED size, one launch config
+#                   (16x2), against gather + dequantize + einsum -> data-iq.json
+#   check-qseed     `strata-jax check QSEED --vram-budget 32GiB`: the verdict on the seed's shape
+#   bench-qseed     32 GiB, STRATA_JAX_QMATVEC=1, realistic routing, decode and prefill 512 / 4096, llama.cpp's
+#                   budget placement first (before JAX takes the card) -> results-qseed.json
 #   then the qseed file is deleted (B30's 17 GB do not fit beside it on the 64 GiB disk) and
 #   b30-resident    bench --resident-only, prefill 512 / 4096 / 16384 (the blocked attention loop)
-#   b30-nocb        the same decode without command buffers
-# Knobs: SITTING_S (deadline, default 1500 s), SITTING_DIR (/tmp/ssit), PY, NO_WHEELS=1, QSEED_SHAPE /
-# B30_SHAPE (qtiny / tiny for a local dry run), LLAMA_BIN (an existing llama-bench: no build), SKIP_IQ=1.
+# Knobs: SITTING_S (deadline, default 1450 s), SITTING_DIR (/tmp/ssit), PY, NO_WHEELS=1, QSEED_SHAPE /
+# B30_SHAPE (qtiny / tiny for a local dry run), LLAMA_BIN (an existing llama-bench: no build), SKIP_IQ=1,
+# IQ_TYPES (IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M).
 set -u
 cd "$(dirname "$0")/.."
-source benchmarks/sitting_lib.sh /tmp/ssit 1500
+source benchmarks/sitting_lib.sh /tmp/ssit 1450
 export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 QSEED=${QSEED_SHAPE:-qseed} B30=${B30_SHAPE:-b30}
@@ -36,26 +39,26 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
 
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase check 90 "$PY" -m strata_jax.cli check
+  phase check-json 90 bash -c "'$PY' -m strata_jax.cli check --json > '$S/data-check.json'"
   build_llama 12 &
   phase write-qseed 900 "$PY" "${WRITE[@]}" "$QSEED" &
   local writer=$!
-  [ -n "${SKIP_IQ:-}" ] || phase iq-check 300 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts check,kernels \
-    --types IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M,Q4_K
+  [ -n "${SKIP_IQ:-}" ] || phase iq-kernels 240 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts kernels \
+    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sweep 16x2
   [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
   wait "$writer"
-  phase bench-qseed 900 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" --routing realistic \
-    --routing model --prefill-len 512 --prefill-len 4096 --vram-budget 32GiB --no-resident \
-    --peer-llama-bench "$LLAMA_LINK" --peer-when before --peer-wait 600 --peer-reps 2 --out "$S/results-qseed.json"
-  phase qseed-qmatvec 240 env STRATA_JAX_QMATVEC=1 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" \
-    --routing realistic --vram-budget 32GiB --no-resident --out "$S/results-qseed-qmatvec.json"
-  phase qseed-nocb 240 env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$PY" -m strata_jax.cli bench --shape "$QSEED" \
-    "${COMMON[@]}" --routing realistic --vram-budget 32GiB --no-resident --out "$S/results-qseed-nocb.json"
+  local qfile
+  qfile=$(ls "$STRATA_JAX_CACHE/synthetic/$QSEED-"*.gguf 2>/dev/null | head -1)
+  phase check-qseed 90 "$PY" -m strata_jax.cli check "$qfile" --vram-budget 32GiB
+  phase bench-qseed 720 env STRATA_JAX_QMATVEC=1 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" \
+    --routing realistic --prefill-len 512 --prefill-len 4096 --vram-budget 32GiB --no-resident \
+    --peer-llama-bench "$LLAMA_LINK" --peer-placement budget --peer-when before --peer-wait 400 --peer-reps 1 \
+    --out "$S/results-qseed.json"
   rm -f "$STRATA_JAX_CACHE/synthetic/$QSEED-"*
   note "qseed GGUF deleted; disk: $(df -h "$STRATA_JAX_CACHE" | tail -1)"
-  phase b30-resident 300 "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only \
+  phase b30-resident 400 "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only \
     --prefill-len 512 --prefill-len 4096 --prefill-len 16384 --out "$S/results-b30.json"
-  phase b30-nocb 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$PY" -m strata_jax.cli bench --shape "$B30" \
-    "${COMMON[@]}" --resident-only --out "$S/results-b30-nocb.json"
   wait
   note "pipeline: done"
 }

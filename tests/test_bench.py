@@ -306,3 +306,6 @@ def test_peer_command():
     assert cmd[-3:] == ["--extra", "-p", "512"]
     bare = peer.peer_command("b", "m.gguf", budget=None, prefill_lens=[], n_gen=16, reps=1, out="o.json")
     assert "budget" not in bare[bare.index("--placement") + 1] and "--extra" not in bare
+    only = peer.peer_command("b", "m.gguf", budget=32 * GiB, prefill_lens=[512], n_gen=16, reps=1, out="o.json",
+                             placements=["budget"])
+    assert only[only.index("--placement") + 1] == "budget"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from strata_jax.bench import machine
+from strata_jax.bench.peer import PEER_PLACEMENTS
 from strata_jax.bench.shapes import SHAPES, synthetic_model_path
 
 log = logging.getLogger("strata_jax")
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "device memory JAX keeps free (strata_jax/bench/peer.py)")
     p.add_argument("--peer-wait", type=float, default=0, metavar="SECONDS",
                    help="wait this long for the llama-bench binary to appear (built in the background)")
+    p.add_argument("--peer-placement", action="append", choices=list(PEER_PLACEMENTS), default=None,
+                   help="llama.cpp placements to run (repeatable; default all three, budget only with "
+                        "--vram-budget)")
     p.add_argument("--peer-reps", type=_positive, default=3)
     p.add_argument("--peer-threads", type=_positive, default=None)
     p.add_argument("--out", help="write every row and the machine's description here (JSON), after each row")
@@ -172,7 +176,7 @@ def run(args, argv: list[str]) -> dict:
     def run_peer():
         res.add(peer.run_peer(args.peer_llama_bench, path, budget=budget, prefill_lens=args.prefill_len or [512],
                               n_gen=args.tokens, reps=args.peer_reps, threads=args.peer_threads,
-                              wait_s=args.peer_wait))
+                              wait_s=args.peer_wait, placements=args.peer_placement))
 
     peer_when = None
     if args.peer_llama_bench and not args.resident_only:

@@ -25,6 +25,7 @@ GiB = 1 << 30
 LLAMACPP_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "llamacpp.py"
 
 
+PEER_PLACEMENTS = ("all-gpu", "cpu-experts", "budget")  # benchmarks/llamacpp.py's placement names
 PEER_MARGIN = 3 * GiB  # KV cache and compute buffers at a 4k context, CUDA context, slack
 XLA_DEFAULT_FRACTION = 0.75
 
@@ -39,8 +40,9 @@ def fits_after(model_bytes: int, total_bytes: int | None, cap_fraction: float | 
 
 
 def peer_command(binary: str, model: str, *, budget: int | None, prefill_lens: list[int], n_gen: int, reps: int,
-                 out: str, threads: int | None = None, script: Path = LLAMACPP_SCRIPT) -> list[str]:
-    placements = ["all-gpu", "cpu-experts"] + (["budget"] if budget else [])
+                 out: str, threads: int | None = None, script: Path = LLAMACPP_SCRIPT,
+                 placements: list[str] | None = None) -> list[str]:
+    placements = [p for p in (placements or PEER_PLACEMENTS) if p != "budget" or budget]
     # the longest prompt is llama-bench's main -p, so the budget plan's context covers it; the others
     # ride along as extra -p values (llama-bench appends repeated -p lists) and come back in "raw"
     lens = sorted(set(prefill_lens)) or [512]
@@ -92,7 +94,7 @@ def wait_for_binary(binary: str, seconds: float) -> bool:
 
 
 def run_peer(binary: str, model: str, *, budget: int | None, prefill_lens: list[int], n_gen: int, reps: int,
-             threads: int | None = None, wait_s: float = 0) -> list[dict]:
+             threads: int | None = None, wait_s: float = 0, placements: list[str] | None = None) -> list[dict]:
     if not wait_for_binary(binary, wait_s):
         log.error("peer: %s is not an executable; no llama.cpp rows", binary)
         return [{"engine": "llama.cpp", "error": f"{binary}: no such executable"}]
@@ -102,7 +104,7 @@ def run_peer(binary: str, model: str, *, budget: int | None, prefill_lens: list[
     fd, out = tempfile.mkstemp(prefix="llama-peer-", suffix=".json")
     os.close(fd)
     cmd = peer_command(binary, model, budget=budget, prefill_lens=prefill_lens, n_gen=n_gen, reps=reps, out=out,
-                       threads=threads)
+                       threads=threads, placements=placements)
     log.info("peer: %s", " ".join(cmd))
     proc = subprocess.run(cmd)  # its progress goes straight to our stdout/stderr
     try:
