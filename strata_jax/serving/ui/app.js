@@ -5,7 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const STORE = "strata-jax-ui";
 const DEFAULTS = { system: "", temperature: 0.7, top_p: 0.95, max_tokens: 512, api_key: "" };
-const SPARK_POINTS = 120;
+const SPARK_POINTS = 60;  // 30 s of events at the page's 0.5 s interval
 
 // -- settings (localStorage) ---------------------------------------------------------------------------
 function loadSettings() {
