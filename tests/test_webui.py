@@ -27,7 +27,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = 2000  # greedy tokens the synthetic model does not end early (~10 s on a CPU): a generation to stop
+LONG = 2000  # greedy tokens the synthetic model does not end early (seconds on a CPU): a generation to stop
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +101,10 @@ def test_monitor_events_fields_live_rates_and_metrics(server):
     finally:
         done.set()
         t.join(30)
-    for ev in monitor_events(server.url, interval=0.25, count=40):  # the cancelled request frees its row
-        if ev["processing"] == 0:
+    for ev in monitor_events(server.url, interval=0.25, count=40):  # the cancelled request frees its row,
+        if ev["processing"] == 0 and ev["decode_tokens_per_second"] == 0:  # and the idle engine's rates fall to 0
             break
-    assert ev["processing"] == 0
+    assert ev["processing"] == 0 and ev["decode_tokens_per_second"] == 0 and ev["expert"]["h2d_MB_per_s"] == 0
 
     # idle: an event and /metrics.json read the same snapshot
     ev = next(monitor_events(server.url, count=1))
@@ -118,6 +118,19 @@ def test_monitor_events_fields_live_rates_and_metrics(server):
     assert metric(m, "strata_queue_depth") == ev["queue_depth"] == 0
     for use in ("dense", "experts", "kv"):
         assert metric(m, "strata_device_memory_bytes", use=use) == ev["memory"][use]
+
+
+def test_monitor_stream_ends_when_the_client_leaves(server):
+    watching = monitor_events(server.url, interval=0.25)
+    assert next(watching)["monitors"] == 1
+    seen = []
+    for ev in monitor_events(server.url, interval=0.25, count=20):
+        seen.append(ev["monitors"])
+        if len(seen) == 2:
+            watching.close()  # the first client hangs up: its stream ends and stops counting
+        if ev["monitors"] == 1 and len(seen) > 2:
+            break
+    assert seen[0] == 2 and seen[-1] == 1, seen
 
 
 def test_monitor_events_auth_and_bad_parameters(server):

@@ -231,7 +231,7 @@ class Routes:
         """The engine's telemetry snapshot (serving/telemetry.py) with the server's state and the live queue."""
         e = self.engine
         return {**e.snapshot, "status": self._status(), "model": self.model_id, "queue_depth": e.queue_depth,
-                "processing": e.processing, "parallel": e.parallel}
+                "processing": e.processing, "parallel": e.parallel, "monitors": e.watchers}
 
     async def monitor(self, request: Request) -> Response:
         """GET /v1/monitor/events?interval=S&count=N: text/event-stream, one `data: <json>` event every S
