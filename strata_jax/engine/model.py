@@ -67,6 +67,12 @@ def _ple_placement(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec,
     return where
 
 
+def _device_bytes(tree: Any) -> int:
+    """Bytes of a pytree's arrays that live in device memory (not the ones placed in pinned host memory)."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree)
+               if isinstance(x, jax.Array) and getattr(x.sharding, "memory_kind", None) != "pinned_host")
+
+
 class Model:
     """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
 
@@ -95,6 +101,7 @@ class Model:
         self.ple_table = _ple_placement(config, gguf, cfg, expert_spec(loader) if cfg.is_moe else None, fixed(),
                                         self.device)
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
+        self.dense_bytes = _device_bytes(self.params)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
             off_device = (PLE_TABLE_NAME,) if self.ple_table == "host" else ()
@@ -128,6 +135,13 @@ class Model:
     def stats(self) -> dict[str, Any]:
         """Expert-cache telemetry since load or reset_stats (see OffloadManager.stats); {} for dense models."""
         return self.experts.stats() if self.experts is not None else {}
+
+    def device_memory(self, session: Session | None = None) -> dict[str, int]:
+        """Device bytes by use: dense weights, expert slot pools (0 for a dense model) and the KV cache
+        of `session` (default: the model's own one-row session, 0 until it has run)."""
+        session = session or self._session
+        return {"dense": self.dense_bytes, "experts": self.experts.device_bytes if self.experts is not None else 0,
+                "kv": session.kv_bytes() if session is not None else 0}
 
     def host_timing(self) -> dict[str, float | int | None]:
         """Decode steps and jitted decode calls since load or reset_stats, the host's milliseconds per

@@ -257,6 +257,10 @@ class Session:
         """Tokens in the KV cache over all rows (active, or kept for prefix reuse)."""
         return sum(len(q.fed) if q is not None else len(c) for q, c in zip(self._reqs, self._cached))
 
+    def kv_bytes(self) -> int:
+        """Device bytes of the rows' KV cache (and recurrent state) as allocated; 0 before the first call."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._kv)) if self._kv is not None else 0
+
     def generated(self, row: int) -> int:
         q = self._reqs[row]
         return len(q.generated) if q is not None else 0

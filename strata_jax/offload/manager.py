@@ -173,6 +173,7 @@ class OffloadManager:
             "prefetch_precision": pred_hit / pred_total if pred_total else None,
             "prefetch_recall": pred_hit / actual if pred_total and actual else None,
             "per_layer_hit_rate": [float(r[0] / (r[0] + r[1])) if r[0] + r[1] else 1.0 for r in st.tolist()],
+            "per_layer_lookups": [int(r[0] + r[1]) for r in st.tolist()],
             "expert_slots": self.plan.n_slots,
             "total_experts": self.plan.total_experts,
             "resident": self.plan.resident,

@@ -1,5 +1,6 @@
 """The Starlette app: OpenAI-compatible routes (Chat Completions, Completions, Responses), and
-Anthropic's Messages API, around an Engine.
+Anthropic's Messages API, around an Engine; the web UI at / (static files under ui/) and its live
+monitor stream, /v1/monitor/events.
 
 Handlers validate (protocol.py, responses.py, anthropic.py), tokenize on a worker thread, enqueue a Job, and turn the
 engine's events into one JSON response or an SSE stream. Nothing here touches JAX.
@@ -12,8 +13,10 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,8 +24,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata_jax.core.units import fmt_bytes
@@ -40,8 +44,13 @@ log = logging.getLogger("strata_jax")
 MAX_BODY = 4 << 20  # the default --max-body
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers and probes
+OPEN_PATHS = ("/health", "/")  # answered without an API key: load balancers and probes, the web UI's page
+UI_DIR = Path(__file__).parent / "ui"
+UI_PREFIX = "/ui/"  # the page's scripts and styles, public like the page (the API behind them is not)
 DISCONNECT_POLL_S = 0.5
+MONITOR_INTERVAL_S = (1.0, 0.25, 60.0)  # /v1/monitor/events: default, least and most seconds between events
+MONITOR_MAX_COUNT = 1_000_000
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class JSON(Response):
@@ -94,7 +103,9 @@ class Gate:
             await send(message)
 
         try:
-            if self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            path = scope["path"]
+            public = path in OPEN_PATHS or path.startswith(UI_PREFIX)
+            if self.key is not None and not public and not self._authorized(scope):
                 err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' (or "
                                "'x-api-key: <key>') with the key the server was started with (--api-key or "
                                "STRATA_JAX_API_KEY).", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -104,6 +115,21 @@ class Gate:
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+def _query_number(request: Request, name: str, default: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
+    """A query parameter as a number in [lo, hi] (an int when `integer`), or `default` when absent."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = math.nan
+    if not lo <= value <= hi:
+        kind = "an integer" if integer else "a number of seconds"
+        raise bad(f"the query parameter {name}={raw[:40]!r} must be {kind} from {lo:g} to {hi:g}.", name)
+    return value
 
 
 def _too_large(size: str, limit: int) -> APIError:
@@ -166,11 +192,14 @@ class Routes:
         self.created = int(time.time())
 
     # -- status ---------------------------------------------------------------------------------------
-    async def health(self, request: Request) -> Response:
+    def _status(self) -> str:
         e = self.engine
         status = {"ready": "ok", "idle": "loading", "loading": "loading"}.get(e.state, e.state)
-        if e.draining and e.state == "ready":
-            status = "shutting_down"
+        return "shutting_down" if e.draining and e.state == "ready" else status
+
+    async def health(self, request: Request) -> Response:
+        e = self.engine
+        status = self._status()
         body = {"status": status, "loaded": e.state == "ready", "model": self.model_id,
                 "max_context": e.model.ctx if e.model is not None else None, "api_key": self.api_key,
                 "queue_depth": e.queue_depth}
@@ -193,6 +222,49 @@ class Routes:
         if request.query_params.get("format") == "json" or request.url.path.endswith(".json"):
             return JSON(self.metrics.as_json())
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    # -- the web UI and its monitor ------------------------------------------------------------------------
+    async def ui(self, request: Request) -> Response:
+        return FileResponse(UI_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    def monitor_event(self) -> dict[str, Any]:
+        """The engine's telemetry snapshot (serving/telemetry.py) with the server's state and the live queue."""
+        e = self.engine
+        return {**e.snapshot, "status": self._status(), "model": self.model_id, "queue_depth": e.queue_depth,
+                "processing": e.processing, "parallel": e.parallel, "monitors": e.watchers}
+
+    async def monitor(self, request: Request) -> Response:
+        """GET /v1/monitor/events?interval=S&count=N: text/event-stream, one `data: <json>` event every S
+        seconds (default 1), N events or until the client leaves or the server shuts down."""
+        try:
+            default, lo, hi = MONITOR_INTERVAL_S
+            interval = _query_number(request, "interval", default, lo, hi)
+            count = _query_number(request, "count", None, 1, MONITOR_MAX_COUNT, integer=True)
+        except APIError as e:
+            return error_response(e, request.url.path)
+        return StreamingResponse(self._monitor_stream(request, interval, count), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    def _ending(self) -> bool:
+        return self.engine.draining or self.engine.state in ("stopped", "error")
+
+    async def _monitor_stream(self, request: Request, interval: float, count: int | None):
+        e = self.engine
+        e.watchers += 1  # the engine refreshes its snapshot while someone watches
+        try:
+            sent = 0
+            while True:
+                yield sse(self.monitor_event())
+                sent += 1
+                if (count is not None and sent >= count) or self._ending():  # the last event says why
+                    return
+                t_next = time.monotonic() + interval
+                while (left := t_next - time.monotonic()) > 0 and not self._ending():
+                    await asyncio.sleep(min(left, DISCONNECT_POLL_S))
+                    if await request.is_disconnected():
+                        return
+        finally:
+            e.watchers -= 1
 
     # -- generation -------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -235,7 +307,7 @@ class Routes:
         env = Envelope(endpoint, req.model or self.model_id)
         if req.stream:
             return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers=SSE_HEADERS)
         return await self._collect(request, job, req, env, first, t0, parser)
 
     async def responses(self, request: Request) -> Response:
@@ -254,8 +326,7 @@ class Routes:
         rb = ResponseBuilder(req.model or self.model_id, echo)
         if req.stream:
             return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         gathered = await self._gather_calls(request, job, first, t0, parser)
         if isinstance(gathered, Response):
             return gathered
@@ -484,7 +555,7 @@ class AnthropicRoutes:
         env = Envelope("messages", req.model or self.r.model_id, id=anthropic.new_id())
         if req.stream:
             return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers=SSE_HEADERS)
         gathered = await self.r._gather_calls(request, job, first, t0, parser)
         if isinstance(gathered, Response):
             return gathered
@@ -530,7 +601,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
-               "/v1/messages, /v1/models, /health or /metrics.")
+               "/v1/messages, /v1/models, /v1/monitor/events, /health, /metrics or the web UI at /.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
@@ -559,7 +630,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
         finally:
             await run_in_threadpool(engine.shutdown)
 
-    routes = [Route("/health", r.health), Route("/metrics", r.metrics_text), Route("/metrics.json", r.metrics_text)]
+    routes = [Route("/health", r.health), Route("/metrics", r.metrics_text), Route("/metrics.json", r.metrics_text),
+              Route("/", r.ui), Mount(UI_PREFIX.rstrip("/"), StaticFiles(directory=UI_DIR)),
+              Route("/v1/monitor/events", r.monitor)]
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),

@@ -34,10 +34,12 @@ from strata_jax.core.errors import ConfigError, StrataError
 from strata_jax.engine import constrained
 from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
+from strata_jax.serving.telemetry import Telemetry
 from strata_jax.serving.tools import Family, ToolParser, detect_family
 
 log = logging.getLogger("strata_jax")
 
+SNAPSHOT_PERIOD_S = 0.5  # how often a watched engine refreshes its snapshot
 EXPERT_COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "prefill_streamed_experts", "prefetched",
                    "transfer_stall_seconds")
 
@@ -103,8 +105,12 @@ class Engine:
         self._keep_ids: tuple[int, ...] = ()  # the special tokens that format is written in
         self._index: dict[int, int] = {}  # session row -> the choice of its job it runs
         self._more: collections.deque[Job] = collections.deque()  # jobs with choices still to admit
-        # telemetry read on the engine thread after each job, for /metrics (never touch the model there)
+        # telemetry read on the engine thread after each job, for /metrics and the monitor (never touch the
+        # model there); while `watchers` > 0 (live monitor streams) it is also refreshed every SNAPSHOT_PERIOD_S
         self.snapshot: dict[str, Any] = {}
+        self.telemetry = Telemetry()
+        self.watchers = 0
+        self._t_snapshot = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -247,7 +253,7 @@ class Engine:
             return
         self.model = model
         self._choose_tool_family(model)
-        self.snapshot = {"kv_tokens": 0, "ctx": model.ctx * self.parallel, "expert": _summary(model.stats())}
+        self._snapshot(session)
         self.state = "ready"
         while not self._stop.is_set():
             if self._end_running.is_set():  # the shutdown grace period is over: nothing more runs
@@ -267,6 +273,7 @@ class Engine:
             self._reap_cancelled(session)
             if self._active:
                 self._step(session)
+            self._tick(session)
         self._end_all(session)
 
     def _end_all(self, session: Any) -> None:
@@ -351,10 +358,12 @@ class Engine:
     def _deliver(self, session: Any, row: int, chunks: list[Any]) -> None:
         job, index = self._active[row], self._index[row]
         for chunk in chunks:
+            self.telemetry.delivered(len(chunk.token_ids))
             if chunk.finish_reason is None:
                 job.emit(Event("chunk", chunk, index=index))
                 continue
             del self._active[row]
+            self.telemetry.finished(chunk.timings)
             job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base), index=index))
             self._snapshot(session)
 
@@ -380,13 +389,22 @@ class Engine:
                                         "cache with it; retry.", code="engine_error")))
         self._snapshot(session)
 
+    def _tick(self, session: Any) -> None:
+        """Refresh the snapshot while a monitor watches: reading the expert counters waits for the decode
+        call queued ahead, so it happens once per period, never per step."""
+        if self.watchers > 0 and time.perf_counter() - self._t_snapshot >= SNAPSHOT_PERIOD_S:
+            self._snapshot(session)
+
     def _snapshot(self, session: Any) -> None:
         m = self.model
         try:
-            st = m.stats()
+            st, memory = m.stats(), m.device_memory(session)
         except Exception:  # noqa: BLE001 - telemetry must not take the engine down
-            st = {}
-        self.snapshot = {"kv_tokens": session.tokens_held(), "ctx": m.ctx * self.parallel, "expert": _summary(st)}
+            st, memory = {}, {}
+        self._t_snapshot = time.perf_counter()
+        self.snapshot = self.telemetry.snapshot(stats=st, memory=memory, kv_tokens=session.tokens_held(),
+                                                ctx=m.ctx * self.parallel, queue_depth=self.queue_depth,
+                                                processing=self.processing, parallel=self.parallel)
 
     def _fail_pending(self) -> None:
         while True:
@@ -423,7 +441,3 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 def _engine_error(e: BaseException) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error")
 
-
-def _summary(st: dict[str, Any]) -> dict[str, Any]:
-    keys = ("lookups", "hits", "misses", "hit_rate", "bytes_h2d", "expert_slots", "total_experts")
-    return {k: st.get(k) for k in keys} if st else {}

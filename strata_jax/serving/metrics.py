@@ -15,7 +15,7 @@ ENDPOINTS = {"/health": "health", "/v1/models": "models", "/models": "models",
              "/v1/responses": "responses", "/responses": "responses",
              "/v1/messages": "messages", "/messages": "messages",
              "/v1/messages/count_tokens": "count_tokens", "/messages/count_tokens": "count_tokens",
-             "/metrics": "metrics", "/metrics.json": "metrics"}
+             "/metrics": "metrics", "/metrics.json": "metrics", "/v1/monitor/events": "monitor", "/": "ui"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -54,6 +54,8 @@ class Metrics:
         self.expert_misses = Gauge(p + "expert_cache_misses", "Expert-cache misses since load (MoE)", registry=r)
         self.expert_bytes = Gauge(p + "expert_cache_bytes_h2d", "Expert bytes copied host->device since load (MoE)",
                                   registry=r)
+        self.device_memory = Gauge(p + "device_memory_bytes", "Device memory by use: dense weights, expert slots, "
+                                   "KV cache", ["use"], registry=r)
 
     def observe_generation(self, endpoint: str, prompt_n: int, completion_n: int, cached_n: int,
                            ttft: float | None, timings: dict[str, Any]) -> None:
@@ -75,6 +77,9 @@ class Metrics:
         if snap:
             self.kv_tokens.set(snap["kv_tokens"])
             self.kv_usage.set(snap["kv_tokens"] / snap["ctx"] if snap["ctx"] else 0)
+            for use, n in (snap.get("memory") or {}).items():
+                if use != "total":
+                    self.device_memory.labels(use).set(n)
             ex = snap.get("expert") or {}
             if ex:
                 self.expert_hit_rate.set(ex.get("hit_rate") or 0)
