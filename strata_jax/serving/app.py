@@ -261,7 +261,8 @@ class Routes:
                 t_next = time.monotonic() + interval
                 while (left := t_next - time.monotonic()) > 0 and not self._ending():
                     await asyncio.sleep(min(left, DISCONNECT_POLL_S))
-                    if await request.is_disconnected():
+                    # a shutdown may present itself as a disconnect: the ending event goes out first
+                    if not self._ending() and await request.is_disconnected():
                         return
         finally:
             e.watchers -= 1
