@@ -45,7 +45,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
-    p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's, capped at 4096)")
+    p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's trained length, or "
+                                                "the largest that fits the VRAM budget beside the expert cache)")
+    p.add_argument("--kv", default="f16", help="KV cache storage: f16 (the compute dtype), q8_0 or q4_0 (32-value "
+                                               "blocks with a float16 scale), or K,V such as q8_0,q4_0 (default f16)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default=512,
                    help="prompt tokens per jitted prefill call, a power of two >= 16 (default 512)")
@@ -59,7 +62,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
-    c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB (default: free memory)")
+    c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB: sizes the context too "
+                                                       "(default: free memory; none known on CPU)")
     c.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace (default 1GiB)")
     c.add_argument("--policy", default="lru",
                    help="cache policy: lru, lfu, lrfu, lrfu(LAMBDA), or static:FILE.npy (a saved usage profile "
@@ -80,7 +84,7 @@ def engine_config(args):
     """The EngineConfig of the shared engine flags (generate, serve), validated before anything loads."""
     from strata_jax.engine.config import EngineConfig
 
-    return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+    return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, prefill_chunk=args.prefill_chunk,
                                decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
