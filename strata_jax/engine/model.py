@@ -68,22 +68,31 @@ def _ple_placement(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec,
     return where
 
 
-def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, itemsize: int, device) -> ContextPlan:
-    """The context load allocates (config.ctx, or the trained length), checked against the budget beside
-    the dense weights, activations and the fewest expert slots a step needs (offload/sizing.py)."""
-    ple_host = config.ple_table == "host" or (config.ple_table == "auto" and gguf.has(PLE_TABLE_NAME)
-                                               and gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX)
-    off_device = (PLE_TABLE_NAME,) if ple_host and cfg.ple is not None else ()
+def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, kv: str, itemsize: int, rows: int,
+                       prefill_chunk: int, expert_pools: str = "per-layer", expert_slots: int | None = None,
+                       vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
+                       free_bytes: int | None = None, off_device: tuple[str, ...] = ()) -> ContextPlan:
+    """The context load allocates for a model (ctx, or the trained length), checked against the budget
+    beside its dense weights (but off_device), activations and the fewest expert slots a step needs (spec:
+    its experts' layout, None for a dense model): what load and `strata-jax inspect` both use."""
     floor = 0.0
     if spec is not None:
-        floor = expert_floor_bytes(spec, expert_pools=config.expert_pools, batch_rows=config.parallel,
-                                   expert_slots=config.expert_slots)
+        floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
     return plan_context(
-        requested=config.ctx, trained=cfg.context_length,
-        kv_bytes_per_position=kv_cache_bytes(cfg, 1, config.parallel, itemsize, config.kv),
-        other_bytes=dense_weight_bytes(gguf, off_device) + activation_bytes(cfg, config.prefill_chunk),
-        expert_bytes=floor, vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
-        free_bytes=device_free_bytes(device))
+        requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_cache_bytes(cfg, 1, rows, itemsize, kv),
+        other_bytes=dense_weight_bytes(gguf, off_device) + activation_bytes(cfg, prefill_chunk), expert_bytes=floor,
+        vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
+
+
+def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, itemsize: int, device) -> ContextPlan:
+    """The context load allocates (plan_model_context); a PLE table surely kept in host memory is not counted."""
+    ple_host = config.ple_table == "host" or (config.ple_table == "auto" and gguf.has(PLE_TABLE_NAME)
+                                               and gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX)
+    return plan_model_context(gguf, cfg, spec, ctx=config.ctx, kv=config.kv, itemsize=itemsize, rows=config.parallel,
+                              prefill_chunk=config.prefill_chunk, expert_pools=config.expert_pools,
+                              expert_slots=config.expert_slots, vram_budget=config.vram_budget,
+                              vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
+                              off_device=(PLE_TABLE_NAME,) if ple_host and cfg.ple is not None else ())
 
 
 class Model:

@@ -137,14 +137,17 @@ def plan_context(*, requested: int | None, trained: int, kv_bytes_per_position: 
     largest = largest // CTX_STEP * CTX_STEP if largest >= CTX_STEP else largest
     others = (f"{fmt_bytes(other_bytes)} of dense weights and activations, {fmt_bytes(reserve)} reserved"
               + (f", {fmt_bytes(expert_bytes)} for the fewest expert slots a step needs" if expert_bytes else ""))
+    need = fmt_bytes(budget - room + ctx * kv_bytes_per_position)
     if largest < 1:
         raise ConfigError(f"{src} {fmt_bytes(budget)} is too small for any context: {others} leave "
-                          f"{fmt_bytes(max(room, 0))} for the KV cache; raise --vram-budget or lower --vram-reserve.")
+                          f"{fmt_bytes(max(room, 0))} for the KV cache. The smallest budget that works is {need} for "
+                          f"{what}; raise --vram-budget, or lower --vram-reserve or --parallel.")
     if requested:
         raise ConfigError(
             f"ctx {ctx:,} does not fit {src} {fmt_bytes(budget)}: its KV cache takes "
             f"{fmt_bytes(ctx * kv_bytes_per_position)} beside {others}. The largest context that fits is "
-            f"{largest:,}: use --ctx {largest} (or a smaller --kv type, fewer --parallel rows, a larger --vram-budget).")
+            f"{largest:,}: use --ctx {largest}, a smaller --kv type or fewer --parallel rows (the smallest budget "
+            f"for ctx {ctx:,} is {need}).")
     return ContextPlan(largest, largest * kv_bytes_per_position,
                        f"the trained context {ctx:,} does not fit {src} {fmt_bytes(budget)} beside {others}: "
                        f"ctx {largest:,} is the largest that does (--ctx, --kv and --parallel trade it)")
