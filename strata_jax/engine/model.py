@@ -137,7 +137,8 @@ class Model:
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
                                           batch_rows=config.parallel)
             loader.bytes_loaded += self.experts.device_bytes
-        log.info(describe_context(self.context_plan, config.parallel, config.kv, self.cache_plan))
+        storage = config.kv if config.kv != "f16" else f"f16: {jnp.dtype(self.dtype).name}"
+        log.info(describe_context(self.context_plan, config.parallel, storage, self.cache_plan))
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "

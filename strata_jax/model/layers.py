@@ -185,12 +185,12 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
            select_BTS: jax.Array | None = None, attn_block: int | None = None, *, scale: float | None = None,
            v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
-    GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
-    `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
-    causality (QSA's selected blocks). scale: of the scores (default 1 / sqrt(Dh)). With v_LBSKDh None
-    (and v_BTKDh None) there is no value cache: each key's first v_dim dims are its value (MLA's
-    latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs [B, T, H * Do] in float32
+    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT (quantized
+    where the cache is, model/kvquant.py), then causal GQA attention over its first attn_len positions
+    (see `attention`; attn_block: blocked, see `attend_blocked`). select_BTS (bool): the cache positions
+    each query may attend to besides causality (QSA's selected blocks). scale: of the scores (default
+    1 / sqrt(Dh)). With v_LBSKDh None (and v_BTKDh None) there is no value cache: each key's first v_dim
+    dims are its value (MLA's latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs [B, T, H * Do] in float32
     and the caches."""
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale

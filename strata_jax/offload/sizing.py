@@ -154,7 +154,7 @@ def plan_context(*, requested: int | None, trained: int, kv_bytes_per_position: 
 
 
 def describe_context(plan: ContextPlan, rows: int, kv: str, cache: "CachePlan | None") -> str:
-    """The trade of KV cache against expert slots, one line."""
+    """The trade of KV cache against expert slots, one line (kv: how the cache stores its values)."""
     head = f"KV {fmt_bytes(plan.kv_bytes)} for {plan.ctx:,} cells x {rows} row{'s' if rows > 1 else ''} ({kv})"
     if cache is not None:
         head += f" leaves {cache.n_slots:,} expert slots of {cache.total_experts:,}"
