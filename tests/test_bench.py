@@ -26,7 +26,8 @@ GiB = 1 << 30
 def bench_run(tmp_path_factory):
     """One bench run: resident (in a child process) and LRU 50%, both routing modes, two prefill lengths,
     a 2 GiB budget (every expert fits: its configuration equals resident and is not run twice), decode in
-    3-step calls, a q8_0 KV cache, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data) for every placement."""
+    3-step calls, a q8_0 KV cache, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data)
+    for every placement."""
     from strata_jax.cli import main
 
     tmp = tmp_path_factory.mktemp("bench")

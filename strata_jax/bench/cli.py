@@ -209,8 +209,8 @@ def run(args, argv: list[str]) -> dict:
             log.info("%s: every expert fits (%s needed), the same as the resident configuration; skipped",
                      conf.name, f"{need / 2**30:.1f} GiB")
             continue
-        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, routings=args.routing, traces=traces, prompt=prompt,
-                          long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
+        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, routings=args.routing, traces=traces,
+                          prompt=prompt, long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
                           skip_if_resident=conf.kind == "budget" and has_resident)
         for r in rows:
             r.setdefault("process", "main" + (", capped at the budget" if capped else ""))

@@ -41,7 +41,8 @@ def default_decode_chunk(platform: str) -> int:
 
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
-    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "prefill_chunk": "--prefill-chunk", "decode_chunk": "--decode-chunk",
+    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "prefill_chunk": "--prefill-chunk",
+    "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",

@@ -27,6 +27,7 @@ from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import ExpertSpec
 from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.memory import activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes

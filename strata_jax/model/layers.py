@@ -190,8 +190,8 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
     (see `attention`; attn_block: blocked, see `attend_blocked`). select_BTS (bool): the cache positions
     each query may attend to besides causality (QSA's selected blocks). scale: of the scores (default
     1 / sqrt(Dh)). With v_LBSKDh None (and v_BTKDh None) there is no value cache: each key's first v_dim
-    dims are its value (MLA's latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs [B, T, H * Do] in float32
-    and the caches."""
+    dims are its value (MLA's latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs
+    [B, T, H * Do] in float32 and the caches."""
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
     k_LBSKDh = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)

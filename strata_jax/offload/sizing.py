@@ -128,7 +128,7 @@ def plan_context(*, requested: int | None, trained: int, kv_bytes_per_position: 
     elif free_bytes is not None:
         budget, src = free_bytes, "free device memory"
     else:
-        return ContextPlan(ctx, ctx * kv_bytes_per_position, f"{what}; no memory limit known on this device (CPU)")
+        return ContextPlan(ctx, ctx * kv_bytes_per_position, f"{what}; no memory limit known (no vram_budget, and the device reports none)")
     reserve = parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE
     room = budget - reserve - other_bytes - expert_bytes  # what the KV cache may take
     if ctx * kv_bytes_per_position <= room:
