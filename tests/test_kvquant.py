@@ -24,6 +24,7 @@ import strata_jax
 from strata_jax.core.errors import ConfigError
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.inspect import format_report, report
 from strata_jax.engine.session import Session
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model import kvquant, memory
@@ -253,3 +254,8 @@ def test_ctx_none_takes_the_trained_context_cut_to_fit(tmp_path, caplog):
             f"slots of 16; the trained context 8,192 does not fit vram_budget")
     assert line in caplog.text and "ctx 2,816 is the largest that does" in caplog.text, caplog.text
     assert m.cache_plan.n_slots >= 8  # 2 pools x 2 rows x top-2
+    # `strata-jax inspect` plans the same context from the header (float32: 4-byte values, as on this CPU)
+    r = report(GGUFFile(path), vram_budget=budget, vram_reserve=0, kv="q8_0", parallel=2, prefill_chunk=16,
+               kv_bytes_per_elem=4)
+    assert (r["ctx"], r["kv_bytes"], r["expert_slots"]) == (2816, kv_bytes, m.cache_plan.n_slots)
+    assert "kv cache      " + f"{kv_bytes / 2**20:.2f} MiB at ctx 2,816 x 2 rows (q8_0); the trained" in format_report(r)
