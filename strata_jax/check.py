@@ -116,7 +116,7 @@ def expected_hit_rate(cfg, slots_per_layer: int) -> float:
     return float(lru_hit_rates(trace, [slots_per_layer], TRACE_WARMUP, cfg.n_experts)[0])
 
 
-def check(model: str | None = None, *, ctx: int = 4096, parallel: int = 1, vram_budget: str | None = None,
+def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1, vram_budget: str | None = None,
           probe_pinned: bool = True) -> dict[str, Any]:
     """Everything `strata-jax check` reports, as one JSON-able dict."""
     import jax
@@ -174,7 +174,7 @@ def check(model: str | None = None, *, ctx: int = 4096, parallel: int = 1, vram_
                         "arch": report["config"].arch, "experts": report["experts"],
                         "expert_bytes_total": int(report["experts"] * report["expert_bytes"]),
                         "fixed_device_bytes": report["fixed_bytes"], "reserve_bytes": report["reserve_bytes"],
-                        "ctx": ctx, "parallel": parallel}
+                        "ctx": report["ctx"], "parallel": parallel}
     folder = Path(model).expanduser().resolve().parent if model else Path.cwd()
     du = shutil.disk_usage(folder)
     out["disk"] = {"path": str(folder), "free": du.free, "total": du.total}

@@ -45,7 +45,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
-    p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's, capped at 4096)")
+    p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's trained length, or "
+                                                "the largest that fits the VRAM budget beside the expert cache)")
+    p.add_argument("--kv", default="f16", help="KV cache storage: f16 (the compute dtype), q8_0 or q4_0 (32-value "
+                                               "blocks with a float16 scale), or K,V such as q8_0,q4_0 (default f16)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default=512,
                    help="prompt tokens per jitted prefill call, a power of two >= 16 (default 512)")
@@ -59,7 +62,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
-    c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB (default: free memory)")
+    c.add_argument("--vram-budget", default=None, help="device memory to use, e.g. 32GiB: sizes the context too "
+                                                       "(default: free memory; none known on CPU)")
     c.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace (default 1GiB)")
     c.add_argument("--policy", default="lru",
                    help="cache policy: lru, lfu, lrfu, lrfu(LAMBDA), or static:FILE.npy (a saved usage profile "
@@ -80,7 +84,7 @@ def engine_config(args):
     """The EngineConfig of the shared engine flags (generate, serve), validated before anything loads."""
     from strata_jax.engine.config import EngineConfig
 
-    return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+    return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, prefill_chunk=args.prefill_chunk,
                                decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
@@ -142,14 +146,15 @@ def _cmd_generate(args) -> int:
 def _cmd_inspect(args) -> int:
     from strata_jax.engine.inspect import format_report, report
     from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.kvquant import check_kv
     from strata_jax.core.units import parse_size
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None
     if (args.path is None) == (args.model is None):
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
-    print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx, vram_reserve=reserve,
-                               parallel=args.parallel)))
+    print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
+                               kv=check_kv(args.kv, "--kv"), vram_reserve=reserve, parallel=args.parallel)))
     return 0
 
 
@@ -217,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE")
     i.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as PATH")
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
-    i.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for")
+    i.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
+                   help="context to reserve KV cache for (default: the trained length, cut to fit --vram-budget)")
+    i.add_argument("--kv", default="f16", help="KV cache storage, as load's --kv: f16, q8_0, q4_0 or K,V")
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
     i.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
                    help="KV-cache rows to reserve, as serve --parallel (default 1)")
@@ -249,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or REPO[@REV]:FILE")
     k.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as MODEL")
     k.add_argument("--json", action="store_true", help="machine-readable output")
-    k.add_argument("--ctx", type=_positive_int("--ctx"), default=4096, help="context to reserve KV cache for (4096)")
+    k.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
+                   help="context to reserve KV cache for (default: the trained length, cut to fit the budget)")
     k.add_argument("--parallel", type=_positive_int("--parallel"), default=1, help="KV-cache rows, as serve --parallel")
     k.add_argument("--vram-budget", default=None, help="size the verdict for this much device memory (default: free)")
     k.add_argument("--no-pinned-probe", dest="pinned_probe", action="store_false",

@@ -15,6 +15,7 @@ import pytest
 
 from strata_jax.bench import limits, machine, peer, table
 from strata_jax.bench.shapes import SHAPES, synthetic_model_path
+from strata_jax.model import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).resolve().parent / "data" / "llama_bench_cpu_small.json"
@@ -25,7 +26,8 @@ GiB = 1 << 30
 def bench_run(tmp_path_factory):
     """One bench run: resident (in a child process) and LRU 50%, both routing modes, two prefill lengths,
     a 2 GiB budget (every expert fits: its configuration equals resident and is not run twice), decode in
-    3-step calls, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data) for every placement."""
+    3-step calls, a q8_0 KV cache, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data)
+    for every placement."""
     from strata_jax.cli import main
 
     tmp = tmp_path_factory.mktemp("bench")
@@ -36,7 +38,7 @@ def bench_run(tmp_path_factory):
     argv = ["bench", "--shape", "tiny", "--tokens", "8", "--prompt-len", "8", "--prefill-len", "32", "--prefill-len",
             "64", "--cache-fraction", "0.5", "--routing", "model", "--routing", "realistic", "--vram-budget", "2GiB",
             "--resident-process", "child", "--peer-llama-bench", str(fake), "--peer-reps", "2", "--decode-chunk", "3",
-            "--out", str(out)]
+            "--kv", "q8_0", "--out", str(out)]
     assert main(argv) == 0
     return json.loads(out.read_text()), out
 
@@ -57,6 +59,7 @@ def test_rows(bench_run):
         assert r["host_dispatch_ms_per_step"] > 0 and r["host_wait_ms_per_step"] >= 0
         # --decode-chunk reaches every configuration, the child's too, and names it: 7 steps in 3 calls
         assert r["decode_chunk"] == 3 and r["decode_calls"] == 3
+        assert r["kv"] == "q8_0"  # --kv too
         if r["config_kind"] == "resident":
             assert r["process"].startswith("child") and r["vram_cap_bytes"] is None
             assert r["resident"] and r["hit_rate"] == 1.0 and r["misses"] == 0
@@ -161,8 +164,8 @@ def test_render_updates_only_the_region(bench_run, tmp_path):
     assert after[:nb] == before[:b] and after[ne:] == before[e:]  # outside the markers: untouched
     region = after[nb:ne]
     # every row ran 3 decode steps per jitted call (--decode-chunk 3), and its configuration says so
-    assert "| strata-jax | resident, 3-step decode calls (32 experts) | realistic |" in region
-    assert "| strata-jax | LRU 50%, 3-step decode calls (16 of 32 slots, 50%) | model |" in region
+    assert "| strata-jax | resident, 3-step decode calls, q8_0 KV (32 experts) | realistic |" in region
+    assert "| strata-jax | LRU 50%, 3-step decode calls, q8_0 KV (16 of 32 slots, 50%) | model |" in region
     assert "| llama.cpp | all experts on the CPU | its router |" in region
     assert "Limit ratio = " in region and "#### Targets (issue 5)" in region
     assert "strata-jax bench --shape tiny" in region and "llama.cpp all-gpu: `" in region
@@ -173,14 +176,14 @@ def test_render_updates_only_the_region(bench_run, tmp_path):
     variant["machine"]["xla_flags_user"] = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     (tmp_path / "variant.json").write_text(json.dumps(variant))
     both = table.render(table.load([out, tmp_path / "variant.json"]))
-    assert ("| strata-jax | resident, 3-step decode calls (32 experts, "
+    assert ("| strata-jax | resident, 3-step decode calls, q8_0 KV (32 experts, "
             "`XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) |") in both
-    assert "| strata-jax | resident, 3-step decode calls (32 experts) | realistic |" in both
+    assert "| strata-jax | resident, 3-step decode calls, q8_0 KV (32 experts) | realistic |" in both
     # so is a run under a STRATA_JAX_* switch, in its rows and its command
     variant["machine"]["env_user"] = "STRATA_JAX_QMATVEC=1"
     (tmp_path / "variant.json").write_text(json.dumps(variant))
     both = table.render(table.load([out, tmp_path / "variant.json"]))
-    assert ("| strata-jax | resident, 3-step decode calls (32 experts, `STRATA_JAX_QMATVEC=1 "
+    assert ("| strata-jax | resident, 3-step decode calls, q8_0 KV (32 experts, `STRATA_JAX_QMATVEC=1 "
             "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) |") in both
     assert " with `STRATA_JAX_QMATVEC=1 XLA_FLAGS=" in both
     # runs of one machine at two commits: one description naming both
@@ -251,6 +254,11 @@ def test_model_bytes_and_resident_estimate():
     assert mb.dense_total + mb.experts_total == sum(t.nbytes for t in gguf.tensors.values())
     est = limits.resident_estimate(gguf, cfg, ctx=1024, itemsize=2)
     assert est == mb.dense_total + mb.experts_total + mb.kv_elems_per_position * 1024 * 2 + 64 * 512 * 128 * 4 + GiB
+    for kv in ("q8_0", "q8_0,q4_0"):  # a quantized cache: the limit's KV reads and the estimate shrink alike
+        q = limits.ModelBytes.of(gguf, cfg, kv)
+        assert q.kv_bytes_per_position(2) == memory.kv_cache_bytes(cfg, 1, 1, 2, kv) < mb.kv_bytes_per_position(2)
+        assert est - limits.resident_estimate(gguf, cfg, ctx=1024, itemsize=2, kv=kv) == 1024 * (
+            mb.kv_bytes_per_position(2) - q.kv_bytes_per_position(2))
 
 
 def test_vram_cap(monkeypatch):

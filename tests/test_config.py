@@ -32,6 +32,9 @@ def clean_env(monkeypatch):
     (dict(ctx=0), r"ctx=0 is invalid: it must be a positive context length"),
     (dict(ctx="64"), r"ctx='64' is invalid"),
     (dict(dtype="int8"), r"dtype='int8' is invalid: it must be one of auto, float32, bfloat16, float16"),
+    (dict(kv="q5_0"), r"kv='q5_0' is invalid: it must be one of f16, q8_0, q4_0 .* or K,V .* such as q8_0,q4_0"),
+    (dict(kv="q8_0,q4_0,f16"), r"kv='q8_0,q4_0,f16' is invalid"),
+    (dict(kv=8), r"kv=8 is invalid"),
     (dict(prefill_chunk=100), r"prefill_chunk=100 is invalid: it must be a power of two >= 16"),
     (dict(prefill_chunk=8), r"prefill_chunk=8 is invalid: it must be a power of two >= 16"),
     (dict(decode_chunk=0), r"decode_chunk=0 is invalid: it must be a positive integer"),
@@ -135,18 +138,17 @@ def test_resolved_fills_the_platform_defaults():
     assert (mine.dtype, mine.decode_chunk, mine.dequantize_dense) == ("float16", 4, False)
 
 
-def test_check_model_fills_ctx_and_warns(caplog):
+def test_check_model_leaves_ctx_to_the_planner_and_warns(caplog):
     moe = types.SimpleNamespace(context_length=32768, is_moe=True, arch="qwen3moe")
     dense = types.SimpleNamespace(context_length=2048, is_moe=False, arch="qwen2")
-    assert EngineConfig.create().check_model(moe).ctx == 4096
-    assert EngineConfig.create().check_model(dense).ctx == 2048
+    assert EngineConfig.create().check_model(moe).ctx is None  # load's plan_context fills it
     with caplog.at_level("WARNING", logger="strata_jax"):
         assert EngineConfig.create(ctx=8192).check_model(dense).ctx == 8192
-        EngineConfig.create(vram_budget="8GiB", policy="lfu").check_model(dense)
+        EngineConfig.create(vram_budget="8GiB", policy="lfu").check_model(dense)  # the budget sizes its ctx
         EngineConfig.create(vram_budget="8GiB").check_model(moe)
     msgs = [r.getMessage() for r in caplog.records]
     assert "ctx 8192 exceeds the model's trained context 2048; quality may degrade past it" in msgs
-    assert "vram_budget, policy ignored: qwen2 is a dense model, it has no expert cache" in msgs
+    assert "policy ignored: qwen2 is a dense model, it has no expert cache" in msgs
     assert len(msgs) == 2  # the MoE model uses its expert options: no warning
 
 
@@ -191,6 +193,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (["--decode-chunk", "two"], "--decode-chunk 'two' is invalid: it must be a positive integer"),
     (["--prefill-chunk", "100"], "--prefill-chunk 100 is invalid: it must be a power of two >= 16"),
     (["--ctx", "0"], "--ctx 0 is invalid: it must be a positive context length"),
+    (["--kv", "int8"], "--kv 'int8' is invalid: it must be one of f16, q8_0, q4_0"),
     (["--expert-slots", "-4"], "--expert-slots -4 is invalid: it must be a positive integer"),
     (["--prefetch-depth", "-1"], "--prefetch-depth -1 is invalid: it must be a depth >= 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
@@ -203,7 +206,8 @@ def test_cli_generate_refuses_bad_flags_before_loading(capsys, flags, message):
 
 def test_cli_good_flags_reach_the_file(capsys):
     rc, err = _cli(capsys, "generate", "--model", MISSING, "--prompt", "x", "--vram-budget", "32GiB", "-t", "0",
-                   "--decode-chunk", "4", "--prefill-chunk", "64", "--policy", "lrfu(0.5)", "--prefetch-depth", "1")
+                   "--decode-chunk", "4", "--prefill-chunk", "64", "--policy", "lrfu(0.5)", "--prefetch-depth", "1",
+                   "--kv", "q8_0,q4_0")
     assert rc == 2 and "no such file" in err
 
 

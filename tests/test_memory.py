@@ -33,12 +33,17 @@ def moe(tmp_path_factory):
     return path, gguf, ModelConfig.from_gguf(gguf)
 
 
-@pytest.mark.parametrize("rows,dtype", [(1, jnp.bfloat16), (3, jnp.float32)])
-def test_kv_cache_bytes_is_the_allocation(moe, rows, dtype):
+@pytest.mark.parametrize("rows,dtype,kv", [(1, jnp.bfloat16, "f16"), (3, jnp.float32, "f16"), (2, jnp.float32, "q8_0"),
+                                           (1, jnp.bfloat16, "q4_0"), (2, jnp.float32, "q8_0,q4_0")])
+def test_kv_cache_bytes_is_the_allocation(moe, rows, dtype, kv):
     _, _, cfg = moe
-    kv = KVCache.zeros(cfg, rows, 96, dtype)
-    allocated = sum(a.nbytes for a in jax.tree.leaves(kv))
-    assert memory.kv_cache_bytes(cfg, 96, rows, jnp.dtype(dtype).itemsize) == allocated
+    cache = KVCache.zeros(cfg, rows, 96, dtype, kv=kv)
+    allocated = sum(a.nbytes for a in jax.tree.leaves(cache))
+    assert memory.kv_cache_bytes(cfg, 96, rows, jnp.dtype(dtype).itemsize, kv) == allocated
+    values = 96 * rows * cfg.n_kv_layers * cfg.kv_values_per_position
+    # GGML's block sizes: 34 bytes per 32 values (q8_0), 18 (q4_0)
+    per_32 = {"f16": 32 * jnp.dtype(dtype).itemsize, "q8_0": 34, "q4_0": 18, "q8_0,q4_0": (34 + 18) / 2}[kv]
+    assert allocated == values * per_32 / 32
 
 
 def test_weight_bytes_match_the_tensor_table(moe):

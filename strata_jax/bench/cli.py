@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=_positive, default=1024,
                    help="context length (raised to cover the prompts and the decoded tokens)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv", default="f16", help="KV cache storage in every configuration: f16, q8_0, q4_0 or K,V "
+                                               "(load's --kv; default f16)")
     p.add_argument("--routing", choices=["model", "realistic"], action="append", default=None,
                    help="model: the random routers; realistic: every configuration replays the same "
                         "realistic_trace(QWEN3_30B_A3B, seed 0) at this shape. Repeat for both (default model)")
@@ -123,7 +125,7 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
     os.close(fd)
     argv = [sys.executable, "-m", "strata_jax.bench", "--resident-only", "--model", path, "--label", shape,
             "--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len), "--ctx", str(ctx),
-            "--dtype", args.dtype, "--out", out]
+            "--dtype", args.dtype, "--kv", args.kv, "--out", out]
     for r in args.routing:
         argv += ["--routing", r]
     if args.probe_mib:
@@ -165,11 +167,11 @@ def run(args, argv: list[str]) -> dict:
 
     gguf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gguf)
-    mb = ModelBytes.of(gguf, cfg)
+    mb = ModelBytes.of(gguf, cfg, args.kv)
     ctx = needed_ctx(args)
     on_gpu = smi is not None and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
     itemsize = 4 if args.dtype == "float32" or (args.dtype == "auto" and not on_gpu) else 2
-    need = resident_estimate(gguf, cfg, ctx, itemsize)
+    need = resident_estimate(gguf, cfg, ctx, itemsize, kv=args.kv)
     doc["resident_estimate_bytes"] = need
     from strata_jax.bench import peer
 
@@ -211,8 +213,8 @@ def run(args, argv: list[str]) -> dict:
             log.info("%s: every expert fits (%s needed), the same as the resident configuration; skipped",
                      conf.name, f"{need / 2**30:.1f} GiB")
             continue
-        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, routings=args.routing, traces=traces, prompt=prompt,
-                          long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
+        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, routings=args.routing, traces=traces,
+                          prompt=prompt, long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
                           skip_if_resident=conf.kind == "budget" and has_resident)
         for r in rows:
             r.setdefault("process", "main" + (", capped at the budget" if capped else ""))
@@ -237,7 +239,7 @@ def check_engine_options(args) -> None:
     from strata_jax.engine.config import EngineConfig
 
     for depth in args.prefetch_depth:
-        EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, decode_chunk=args.decode_chunk,
+        EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth)
 
 

@@ -12,7 +12,7 @@ Per decode token of a run (batch 1):
   HBM bytes    = dense tensors of the GGUF except token_embd (looked up, not read: one row per token)
                + k experts' bytes in every MoE layer              (the routed experts, read once)
                + K and V of every layer for the average context of the timed decode
-                 (prompt + half the generated tokens), in the compute dtype
+                 (prompt + half the generated tokens), as the cache stores them (--kv)
   limit s/token = PCIe bytes / link GB/s + HBM bytes / HBM GB/s   (no overlap of the two assumed)
   limit ratio   = limit s/token / measured s/token (1 / steady-state decode tok/s); 1.0 is the limit,
                   higher is impossible, and the issue-5 target for miss-bound decode is >= 0.8.
@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from strata_jax.model import memory
+from strata_jax.model import kvquant, memory
 from strata_jax.offload.sizing import DEFAULT_RESERVE
 from strata_jax.core.units import fmt_bytes
 
@@ -101,26 +101,33 @@ class ModelBytes:
     dense_total: int  # every tensor but the routed experts (token_embd included): what sits on the device
     k: int
     kv_elems_per_position: int  # K and V elements of one cache position over all layers
+    kv: str = "f16"  # their storage (EngineConfig.kv)
 
     @classmethod
-    def of(cls, gguf, cfg) -> "ModelBytes":
+    def of(cls, gguf, cfg, kv: str = "f16") -> "ModelBytes":
         dense_total = memory.dense_weight_bytes(gguf)
         dense_read = dense_total - gguf.tensor("token_embd.weight").nbytes
         expert_M = tuple(sum(gguf.tensor(f"blk.{i}.{n}.weight").nbytes
                              for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_experts
                          for i in cfg.moe_layers)
         return cls(dense_read, expert_M, memory.routed_expert_bytes(gguf), dense_total, cfg.n_experts_used,
-                   memory.kv_cache_bytes(cfg, ctx=1, rows=1, itemsize=1))
+                   memory.kv_cache_bytes(cfg, ctx=1, rows=1, itemsize=1), kv)
+
+    def kv_bytes_per_position(self, itemsize: int) -> int:
+        # K and V hold equal values per position wherever their types differ (a latent cache takes one type)
+        k, v = kvquant.kinds(self.kv)
+        half = self.kv_elems_per_position // 2
+        return kvquant.nbytes(k, half, itemsize) + kvquant.nbytes(v, self.kv_elems_per_position - half, itemsize)
 
     def hbm_bytes_per_token(self, context: float, itemsize: int) -> float:
-        return self.dense_read + self.k * sum(self.expert_M) + self.kv_elems_per_position * itemsize * context
+        return self.dense_read + self.k * sum(self.expert_M) + self.kv_bytes_per_position(itemsize) * context
 
 
 def resident_estimate(gguf, cfg, ctx: int, itemsize: int, prefill_chunk: int = 512,
-                      reserve: int = DEFAULT_RESERVE) -> int:
+                      reserve: int = DEFAULT_RESERVE, kv: str = "f16") -> int:
     """Device bytes an all-resident load needs, as the engine sizes it (model/memory.py's fixed bytes:
     dense + KV cache + activations, plus the default reserve) with every expert on top."""
-    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=itemsize, prefill_chunk=prefill_chunk)
+    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=itemsize, prefill_chunk=prefill_chunk, kv=kv)
     return fixed + memory.routed_expert_bytes(gguf) + reserve
 
 

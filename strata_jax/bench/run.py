@@ -118,7 +118,7 @@ def _error(stage: str, e: Exception) -> str:
 
 
 def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt, long_prompts, n_tokens, mb,
-               probes, skip_if_resident: bool = False) -> list[dict]:
+               probes, skip_if_resident: bool = False, kv: str = "f16") -> list[dict]:
     """Rows for one configuration, one per routing mode. A failure is recorded in its row ('error', or
     'prefill_errors' per prompt length beside the decode figures) and the model is loaded afresh for the
     next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest."""
@@ -126,7 +126,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
 
     base = {"engine": "strata-jax", "config": conf.name, "config_kind": conf.kind,
             "cache_fraction": conf.cache_fraction, "policy": conf.load_kw.get("policy"),
-            "prefetch_depth": conf.load_kw.get("prefetch", 0), "vram_budget_bytes": conf.load_kw.get("vram_budget")}
+            "prefetch_depth": conf.load_kw.get("prefetch", 0), "vram_budget_bytes": conf.load_kw.get("vram_budget"),
+            "kv": kv}
     rows, model, first = [], None, True
     for routing in routings:
         row = dict(base, routing=routing)
@@ -135,7 +136,7 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             gc.collect()  # the previous model's device memory, before the next takes its share
             t0 = time.perf_counter()
             try:
-                model = strata_jax.load(path, ctx=ctx, dtype=dtype, **conf.load_kw)
+                model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, **conf.load_kw)
             except Exception as e:  # noqa: BLE001 - out-of-memory is an XlaRuntimeError, sizing a StrataError
                 log.exception("%s: load failed", conf.name)
                 row["error"] = _error("load", e)

@@ -87,6 +87,7 @@ def _our_config(r) -> str:
     flags = f", `{flags}`" if flags else ""
     # rows decoded N steps per jitted call say so; one step per call (and rows from before the field) do not
     chunk = f", {r['decode_chunk']}-step decode calls" if (r.get("decode_chunk") or 1) > 1 else ""
+    chunk += f", {r['kv']} KV" if r.get("kv", "f16") != "f16" else ""  # rows before the field: f16
     if r.get("config_kind") == "resident":
         return (f"resident{chunk} ({total:,} experts{flags})" if total else f"resident{chunk}{flags}")
     name = r["config"] if r["config"].endswith(chunk) else r["config"] + chunk  # older rows named it

@@ -4,9 +4,9 @@
 with flags=True (the CLI) the errors name the command-line flag instead and numbers may arrive as text.
 The environment sets defaults here and nowhere else: STRATA_JAX_QMATVEC (1 on, 0 off, unset auto) and
 STRATA_JAX_MOE_PREFILL (dense | grouped) give `kernels`, STRATA_JAX_COMPILATION_CACHE (0 off) gives
-`compilation_cache`. Two later steps finish the config: `check_model` once the GGUF header is read
-(fills ctx, warns about options the model ignores) and `resolved` once the device is known (fills
-the platform defaults).
+`compilation_cache`. Later steps finish the config: `check_model` once the GGUF header is read (warns
+about options the model ignores, refuses those it cannot take), `resolved` once the device is known (fills
+the platform defaults), and load's context planner fills ctx (offload/sizing.py plan_context).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ PLE_TABLES = ("auto", "device", "host")  # where qwen4exp's PLE table lives (mod
 # real one (tens of GB) never fits beside an expert cache, a test model's (KBs) costs nothing there
 PLE_DEVICE_MAX = 1 << 30
 MIN_PREFILL_CHUNK = 16  # the smallest prefill bucket (engine/session.py's bucket())
-DEFAULT_CTX_CAP = 4096  # ctx=None: the trained context, capped here to keep the KV cache modest
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
 DECODE_CHUNK_GPU = 16
@@ -42,23 +41,28 @@ def default_decode_chunk(platform: str) -> int:
 
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
-    "ctx": "--ctx", "dtype": "--dtype", "prefill_chunk": "--prefill-chunk", "decode_chunk": "--decode-chunk",
+    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "prefill_chunk": "--prefill-chunk",
+    "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
 }
 
-# options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model)
-_EXPERT_OPTIONS = {"expert_slots": None, "vram_budget": None, "vram_reserve": None, "policy": "lru", "prefetch": 0,
-                   "expert_pools": "per-layer"}
+# options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
+# vram_budget and vram_reserve size every model's context too)
+_EXPERT_OPTIONS = {"expert_slots": None, "policy": "lru", "prefetch": 0, "expert_pools": "per-layer"}
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    # context length in tokens: sizes the KV cache; None = the model's trained length, capped at 4096
+    # context length in tokens: sizes the KV cache; None = the model's trained length, or the largest
+    # context that fits the VRAM budget beside the fewest expert slots a step needs (offload/sizing.py)
     ctx: int | None = None
     # compute dtype; "auto" = bfloat16 on an accelerator, float32 on CPU (resolved() fills it)
     dtype: str = "auto"
+    # the KV cache's storage: f16 (the compute dtype), q8_0 or q4_0 (32-value blocks with a float16
+    # scale, model/kvquant.py), or "K,V" with separate key and value types such as "q8_0,q4_0"
+    kv: str = "f16"
     # prompt tokens per jitted prefill call, a power of two >= 16 so prefill compiles O(log n) shapes
     prefill_chunk: int = 512
     # decode steps per jitted call (the token loop runs on the device); None = 16 on a GPU, where a
@@ -68,9 +72,10 @@ class EngineConfig:
     dequantize_dense: bool | None = None
     # MoE: total expert slots on the device; None = as many as vram_budget holds
     expert_slots: int | None = None
-    # MoE: device bytes to use (given as 32GiB, 24GB, or bytes); None = the device's free memory
+    # device bytes to use (given as 32GiB, 24GB, or bytes): sizes the context and the expert cache; None =
+    # the device's free memory (none known on CPU: no limit)
     vram_budget: int | None = None
-    # MoE: bytes kept free for XLA workspace and fragmentation; None = 1 GiB (offload/sizing.py)
+    # bytes kept free for XLA workspace and fragmentation; None = 1 GiB (offload/sizing.py)
     vram_reserve: int | None = None
     # MoE: the cache policy: lru, lfu, lrfu, lrfu(L), static:FILE.npy (a saved profile or trace), or a Policy
     policy: Any = "lru"
@@ -128,12 +133,16 @@ class EngineConfig:
 
     # -- later steps ----------------------------------------------------------------------------------
     def check_model(self, model_config) -> "EngineConfig":
-        """Against the model (a ModelConfig, once the GGUF header is read): ctx filled from the trained
-        length; a warning for ctx past it, and for expert-cache options a dense model ignores."""
+        """Against the model (a ModelConfig, once the GGUF header is read): a warning for ctx past the
+        trained length and for expert-cache options a dense model ignores; a ConfigError for a kv type
+        the model's cache cannot take."""
+        from strata_jax.model.kvquant import check_model_kv  # noqa: PLC0415 - jax loads with the model
+
         trained = model_config.context_length
-        ctx = self.ctx or min(trained, DEFAULT_CTX_CAP)
-        if ctx > trained:
-            log.warning("ctx %d exceeds the model's trained context %d; quality may degrade past it", ctx, trained)
+        if self.ctx is not None and self.ctx > trained:
+            log.warning("ctx %d exceeds the model's trained context %d; quality may degrade past it", self.ctx, trained)
+        if self.kv != "f16":
+            check_model_kv(self.kv, model_config)
         if not model_config.is_moe:
             given = [k for k, default in _EXPERT_OPTIONS.items() if getattr(self, k) != default]
             if given:
@@ -151,7 +160,7 @@ class EngineConfig:
             # a rejected draft has advanced the recurrent state, which cannot be rolled back yet
             raise ConfigError(f"spec={self.spec!r} (--spec) is not supported for {model_config.arch}: its recurrent "
                               "layers' state would need rolling back past rejected drafts; leave spec unset.")
-        return dataclasses.replace(self, ctx=ctx)
+        return self
 
     def resolved(self, platform: str) -> "EngineConfig":
         """The platform defaults filled in for a device of this platform ("gpu", "cpu", ...)."""
@@ -305,6 +314,12 @@ def _prefill_chunk(value: Any, name: str, text: bool) -> int:
     return v
 
 
+def _kv(value: Any, name: str) -> str:
+    from strata_jax.model.kvquant import check_kv  # noqa: PLC0415 - jax loads with the model
+
+    return check_kv(value, name)
+
+
 def _kernels(value: Any, name: str) -> Kernels:
     if not isinstance(value, Kernels):
         raise _bad(name, value, "a strata_jax.model.kernels.Kernels")
@@ -316,8 +331,10 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
     n = lambda k: names.get(k, k)  # noqa: E731
     checks = {
         "ctx": lambda v: _int(v, n("ctx"), text, 1, "a positive context length in tokens (or None: the "
-                                                    f"model's, capped at {DEFAULT_CTX_CAP})", optional=True),
+                                                    "model's trained length, cut to what fits the VRAM budget)",
+                              optional=True),
         "dtype": lambda v: _dtype(v, n("dtype")),
+        "kv": lambda v: _kv(v, n("kv")),
         "prefill_chunk": lambda v: _prefill_chunk(v, n("prefill_chunk"), text),
         "decode_chunk": lambda v: _int(v, n("decode_chunk"), text, 1, "a positive integer (decode steps per jitted "
                                        "call; None: 16 on a GPU, 1 elsewhere)", optional=True),

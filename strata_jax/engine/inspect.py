@@ -14,6 +14,8 @@ from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.weights import WeightLoader, expert_spec
+from strata_jax.model.kvquant import check_kv
+from strata_jax.engine.model import plan_model_context
 from strata_jax.offload.manager import plan_model_cache
 from strata_jax.offload.sizing import DEFAULT_RESERVE
 from strata_jax.core.units import fmt_bytes, parse_size
@@ -38,12 +40,15 @@ def tensor_kind(name: str) -> str:
     return "other"
 
 
-def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096, kv_bytes_per_elem: int = 2,
-           *, vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
+def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, kv_bytes_per_elem: int = 2,
+           *, kv: str = "f16", vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
            expert_pools: str = "per-layer") -> dict[str, Any]:
-    """The file's tensors by kind and, given a VRAM budget, the expert slots `load` would make of it with
-    the same options (model/memory.py's fixed bytes, offload's planner)."""
+    """The file's tensors by kind and, given a VRAM budget, the context and expert slots `load` would make
+    of it with the same options (offload's planners over model/memory.py's estimates). ctx None: the
+    trained length, cut to fit the budget; kv: the KV cache's storage (EngineConfig.kv), kv_bytes_per_elem
+    the compute dtype's bytes (what f16 stores)."""
     cfg = ModelConfig.from_gguf(gguf)
+    kv = check_kv(kv)
     by_kind: dict[str, int] = collections.Counter()
     types_by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for t in gguf.tensors.values():
@@ -55,6 +60,16 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096
     expert_total = memory.routed_expert_bytes(gguf)
     expert_bytes = expert_total / n_experts_all if n_experts_all else 0.0
     rows = max(parallel, 1)
+    spec = expert_spec(WeightLoader(gguf, cfg)) if cfg.is_moe else None
+    too_small = None
+    try:
+        cplan = plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
+                                   prefill_chunk=prefill_chunk, expert_pools=expert_pools, vram_budget=vram_budget,
+                                   vram_reserve=vram_reserve)
+        ctx, ctx_reason = cplan.ctx, cplan.reason
+    except ConfigError as e:  # what load would refuse with
+        too_small, ctx_reason = str(e), "does not fit"
+        ctx = ctx or cfg.context_length
     out: dict[str, Any] = {
         "path": gguf.path,
         "file_bytes": gguf.file_size,  # every shard's, for a split model
@@ -66,24 +81,29 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int = 4096
         "dense_bytes": memory.dense_weight_bytes(gguf),
         "experts": n_experts_all,
         "expert_bytes": expert_bytes,
-        "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem),
+        "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem, kv),
         "activation_bytes": memory.activation_bytes(cfg, prefill_chunk),
         "fixed_bytes": memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
-                                                 prefill_chunk=prefill_chunk),
+                                                 prefill_chunk=prefill_chunk, kv=kv),
         "reserve_bytes": parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE,
         "ctx": ctx,
+        "ctx_reason": ctx_reason,
         "rows": rows,
+        "kv": kv,
         "kv_bits": 8 * kv_bytes_per_elem,
     }
     if vram_budget is None:
         return out
     budget = parse_size(vram_budget, "vram_budget")
     out["vram_budget"] = budget
+    if too_small is not None:
+        out["fits_dense"], out["too_small"] = False, too_small
+        return out
     if not cfg.is_moe:
         out["fits_dense"] = budget >= out["fixed_bytes"] + out["reserve_bytes"]
         return out
     try:
-        plan = plan_model_cache(expert_spec(WeightLoader(gguf, cfg)), fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
+        plan = plan_model_cache(spec, fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
                                 batch_rows=rows, vram_budget=budget, vram_reserve=vram_reserve)
     except ConfigError as e:  # what load would refuse with
         out["fits_dense"], out["too_small"] = False, str(e)
@@ -121,7 +141,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {kind:<15} {fmt_bytes(n):>12}  {100 * n / r['total_tensor_bytes']:5.1f}%  [{types}]")
     lines.append(f"dense weights {fmt_bytes(r['dense_bytes'])} (everything but routed experts)")
     rows = f" x {r['rows']} rows" if r["rows"] > 1 else ""
-    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({r['kv_bits']}-bit)")
+    storage = f"f16: {r['kv_bits']}-bit" if r["kv"] == "f16" else r["kv"]
+    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({storage}); {r['ctx_reason']}")
     lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk, bound)")
     if "vram_budget" in r:
         budget = fmt_bytes(r["vram_budget"])

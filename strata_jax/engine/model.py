@@ -9,6 +9,7 @@ Shape legend: strata_jax/core/shapes.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -26,13 +27,14 @@ from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.experts import ExpertSpec
 from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.model.memory import fixed_device_bytes
+from strata_jax.model.memory import activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
-from strata_jax.offload.manager import OffloadManager, plan_model_cache
-from strata_jax.offload.sizing import device_free_bytes
+from strata_jax.offload.manager import OffloadManager, expert_floor_bytes, plan_model_cache
+from strata_jax.offload.sizing import ContextPlan, describe_context, device_free_bytes, plan_context
 
 log = logging.getLogger("strata_jax")
 
@@ -73,6 +75,33 @@ def _device_bytes(tree: Any) -> int:
                if isinstance(x, jax.Array) and getattr(x.sharding, "memory_kind", None) != "pinned_host")
 
 
+def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, kv: str, itemsize: int, rows: int,
+                       prefill_chunk: int, expert_pools: str = "per-layer", expert_slots: int | None = None,
+                       vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
+                       free_bytes: int | None = None, off_device: tuple[str, ...] = ()) -> ContextPlan:
+    """The context load allocates for a model (ctx, or the trained length), checked against the budget
+    beside its dense weights (but off_device), activations and the fewest expert slots a step needs (spec:
+    its experts' layout, None for a dense model): what load and `strata-jax inspect` both use."""
+    floor = 0.0
+    if spec is not None:
+        floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
+    return plan_context(
+        requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_cache_bytes(cfg, 1, rows, itemsize, kv),
+        other_bytes=dense_weight_bytes(gguf, off_device) + activation_bytes(cfg, prefill_chunk), expert_bytes=floor,
+        vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
+
+
+def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, itemsize: int, device) -> ContextPlan:
+    """The context load allocates (plan_model_context); a PLE table surely kept in host memory is not counted."""
+    ple_host = config.ple_table == "host" or (config.ple_table == "auto" and gguf.has(PLE_TABLE_NAME)
+                                               and gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX)
+    return plan_model_context(gguf, cfg, spec, ctx=config.ctx, kv=config.kv, itemsize=itemsize, rows=config.parallel,
+                              prefill_chunk=config.prefill_chunk, expert_pools=config.expert_pools,
+                              expert_slots=config.expert_slots, vram_budget=config.vram_budget,
+                              vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
+                              off_device=(PLE_TABLE_NAME,) if ple_host and cfg.ple is not None else ())
+
+
 class Model:
     """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
 
@@ -82,35 +111,42 @@ class Model:
         self.config = cfg = ModelConfig.from_gguf(gguf)
         self.device = device or jax.devices()[0]
         config = config or EngineConfig.create()
-        self.engine_config = config = config.check_model(cfg).resolved(self.device.platform)
+        config = config.check_model(cfg).resolved(self.device.platform)
         self.dtype = jnp.dtype(config.dtype).type
-        self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
-        self.kernels = config.kernels
         if runtime.applied and self.device.platform == "gpu":
             log.info("XLA: %s (expert-miss loops run as CUDA graph nodes, no host sync per iteration; "
                      "STRATA_JAX_XLA_DEFAULTS=0 turns this off)", " ".join(f"{k}={v}" for k, v in runtime.applied.items()))
-        self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
         dequantize_dense = config.dequantize_dense
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
+        spec = expert_spec(loader) if cfg.is_moe else None
+        itemsize = jnp.dtype(self.dtype).itemsize
+        # the context first, from the header alone: one that cannot fit is refused before any weight loads
+        self.context_plan = _plan_context(config, gguf, cfg, spec, itemsize, self.device)
+        self.engine_config = config = dataclasses.replace(config, ctx=self.context_plan.ctx)
+        self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
+        self.kv = config.kv
+        self.kernels = config.kernels
+        self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
-            return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=jnp.dtype(self.dtype).itemsize,
-                                      rows=config.parallel, prefill_chunk=config.prefill_chunk, off_device=off_device)
+            return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=itemsize, rows=config.parallel,
+                                      prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv)
 
-        self.ple_table = _ple_placement(config, gguf, cfg, expert_spec(loader) if cfg.is_moe else None, fixed(),
-                                        self.device)
+        self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
         self.dense_bytes = _device_bytes(self.params)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
             off_device = (PLE_TABLE_NAME,) if self.ple_table == "host" else ()
-            self.experts = OffloadManager(gguf, expert_spec(loader), self.device, fixed_bytes=fixed(off_device),
+            self.experts = OffloadManager(gguf, spec, self.device, fixed_bytes=fixed(off_device),
                                           expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
                                           batch_rows=config.parallel)
             loader.bytes_loaded += self.experts.device_bytes
+        storage = config.kv if config.kv != "f16" else f"f16: {jnp.dtype(self.dtype).name}"
+        log.info(describe_context(self.context_plan, config.parallel, storage, self.cache_plan))
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "

@@ -223,7 +223,7 @@ class Session:
             log.info("speculative decoding: %s drafts, up to %d per verify pass, for greedy requests", self.spec,
                      self.spec_max)
         if n_rows > 1:
-            kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize)
+            kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize, model.kv)
             log.info("session: %d rows of %d tokens (KV cache %s), decode %d steps per call", n_rows, model.ctx,
                      fmt_bytes(kv_bytes), self.decode_chunk)
         e = model.experts
@@ -572,7 +572,7 @@ class Session:
         m, e = self.model, self.model.experts
         kv, self._kv = self._kv, None
         if kv is None:
-            kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device)
+            kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, m.kv)
         rows, self._rows = self._rows, None
         if rows is None:  # committed like the state the programs return, or the second call compiles again
             rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)

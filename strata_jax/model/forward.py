@@ -19,7 +19,8 @@ from flax import struct
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import mla
+from strata_jax.model import kvquant, mla
+from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
 from strata_jax.model.moe import moe_block, route, routed_ids
@@ -31,23 +32,27 @@ class KVCache:
     """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers;
     heads and dims: cfg.kv_cache_dims) and, for a model with recurrent layers (the hybrid family), `rec`:
     their per-row state, a pytree whose every leaf has the batch axis first (None otherwise, so other
-    models' programs are what they were). v_LBSKDh is None where the keys carry the values (deepseek2's
-    latent cache, model/mla.py). All are donated and updated in place by the two programs."""
+    models' programs are what they were). K and V are each a plain array (kv type f16: the compute
+    dtype) or a kvquant.QuantKV (q8_0, q4_0: quantized on write, dequantized where attention reads).
+    v_LBSKDh is None where the keys carry the values (deepseek2's latent cache, model/mla.py). All are
+    donated and updated in place by the two programs."""
 
-    k_LBSKDh: jax.Array
-    v_LBSKDh: jax.Array | None
+    k_LBSKDh: jax.Array | QuantKV
+    v_LBSKDh: jax.Array | QuantKV | None
     rec: Any = None
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> "KVCache":
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None, kv: str = "f16") -> "KVCache":
+        """An empty cache; kv: EngineConfig.kv, the storage type of keys and values (kvquant.kinds)."""
         k_dims, v_dims = cfg.kv_cache_dims
-        make = lambda dims: jnp.zeros((cfg.n_kv_layers, batch, length, *dims), dtype)  # noqa: E731
+        k_kind, v_kind = kvquant.kinds(kv)
+        make = lambda dims, kind: kvquant.zeros((cfg.n_kv_layers, batch, length, *dims), kind, dtype)  # noqa: E731
         rec = None
         if cfg.has_recurrent_state:
             from strata_jax.model import hybrid  # noqa: PLC0415 - the one family with recurrent state
 
             rec = hybrid.state_zeros(cfg, batch, length)
-        kv = cls(make(k_dims), None if v_dims is None else make(v_dims), rec)
+        kv = cls(make(k_dims, k_kind), None if v_dims is None else make(v_dims, v_kind), rec)
         return jax.device_put(kv, device) if device is not None else kv
 
     @property
@@ -58,15 +63,16 @@ class KVCache:
         """Row `row` (traced) as a batch-1 cache."""
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1)
         rec = jax.tree.map(lambda a: take(a, axis=0), self.rec)
-        v = None if self.v_LBSKDh is None else take(self.v_LBSKDh, axis=1)
-        return KVCache(take(self.k_LBSKDh, axis=1), v, rec)
+        k, v = jax.tree.map(lambda a: take(a, axis=1), (self.k_LBSKDh, self.v_LBSKDh))
+        return KVCache(k, v, rec)
 
     def put_row(self, row, one: "KVCache") -> "KVCache":
         """This cache with row `row` replaced by the batch-1 cache `one` (in place when donated)."""
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row)
         rec = jax.tree.map(lambda a, v: put(a, v.astype(a.dtype), axis=0), self.rec, one.rec)
-        v = None if self.v_LBSKDh is None else put(self.v_LBSKDh, one.v_LBSKDh, axis=1)
-        return KVCache(put(self.k_LBSKDh, one.k_LBSKDh, axis=1), v, rec)
+        k, v = jax.tree.map(lambda a, b: put(a, b, axis=1), (self.k_LBSKDh, self.v_LBSKDh),
+                            (one.k_LBSKDh, one.v_LBSKDh))
+        return KVCache(k, v, rec)
 
 
 def forward(

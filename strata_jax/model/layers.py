@@ -14,7 +14,7 @@ import numpy as np
 
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.quant import dequant
-from strata_jax.model import qmatvec
+from strata_jax.model import kvquant, qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.weights import AttnParams, GatedAttnParams, MLPParams, Projections
@@ -158,13 +158,6 @@ def _visible(s_S, pos_BT, window: int):
     return mask_BTS
 
 
-def cache_write(c_LBSKDh: jax.Array, layer: int, pos_BT: jax.Array, new_BTKDh: jax.Array) -> jax.Array:
-    """The (donated) cache with the step's entries scattered into layer `layer` at pos_BT, in place;
-    positions past the cache (an idle row) are dropped."""
-    b_idx = jnp.arange(pos_BT.shape[0])[:, None]
-    return c_LBSKDh.at[layer, b_idx, pos_BT].set(new_BTKDh.astype(c_LBSKDh.dtype), mode="drop")
-
-
 def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax.Array | None = None,
                 window: int = 0, sinks_H: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of q over keys and values at positions 0..S-1 (query t sees positions <=
@@ -192,26 +185,26 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
            select_BTS: jax.Array | None = None, attn_block: int | None = None, *, scale: float | None = None,
            v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT, then causal
-    GQA attention over its first attn_len positions (see `attention`; attn_block: blocked, see
-    `attend_blocked`). select_BTS (bool): the cache positions each query may attend to besides
-    causality (QSA's selected blocks). scale: of the scores (default 1 / sqrt(Dh)). With v_LBSKDh None
-    (and v_BTKDh None) there is no value cache: each key's first v_dim dims are its value (MLA's
-    latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs [B, T, H * Do] in float32
-    and the caches."""
+    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT (quantized
+    where the cache is, model/kvquant.py), then causal GQA attention over its first attn_len positions
+    (see `attention`; attn_block: blocked, see `attend_blocked`). select_BTS (bool): the cache positions
+    each query may attend to besides causality (QSA's selected blocks). scale: of the scores (default
+    1 / sqrt(Dh)). With v_LBSKDh None (and v_BTKDh None) there is no value cache: each key's first v_dim
+    dims are its value (MLA's latent). window, sinks_H: see `attend_keys`. Returns the heads' outputs
+    [B, T, H * Do] in float32 and the caches."""
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
-    k_LBSKDh = cache_write(k_LBSKDh, layer, pos_BT, k_BTKDh)
+    k_LBSKDh = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)
     if v_LBSKDh is not None:
-        v_LBSKDh = cache_write(v_LBSKDh, layer, pos_BT, v_BTKDh)
+        v_LBSKDh = kvquant.write(v_LBSKDh, layer, pos_BT, v_BTKDh)
 
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
     if attn_block:
         out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
                              v_dim=v_dim, window=window, sinks_H=sinks_H)
         return out, k_LBSKDh, v_LBSKDh
-    k_att = k_LBSKDh[layer, :, :S]
-    v_att = k_att[..., :v_dim] if v_LBSKDh is None else v_LBSKDh[layer, :, :S]
+    k_att = kvquant.read(k_LBSKDh, layer, 0, S, q_BTHDh.dtype)
+    v_att = k_att[..., :v_dim] if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, 0, S, q_BTHDh.dtype)
     return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
 
 
@@ -245,9 +238,9 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, bloc
         # the last block ends at S (a dynamic slice never reads past it): positions below lo, which the
         # block before covered, are masked out of it
         at = jnp.minimum(lo, S - block)
-        k_blk = jax.lax.dynamic_slice(k_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Dh))[0]
-        v_blk = k_blk[..., :Do] if v_LBSKDh is None else \
-            jax.lax.dynamic_slice(v_LBSKDh, (layer, 0, at, 0, 0), (1, B, block, K, Do))[0]
+        # a quantized cache is dequantized here, one block at a time
+        k_blk = kvquant.read(k_LBSKDh, layer, at, block, q.dtype)
+        v_blk = k_blk[..., :Do] if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, at, block, q.dtype)
         s_S = at + jnp.arange(block)
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:

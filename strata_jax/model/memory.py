@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from strata_jax.model import kvquant
 from strata_jax.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -23,11 +24,17 @@ def is_routed_expert(name: str) -> bool:
     return ROUTED_EXPERT_MARK in name and not name.endswith(".bias")
 
 
-def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2) -> int:
+def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2, kv: str = "f16") -> int:
     """K and V of every attention layer for `rows` sequences of `ctx` positions (model/forward.py's
-    KVCache, cfg.kv_values_per_position per layer and position; a recurrent layer's state, a few KiB per
-    row, is not counted)."""
-    return cfg.n_kv_layers * rows * ctx * cfg.kv_values_per_position * itemsize
+    KVCache, cfg.kv_cache_dims per layer and position) stored as `kv` (EngineConfig.kv; itemsize: the
+    compute dtype's, what f16 stores; q8_0 and q4_0 count their scales); a recurrent layer's state, a few
+    KiB per row, is not counted."""
+    (kh, kd), v_dims = cfg.kv_cache_dims
+    k_kind, v_kind = kvquant.kinds(kv)
+    per_position = kvquant.nbytes(k_kind, kh * kd, itemsize)
+    if v_dims is not None:
+        per_position += kvquant.nbytes(v_kind, v_dims[0] * v_dims[1], itemsize)
+    return cfg.n_kv_layers * rows * ctx * per_position
 
 
 def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = ()) -> int:
@@ -48,8 +55,8 @@ def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
 
 
 def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,
-                       prefill_chunk: int = 512, off_device: tuple[str, ...] = ()) -> int:
+                       prefill_chunk: int = 512, off_device: tuple[str, ...] = (), kv: str = "f16") -> int:
     """What the device holds before any expert slot: dense weights (but off_device) + KV cache rows +
     activations (the expert-cache planner's fixed_bytes; its reserve comes on top)."""
-    return (dense_weight_bytes(gguf, off_device) + kv_cache_bytes(cfg, ctx, rows, itemsize)
+    return (dense_weight_bytes(gguf, off_device) + kv_cache_bytes(cfg, ctx, rows, itemsize, kv)
             + activation_bytes(cfg, prefill_chunk))

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from strata_jax.gguf.quant import dequant
 from strata_jax.model.config import MLADims, ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import attend, attend_keys, attn_mscale, cache_write, linear, project, rms_norm, rope
+from strata_jax.model import kvquant
+from strata_jax.model.layers import attend, attend_keys, attn_mscale, linear, project, rms_norm, rope
 from strata_jax.model.weights import MLAParams
 
 
@@ -76,9 +77,9 @@ def attention(p: MLAParams, x_BTD: jax.Array, pos_BT: jax.Array, c_LBSKDh: jax.A
         o_BTHDo = jnp.einsum("bthr,hor->btho", o_lat_BTHRk.reshape(B, T, H, Rk).astype(dtype), v_b_HDoRk,
                              preferred_element_type=f32)
     else:
-        c_LBSKDh = cache_write(c_LBSKDh, layer, pos_BT, c_BT1Dh)
+        c_LBSKDh = kvquant.write(c_LBSKDh, layer, pos_BT, c_BT1Dh)
         S = min(attn_len or c_LBSKDh.shape[2], c_LBSKDh.shape[2])
-        c_BSDh = c_LBSKDh[layer, :, :S, 0]
+        c_BSDh = kvquant.read(c_LBSKDh, layer, 0, S, dtype)[:, :, 0]
         lat_BSRk, k_pe_BSDr = c_BSDh[..., :Rk], c_BSDh[..., Rk:]
         k_nope_BSHDn = jnp.einsum("bsr,hrn->bshn", lat_BSRk, k_b_HRkDn, preferred_element_type=f32).astype(dtype)
         v_BSHDo = jnp.einsum("bsr,hor->bsho", lat_BSRk, v_b_HDoRk, preferred_element_type=f32).astype(dtype)

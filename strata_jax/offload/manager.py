@@ -21,7 +21,7 @@ from strata_jax.core.units import fmt_bytes
 from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
-from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, plan_cache
+from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
 from strata_jax.offload.store import ExpertStore, load_expert_store
 
@@ -38,10 +38,25 @@ def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = 
     layout = expert_layout(spec, expert_pools)
     return plan_cache(
         pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(t) for t in layout.pool_types),
-        # one access (a layer of a decode step) may route batch_rows * k distinct experts
-        n_experts=spec.n_experts, min_slots_per_pool=min(max(batch_rows, 1) * spec.n_experts_used, spec.n_experts),
+        n_experts=spec.n_experts, min_slots_per_pool=_min_slots(spec, batch_rows),
         fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
         free_bytes=free_bytes)
+
+
+def expert_floor_bytes(spec: ExpertSpec, *, expert_pools: str = "per-layer", batch_rows: int = 1,
+                       expert_slots: int | None = None) -> float:
+    """Expert bytes the device must hold beside the KV cache (what plan_context leaves room for): the
+    expert_slots asked for, else the fewest slots a step needs (plan_model_cache's minimum)."""
+    layout = expert_layout(spec, expert_pools)
+    pool_bytes = tuple(expert_bytes(t) for t in layout.pool_types)
+    if expert_slots is not None:
+        return expert_slots * min_expert_bytes(layout.pool_layers, pool_bytes, 1) / len(layout.pool_layers)
+    return min_expert_bytes(layout.pool_layers, pool_bytes, _min_slots(spec, batch_rows))
+
+
+def _min_slots(spec: ExpertSpec, batch_rows: int) -> int:
+    # one access (a layer of a decode step) may route batch_rows * k distinct experts
+    return min(max(batch_rows, 1) * spec.n_experts_used, spec.n_experts)
 
 
 class OffloadManager:

@@ -1,8 +1,10 @@
-"""How many expert slots the device can hold, and the log line that says so.
+"""How long a context and how many expert slots the device can hold, and the log lines that say so.
 
 budget (vram_budget, default: the device's free memory) - vram_reserve - dense weights - KV cache
 - activations = bytes for experts; divided by the bytes of one expert, that is the slot count. If every
-expert fits, the cache is fully resident and no policy runs.
+expert fits, the cache is fully resident and no policy runs. The context comes first (plan_context): the
+requested one, or the trained one, must leave the fewest expert slots a step needs; with no budget known
+(CPU without vram_budget) any context is taken.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def plan_cache(*, pool_layers: tuple[tuple[int, ...], ...], pool_expert_bytes: t
             return _resident(pool_layers, n_experts, avg_bytes, "no memory limit known on this device (CPU)",
                              fixed_bytes)
         avail = budget - reserve - fixed_bytes
-        need_min = min_slots_per_pool * len(pool_layers) * avg_bytes
+        need_min = min_expert_bytes(pool_layers, pool_expert_bytes, min_slots_per_pool)
         if avail < need_min:
             smallest = fixed_bytes + reserve + need_min
             raise ConfigError(
@@ -90,6 +92,73 @@ def plan_cache(*, pool_layers: tuple[tuple[int, ...], ...], pool_expert_bytes: t
             f"{len(pool_layers)} expert pool(s), so at least {min_slots_per_pool * len(pool_layers)}.")
     cache_bytes = int(sum(s * b for s, b in zip(per_pool, pool_expert_bytes)))
     return CachePlan(False, tuple(per_pool), cache_bytes, total, why, fixed_bytes, avg_bytes)
+
+
+def min_expert_bytes(pool_layers: tuple[tuple[int, ...], ...], pool_expert_bytes: tuple[int, ...],
+                     min_slots_per_pool: int) -> float:
+    """The fewest expert bytes a step needs: min_slots_per_pool slots in every pool, at the average
+    expert's size."""
+    n_layers = sum(len(p) for p in pool_layers)
+    avg_bytes = sum(b * len(p) for b, p in zip(pool_expert_bytes, pool_layers)) / max(n_layers, 1)
+    return min_slots_per_pool * len(pool_layers) * avg_bytes
+
+
+CTX_STEP = 256  # a context cut to fit the budget is a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    ctx: int
+    kv_bytes: int  # the KV cache of every row at ctx
+    reason: str
+
+
+def plan_context(*, requested: int | None, trained: int, kv_bytes_per_position: int, other_bytes: int,
+                 expert_bytes: float = 0.0, vram_budget: int | str | None = None,
+                 vram_reserve: int | str | None = None, free_bytes: int | None = None) -> ContextPlan:
+    """The context to allocate: `requested` (None: the trained length). kv_bytes_per_position: the KV
+    cache of one position of every row (model/memory.py's kv_cache_bytes at ctx 1); other_bytes: dense
+    weights + activations; expert_bytes: the fewest expert bytes a step needs (0 for a dense model).
+    With a budget known, a requested context that does not fit raises a ConfigError naming the largest
+    that does; the trained one is cut to that (a multiple of CTX_STEP) and the reason says so."""
+    ctx = requested or trained
+    what = f"ctx {ctx:,}" if requested else f"the trained context {ctx:,}"
+    if vram_budget is not None:
+        budget, src = parse_size(vram_budget, "vram_budget"), "vram_budget"
+    elif free_bytes is not None:
+        budget, src = free_bytes, "free device memory"
+    else:
+        return ContextPlan(ctx, ctx * kv_bytes_per_position, f"{what}; no memory limit known (no vram_budget, and the device reports none)")
+    reserve = parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE
+    room = budget - reserve - other_bytes - expert_bytes  # what the KV cache may take
+    if ctx * kv_bytes_per_position <= room:
+        return ContextPlan(ctx, ctx * kv_bytes_per_position, f"{what} fits {src} {fmt_bytes(budget)}")
+    largest = max(int(room // max(kv_bytes_per_position, 1)), 0)
+    largest = largest // CTX_STEP * CTX_STEP if largest >= CTX_STEP else largest
+    others = (f"{fmt_bytes(other_bytes)} of dense weights and activations, {fmt_bytes(reserve)} reserved"
+              + (f", {fmt_bytes(expert_bytes)} for the fewest expert slots a step needs" if expert_bytes else ""))
+    need = fmt_bytes(budget - room + ctx * kv_bytes_per_position)
+    if largest < 1:
+        raise ConfigError(f"{src} {fmt_bytes(budget)} is too small for any context: {others} leave "
+                          f"{fmt_bytes(max(room, 0))} for the KV cache. The smallest budget that works is {need} for "
+                          f"{what}; raise --vram-budget, or lower --vram-reserve or --parallel.")
+    if requested:
+        raise ConfigError(
+            f"ctx {ctx:,} does not fit {src} {fmt_bytes(budget)}: its KV cache takes "
+            f"{fmt_bytes(ctx * kv_bytes_per_position)} beside {others}. The largest context that fits is "
+            f"{largest:,}: use --ctx {largest}, a smaller --kv type or fewer --parallel rows (the smallest budget "
+            f"for ctx {ctx:,} is {need}).")
+    return ContextPlan(largest, largest * kv_bytes_per_position,
+                       f"the trained context {ctx:,} does not fit {src} {fmt_bytes(budget)} beside {others}: "
+                       f"ctx {largest:,} is the largest that does (--ctx, --kv and --parallel trade it)")
+
+
+def describe_context(plan: ContextPlan, rows: int, kv: str, cache: "CachePlan | None") -> str:
+    """The trade of KV cache against expert slots, one line (kv: how the cache stores its values)."""
+    head = f"KV {fmt_bytes(plan.kv_bytes)} for {plan.ctx:,} cells x {rows} row{'s' if rows > 1 else ''} ({kv})"
+    if cache is not None:
+        head += f" leaves {cache.n_slots:,} expert slots of {cache.total_experts:,}"
+    return f"{head}; {plan.reason}"
 
 
 def _resident(pool_layers, n_experts, avg_bytes, why, fixed_bytes) -> CachePlan:
