@@ -120,3 +120,18 @@ def test_inspect_refuses_what_load_refuses(moe):
     assert not r["fits_dense"] and "too small" in r["too_small"]
     with pytest.raises(ConfigError, match="too small"):
         strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+
+
+@pytest.mark.parametrize("extra_experts", [1000, 30])  # every expert fits beside the table / offloaded
+def test_inspect_places_the_ple_table_as_load_does(tmp_path, extra_experts):
+    """qwen4exp's PLE table: load puts it in host memory once the experts are offloaded (and then it takes
+    no device memory); the report (`inspect`, `check`'s verdict) must make the same call and slot count."""
+    path = write_synthetic_gguf(tmp_path / "qple.gguf", dataclasses.replace(SHAPES["qtiny"], ple_head_vocab=4096))
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gguf)
+    per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + extra_experts * per_expert)
+    r = report(gguf, vram_budget=budget, ctx=256)
+    m = strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+    assert r["ple_table"] == m.ple_table == ("device" if extra_experts > 100 else "host")
+    assert m.cache_plan == r["plan"] and m.stats()["expert_slots"] == r["expert_slots"]

@@ -15,7 +15,7 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.weights import WeightLoader, expert_spec
 from strata_jax.model.kvquant import check_kv
-from strata_jax.engine.model import plan_model_context
+from strata_jax.engine.model import PLE_TABLE_NAME, plan_model_context, ple_placement, ple_surely_host
 from strata_jax.offload.manager import plan_model_cache
 from strata_jax.offload.sizing import DEFAULT_RESERVE
 from strata_jax.core.units import fmt_bytes, parse_size
@@ -65,11 +65,16 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
     try:
         cplan = plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
                                    prefill_chunk=prefill_chunk, expert_pools=expert_pools, vram_budget=vram_budget,
-                                   vram_reserve=vram_reserve)
+                                   vram_reserve=vram_reserve,
+                                   off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else ())
         ctx, ctx_reason = cplan.ctx, cplan.reason
     except ConfigError as e:  # what load would refuse with
         too_small, ctx_reason = str(e), "does not fit"
         ctx = ctx or cfg.context_length
+    def fixed(off_device: tuple[str, ...] = ()) -> int:
+        return memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
+                                         prefill_chunk=prefill_chunk, kv=kv, off_device=off_device)
+
     out: dict[str, Any] = {
         "path": gguf.path,
         "file_bytes": gguf.file_size,  # every shard's, for a split model
@@ -83,8 +88,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         "expert_bytes": expert_bytes,
         "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem, kv),
         "activation_bytes": memory.activation_bytes(cfg, prefill_chunk),
-        "fixed_bytes": memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
-                                                 prefill_chunk=prefill_chunk, kv=kv),
+        "fixed_bytes": fixed(),
         "reserve_bytes": parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE,
         "ctx": ctx,
         "ctx_reason": ctx_reason,
@@ -96,6 +100,14 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         return out
     budget = parse_size(vram_budget, "vram_budget")
     out["vram_budget"] = budget
+    # load's PLE decision (engine/model.py): a table kept in host memory takes no device memory
+    out["ple_table"], out["ple_reason"] = ple_placement(
+        "auto", gguf, cfg, spec, out["fixed_bytes"], expert_pools=expert_pools, parallel=rows, expert_slots=None,
+        vram_budget=budget, vram_reserve=vram_reserve, free_bytes=None)
+    if out["ple_table"] is not None:
+        out["ple_bytes"] = gguf.tensor(PLE_TABLE_NAME).nbytes
+    if out["ple_table"] == "host":
+        out["fixed_bytes"] = fixed((PLE_TABLE_NAME,))
     if too_small is not None:
         out["fits_dense"], out["too_small"] = False, too_small
         return out
@@ -144,6 +156,8 @@ def format_report(r: dict[str, Any]) -> str:
     storage = f"f16: {r['kv_bits']}-bit" if r["kv"] == "f16" else r["kv"]
     lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({storage}); {r['ctx_reason']}")
     lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk, bound)")
+    if r.get("ple_table"):
+        lines.append(f"ple table     {fmt_bytes(r['ple_bytes'])} in {r['ple_table']} memory ({r['ple_reason']})")
     if "vram_budget" in r:
         budget = fmt_bytes(r["vram_budget"])
         before = (f"{fmt_bytes(r['fixed_bytes'])} of dense weights, kv cache and activations, "

@@ -42,30 +42,50 @@ log = logging.getLogger("strata_jax")
 PLE_TABLE_NAME = "per_layer_token_embd.weight"  # model/ple.py's TABLE_NAME (imported only for qwen4exp)
 
 
+def ple_surely_host(choice: str, gguf: GGUFFile, cfg: ModelConfig) -> bool:
+    """Whether the PLE table goes to host memory whatever the expert cache holds (what sizing the context
+    can count on before the cache is planned)."""
+    if cfg.ple is None or not gguf.has(PLE_TABLE_NAME):
+        return False
+    return choice == "host" or (choice == "auto" and gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX)
+
+
+def ple_placement(choice: str, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_bytes: int, *, expert_pools: str,
+                  parallel: int, expert_slots: int | None, vram_budget, vram_reserve,
+                  free_bytes: int | None) -> tuple[str | None, str]:
+    """Where qwen4exp's PLE table goes ("device" or "host"; None: the model has none) and why; what load
+    does and `inspect`/`check` predict. auto: host when the expert cache would not hold every expert with
+    the table on the device (its gathers then cost a few rows a token while an expert miss costs MBs) or
+    when the table is large. fixed_bytes: the device's fixed bytes with the table on it."""
+    if cfg.ple is None or not gguf.has(PLE_TABLE_NAME):
+        return None, "no PLE table"
+    if choice != "auto":
+        return choice, "ple_table=" + choice
+    if gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX:
+        return "host", f"auto: over {PLE_DEVICE_MAX / 2**30:.0f} GiB"
+    if spec is None:
+        return "device", "auto: a dense model"
+    try:
+        resident = plan_model_cache(spec, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=parallel,
+                                    expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
+                                    free_bytes=free_bytes).resident
+    except ConfigError:  # not even the fewest expert slots fit beside it: in host memory it may still work
+        return "host", "auto: on the device it leaves no room for the expert cache"
+    if not resident:
+        return "host", "auto: the experts are offloaded"
+    return "device", "auto: it fits beside every expert"
+
+
 def _ple_placement(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_bytes: int,
                    device) -> str | None:
-    """Where qwen4exp's PLE table goes ("device" or "host"; None: the model has none), logged with why.
-    auto: host when the expert cache would not hold every expert with the table on the device (its
-    gathers then cost a few rows a token while an expert miss costs MBs) or when the table is large."""
-    if cfg.ple is None or not gguf.has(PLE_TABLE_NAME):
-        return None
-    nbytes = gguf.tensor(PLE_TABLE_NAME).nbytes
-    where, why = config.ple_table, "ple_table=" + config.ple_table
-    if where == "auto":
-        resident = True
-        if spec is not None:
-            resident = plan_model_cache(spec, fixed_bytes=fixed_bytes, expert_pools=config.expert_pools,
-                                        batch_rows=config.parallel, expert_slots=config.expert_slots,
-                                        vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
-                                        free_bytes=device_free_bytes(device)).resident
-        if nbytes > PLE_DEVICE_MAX:
-            where, why = "host", f"auto: over {PLE_DEVICE_MAX / 2**30:.0f} GiB"
-        elif not resident:
-            where, why = "host", "auto: the experts are offloaded"
-        else:
-            where, why = "device", "auto: it fits beside every expert"
-    log.info("PLE table: %.2f GB in %s (%s)", nbytes / 1e9,
-             "pinned host memory, rows gathered there" if where == "host" else "device memory", why)
+    """ple_placement for this load, logged."""
+    where, why = ple_placement(config.ple_table, gguf, cfg, spec, fixed_bytes, expert_pools=config.expert_pools,
+                               parallel=config.parallel, expert_slots=config.expert_slots,
+                               vram_budget=config.vram_budget, vram_reserve=config.vram_reserve,
+                               free_bytes=device_free_bytes(device))
+    if where is not None:
+        log.info("PLE table: %.2f GB in %s (%s)", gguf.tensor(PLE_TABLE_NAME).nbytes / 1e9,
+                 "pinned host memory, rows gathered there" if where == "host" else "device memory", why)
     return where
 
 
@@ -93,13 +113,12 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
 
 def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, itemsize: int, device) -> ContextPlan:
     """The context load allocates (plan_model_context); a PLE table surely kept in host memory is not counted."""
-    ple_host = config.ple_table == "host" or (config.ple_table == "auto" and gguf.has(PLE_TABLE_NAME)
-                                               and gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX)
+    ple_host = ple_surely_host(config.ple_table, gguf, cfg)
     return plan_model_context(gguf, cfg, spec, ctx=config.ctx, kv=config.kv, itemsize=itemsize, rows=config.parallel,
                               prefill_chunk=config.prefill_chunk, expert_pools=config.expert_pools,
                               expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                               vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
-                              off_device=(PLE_TABLE_NAME,) if ple_host and cfg.ple is not None else ())
+                              off_device=(PLE_TABLE_NAME,) if ple_host else ())
 
 
 class Model:
