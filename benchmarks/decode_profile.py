@@ -11,6 +11,7 @@ Three parts, each written to $OUT/decode_profile.json as it finishes (a cut run 
            per token, and the profiler's kernel time per step, in all and by kernel name
 
     python benchmarks/decode_profile.py [--layers 8] [--parts check,kernels,steps] [--types Q4_K,IQ3_S]
+        [--sizes bseed] [--no-dense] [--sweep 16x2]
 
 On CPU only `check` runs (in Pallas' interpreter: slow, use --types to pick a few).
 """
@@ -152,26 +153,49 @@ def _expert_pool(rng, S, F, D, qt=Q.Q4_K):
 KERNEL_TYPES = (Q.Q4_K, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ1_M)  # the kernels part's default --types
 
 
-def part_kernels(sweep, types):
-    """Device time (profiler kernel events) of the kernel against today's path per problem. Labels of
-    Q4_K problems carry no type name (as in earlier results); the others name theirs."""
+EXPERT_SIZES = {"b30": (128, 8, 768, 2048), "bseed": (512, 10, 512, 2048)}  # E, top-k, F, D
+
+
+def _gb_s(nbytes, us):
+    return nbytes / us / 1e3 if us else None  # no device events (a CPU dry run): no figure
+
+
+def _time_kernel(res, sweep, label, w, slots, x, parts, sw, nbytes):
+    """The fused kernel on one problem over the sweep, right after its baseline (a cut run keeps pairs)."""
+    for br, nw in sweep:
+        key = f"{label} br{br} w{nw}"
+        try:
+            t0 = time.perf_counter()
+            fn = jax.jit(lambda w=w, s=slots, x=x, br=br, nw=nw, parts=parts, sw=sw:
+                         qm.stacked_matvec(x, w, s, parts=parts, swiglu=sw, block_rows=br, num_warps=nw))
+            jax.block_until_ready(fn())
+            compile_s = time.perf_counter() - t0
+            tot, _ = per_call_us(fn)
+            res[key] = {"us": tot, "GB_s": _gb_s(nbytes, tot), "compile_s": compile_s}
+        except Exception as e:  # noqa: BLE001
+            res[key] = f"{type(e).__name__}: {str(e)[:400]}"
+        print(key, res[key], flush=True)
+    save()
+
+
+def part_kernels(sweep, types, sizes=tuple(EXPERT_SIZES), dense_too=True):
+    """Device time (profiler kernel events) of the kernel against today's path per problem, each problem's
+    kernel timed right after its baseline. Labels of Q4_K problems carry no type name (as in earlier
+    results); the others name theirs."""
     from strata_jax.gguf.quant import dequantize
 
     rng = np.random.default_rng(1)
     res = RESULT.setdefault("kernels", {})
-    problems = []  # (label, stack, slots, x, parts, swiglu, bytes read)
     types = types or KERNEL_TYPES
-    expert_problems = [(f"{name}" if qt == Q.Q4_K else f"{name} {qt.name}", qt, E, K, F, D)
-                       for qt in types for name, E, K, F, D in (("b30", 128, 8, 768, 2048), ("bseed", 512, 10, 512, 2048))
-                       if qm.supported(qt, D) and qm.supported(qt, F)]
+    expert_problems = [(f"{name}" if qt == Q.Q4_K else f"{name} {qt.name}", qt, *EXPERT_SIZES[name])
+                       for qt in types for name in sizes
+                       if qm.supported(qt, EXPERT_SIZES[name][3]) and qm.supported(qt, EXPERT_SIZES[name][2])]
     for name, qt, E, K, F, D in expert_problems:
         pool, (gp, up, dp) = _expert_pool(rng, E, F, D, qt)
         slots = jnp.asarray(rng.choice(E, K, replace=False).astype(np.int32))
         x = jnp.asarray(rng.standard_normal((K, 1, D)), jnp.bfloat16)
         h = jnp.asarray(rng.standard_normal((K, 1, F)), jnp.bfloat16)
         n_gu, n_d = K * 2 * F * gp.row_bytes, K * D * dp.row_bytes
-        problems.append((f"{name} experts gate+up", pool, slots, x, (gp, up), True, n_gu))
-        problems.append((f"{name} experts down", pool, slots, h, (dp,), False, n_d))
 
         def baseline(pool=pool, slots=slots, x=x, gp=gp, up=up, dp=dp):
             rows = jnp.take(pool, slots, axis=0)
@@ -187,8 +211,12 @@ def part_kernels(sweep, types):
 
         tot, top = per_call_us(jax.jit(baseline))
         res[f"{name} experts: baseline gather+dequant+einsum (gate, up, down)"] = {
-            "us": tot, "GB_s": (n_gu + n_d) / tot / 1e3, "top": top}
+            "us": tot, "GB_s": _gb_s(n_gu + n_d, tot), "top": top}
         print(name, "baseline experts", f"{tot:.1f} us", flush=True)
+        _time_kernel(res, sweep, f"{name} experts gate+up", pool, slots, x, (gp, up), True, n_gu)
+        _time_kernel(res, sweep, f"{name} experts down", pool, slots, h, (dp,), False, n_d)
+    if not dense_too:
+        return
     dense = [("q_proj", Q.Q4_K, 4096, 2048), ("o_proj", Q.Q4_K, 2048, 4096),
              ("kv_proj", Q.Q4_K, 512, 2048), ("lm_head", Q.Q4_K, 151936, 2048),
              ("qwen ffn_up q5_0", Q.Q5_0, 4864, 896), ("qwen ffn_down q6_k", Q.Q6_K, 896, 4864),
@@ -198,28 +226,12 @@ def part_kernels(sweep, types):
         w = random_tensor_bytes(rng, qt, (F, D), 0.02)
         wd = jnp.asarray(w)
         x = jnp.asarray(rng.standard_normal((1, 1, D)), jnp.bfloat16)
-        problems.append((f"dense {name}", jnp.asarray(w.reshape(1, -1)), jnp.zeros((1,), jnp.int32), x,
-                         (qm.dense_part(qt, F, D),), False, w.size))
         tot, top = per_call_us(jax.jit(lambda wd=wd, x=x, qt=qt, D=D: jnp.einsum(
             "td,fd->tf", x[0], dequantize(wd, qt, D, jnp.bfloat16), preferred_element_type=jnp.float32)))
-        res[f"dense {name}: baseline dequant+einsum"] = {"us": tot, "GB_s": w.size / tot / 1e3, "top": top}
+        res[f"dense {name}: baseline dequant+einsum"] = {"us": tot, "GB_s": _gb_s(w.size, tot), "top": top}
         print("baseline", name, f"{tot:.1f} us", flush=True)
-        save()
-    for label, w, slots, x, parts, sw, nbytes in problems:
-        for br, nw in sweep:
-            key = f"{label} br{br} w{nw}"
-            try:
-                t0 = time.perf_counter()
-                fn = jax.jit(lambda w=w, s=slots, x=x, br=br, nw=nw, parts=parts, sw=sw:
-                             qm.stacked_matvec(x, w, s, parts=parts, swiglu=sw, block_rows=br, num_warps=nw))
-                jax.block_until_ready(fn())
-                compile_s = time.perf_counter() - t0
-                tot, _ = per_call_us(fn)
-                res[key] = {"us": tot, "GB_s": nbytes / tot / 1e3, "compile_s": compile_s}
-            except Exception as e:  # noqa: BLE001
-                res[key] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(key, res[key], flush=True)
-        save()
+        _time_kernel(res, sweep, f"dense {name}", jnp.asarray(w.reshape(1, -1)), jnp.zeros((1,), jnp.int32), x,
+                     (qm.dense_part(qt, F, D),), False, w.size)
 
 
 # ---- steps -------------------------------------------------------------------------------------------
@@ -296,13 +308,16 @@ def main():
     p.add_argument("--sweep", default="8x1,16x2,32x4")
     p.add_argument("--types", default="", help="check / kernels: comma-separated GGML types (default: check "
                    "every type the kernel takes; kernels Q4_K and the seed's IQ types)")
+    p.add_argument("--sizes", default=",".join(EXPERT_SIZES), help="kernels: the expert problem sizes")
+    p.add_argument("--no-dense", action="store_true", help="kernels: the routed experts only")
     a = p.parse_args()
     sweep = [tuple(int(v) for v in s.split("x")) for s in a.sweep.split(",")]
     types = [Q[t.strip().upper()] for t in a.types.split(",") if t.strip()]
     for part in a.parts.split(","):
         t0 = time.perf_counter()
         try:
-            {"check": lambda: part_check(types), "kernels": lambda: part_kernels(sweep, types),
+            {"check": lambda: part_check(types), "kernels": lambda: part_kernels(
+                sweep, types, tuple(x for x in a.sizes.split(",") if x), not a.no_dense),
              "steps": lambda: part_steps(a.layers, a.tokens, a.confs)}[part]()
         except Exception:  # noqa: BLE001
             RESULT[f"{part}_error"] = traceback.format_exc()
