@@ -62,6 +62,27 @@ def test_unsupported_architecture(tmp_path):
         strata_jax.load(p)
 
 
+@pytest.mark.parametrize("kind, factor, match", [
+    ("dynamic", 4.0, "rope.scaling.type 'dynamic' is not supported; supported: none, linear, yarn"),
+    ("longrope", 1.0, "rope.scaling.type 'longrope' is not supported"),
+    ("yarn", 0.5, "rope.scaling.factor 0.5 for yarn rope scaling is not supported; it must be at least 1"),
+])
+def test_unknown_rope_scaling_is_refused_by_name(moe_path, tmp_path, kind, factor, match):
+    from gguf import GGUFValueType
+    from reference_models import rewrite_gguf
+
+    from strata_jax.model.config import ModelConfig, RopeScaling
+
+    def scaled(kind, factor):
+        return GGUFFile(rewrite_gguf(moe_path, tmp_path / f"{kind}.gguf", extra_kv=[
+            ("qwen3moe.rope.scaling.type", kind, GGUFValueType.STRING),
+            ("qwen3moe.rope.scaling.factor", factor, GGUFValueType.FLOAT32)]))
+
+    assert ModelConfig.from_gguf(scaled("linear", 4.0)).rope_scaling == RopeScaling("linear", 4.0)  # the keys are read
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        ModelConfig.from_gguf(scaled(kind, factor))
+
+
 def test_missing_tensor(moe_path):
     g = GGUFFile(moe_path)
     del g.tensors["blk.1.attn_v.weight"]

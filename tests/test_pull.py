@@ -273,6 +273,15 @@ def test_cli_pull_prints_what_was_verified(hub, tmp_path, capsys):
     assert "error:" in err and "sha256" in err and "Nothing was kept" in err
 
 
+def test_cli_pull_refuses_negative_retries_before_asking_the_hub(hub, tmp_path, capsys):
+    n = len(hub.requests)
+    with pytest.raises(SystemExit) as e:  # argparse's own error: usage and one line, exit code 2
+        main(["pull", REPO, FILE, "--dir", str(tmp_path / "d"), "--retries", "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--retries must be >= 0, got -1" in err and "Traceback" not in err
+    assert len(hub.requests) == n and not (tmp_path / "d").exists()
+
+
 def test_model_ref_in_inspect_and_check(model_hub, split_model, capsys):
     n = len(split_model)
     assert n > 1

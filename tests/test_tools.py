@@ -17,7 +17,7 @@ from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.serving.engine import Engine
-from strata_jax.serving.protocol import parse_chat
+from strata_jax.serving.protocol import APIError, parse_chat
 from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas, detect_family
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -150,11 +150,11 @@ def test_run_on_call_and_forced_prefixes(monkeypatch):
     engine = Engine(lambda: None)
     engine.tool_family = hermes
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
-    assert engine.tool_parser(req).prefix == '<tool_call>\n{"name": "get_'  # what both names start with
+    assert engine.plan_tools(req)[0].prefix == '<tool_call>\n{"name": "get_'  # what both names start with
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS[:1], "tool_choice": "required"})
-    assert engine.tool_parser(req).prefix == hermes.forced_prefix("get_weather")  # the only tool
+    assert engine.plan_tools(req)[0].prefix == hermes.forced_prefix("get_weather")  # the only tool
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"})
-    assert engine.tool_parser(req).prefix == ""
+    assert engine.plan_tools(req)[0].prefix == ""
 
 
 def test_forced_call_takes_the_grammar_with_llguidance():
@@ -166,11 +166,21 @@ def test_forced_call_takes_the_grammar_with_llguidance():
         engine.tool_family = detect_family(fam)
         req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
-        assert engine.tool_parser(req).prefix == "" and '"const": "get_time"' in req.constraint
-        assert ("<tool_call>" in req.constraint) == wrapped
+        parser, constraint = engine.plan_tools(req)
+        assert parser.prefix == "" and '"const": "get_time"' in constraint and req.constraint is None
+        assert ("<tool_call>" in constraint) == wrapped
     engine.tool_family = detect_family("<|python_tag|>")  # other formats: the opener, no grammar
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
-    assert engine.tool_parser(req).prefix and req.constraint is None
+    parser, constraint = engine.plan_tools(req)
+    assert parser.prefix and constraint is None
+    # tool_choice auto leaves the request's own constraint as it is; a forced call refuses one
+    rf = {"type": "json_object"}
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "response_format": rf})
+    assert req.constraint is not None and engine.plan_tools(req)[1] == req.constraint
+    with pytest.raises(APIError, match="give only one of them") as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required",
+                    "response_format": rf})
+    assert e.value.param == "tool_choice"
 
 
 def test_bare_json_fallback_in_every_family():

@@ -1,4 +1,5 @@
-"""Where strata-jax keeps files between runs (the cache root) and the lock that lets processes share it."""
+"""Where strata-jax keeps files between runs (the cache root), the lock that lets processes share it, and
+the names of a split GGUF's shards (the loader and the hub both need them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Iterator
 
 try:
@@ -14,6 +16,14 @@ except ImportError:  # Windows: no advisory locks; writers still publish by atom
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("strata_jax")
+
+# the shard names llama.cpp writes and looks for (llama_split_path: "%s-%05d-of-%05d.gguf", 1-based)
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shard_name(prefix: str, no: int, count: int) -> str:
+    """The file name of shard `no` (1-based) of `count` of the split set `prefix`."""
+    return f"{prefix}-{no:05d}-of-{count:05d}.gguf"
 
 
 def cache_dir() -> pathlib.Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,11 +25,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from strata_jax.core.errors import GGUFFormatError, MissingTensorError
+from strata_jax.core.paths import SHARD_NAME, shard_name
 from strata_jax.gguf.layout import layout, row_bytes as _row_bytes
 
 GGUF_MAGIC = b"GGUF"
-# the shard names llama.cpp writes and looks for (llama_split_path: "%s-%05d-of-%05d.gguf", 1-based)
-SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +131,7 @@ def shard_path(first: str, index: int, count: int) -> str | None:
     m = SHARD_NAME.match(os.path.basename(first))
     if m is None:
         return None
-    return os.path.join(os.path.dirname(first), f"{m['prefix']}-{index + 1:05d}-of-{count:05d}.gguf")
+    return os.path.join(os.path.dirname(first), shard_name(m['prefix'], index + 1, count))
 
 
 class _Shard:

@@ -18,15 +18,13 @@ import time
 import urllib.parse
 
 from strata_jax.core.errors import HubError
-from strata_jax.core.paths import cache_dir
+from strata_jax.core.paths import SHARD_NAME, cache_dir, shard_name
 from strata_jax.core.units import fmt_bytes
 from strata_jax.hub import api
 from strata_jax.hub.download import fetch, read_marker
 
 log = logging.getLogger("strata_jax")
 
-# llama.cpp's shard names (gguf/reader.py's SHARD_NAME; hub/ imports core only, so the pattern is repeated)
-SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<rev>[^:]+))?:(?P<file>.+)$")
 
 
@@ -46,12 +44,12 @@ def default_dir(repo: str, revision: str) -> pathlib.Path:
 
 def split_set(path: str) -> list[str]:
     """Every shard name of the split set `path` belongs to, in order; [path] for a file that is no shard."""
-    m = SHARD.match(path.rsplit("/", 1)[-1])
+    m = SHARD_NAME.match(path.rsplit("/", 1)[-1])
     if not m:
         return [path]
     folder = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
     n = int(m["count"])
-    return [f"{folder}{m['prefix']}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    return [folder + shard_name(m['prefix'], i, n) for i in range(1, n + 1)]
 
 
 def select(listing: api.RepoListing, patterns: list[str]) -> list[api.RemoteFile]:

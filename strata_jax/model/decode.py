@@ -110,6 +110,20 @@ def _set_row(tree, row, value):
                         tree, value)
 
 
+def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, *, cfg,
+                 dtype, kernels, all_logits, attn_len, attn_block, forced):
+    """forward on row `row` alone (prefill's and verify's shared part). Returns (logits, kv, experts' donated
+    part, routed)."""
+    B = rows.tok_B.shape[0]
+    # the row is sliced out of the donated cache, run at batch 1 and written back in place
+    row_kv = kv if B == 1 else kv.take_row(row)
+    logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
+                                              n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
+                                              attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
+    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    return logits, kv, split_provider(experts)[0], routed
+
+
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def copy_row(kv: KVCache, src, dst) -> KVCache:
     """The cache with row dst a copy of row src (in place: kv is donated)."""
@@ -124,14 +138,9 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
     routed experts to replay (see forward). Returns (PrefillOut, kv, experts, routed [M, T, k], rows)."""
-    B = rows.tok_B.shape[0]
-    # the row is sliced out of the donated cache, run at batch 1 and written back in place
-    row_kv = kv if B == 1 else kv.take_row(row)
-    logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
-                                              n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
-                                              attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
-    experts = split_provider(experts)[0]
-    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    logits, kv, experts, routed = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1,
+                                               cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
+                                               attn_len=attn_len, attn_block=attn_block, forced=forced)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
@@ -228,14 +237,11 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     accepted position: the cache entries written for rejected drafts lie past it, where attention never
     reads (it masks by position) and the next steps overwrite them. Greedy rows only (no penalties,
     sampling or logprobs). Returns (VerifyOut, kv, experts, routed [M, T, k], rows)."""
-    B, T = rows.tok_B.shape[0], tokens_1T.shape[1]
+    T = tokens_1T.shape[1]
     start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
-    row_kv = kv if B == 1 else kv.take_row(row)
-    logits_1TV, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
-                                                  n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
-                                                  attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
-    experts = split_provider(experts)[0]
-    kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    logits_1TV, kv, experts, routed = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1,
+                                                   n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
+                                                   attn_len=attn_len, attn_block=attn_block, forced=forced)
     greedy_T = jnp.argmax(logits_1TV[0], axis=-1).astype(jnp.int32)
     t = jnp.arange(T)
     # draft j + 1 is accepted while every draft before it was and it equals the argmax at position j

@@ -280,7 +280,7 @@ class Routes:
         try:
             req = parse(await read_json(request, self.max_body))
             self.engine.check_accepting()
-            parser = self.engine.tool_parser(req)
+            parser, req.constraint = self.engine.plan_tools(req)
             ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
             job = Job(req, ids)
             self.engine.submit(job)

@@ -171,24 +171,25 @@ class Engine:
             raise APIError(503, f"the model is not available: {self.load_error or self.state}.",
                            code="model_unavailable")
 
-    def tool_parser(self, req: GenRequest) -> ToolParser | None:
-        """The request's tool-call parser (None without tools). tool_choice "required" or a named
-        function starts the reply with the family's call opener (and the name): the model continues a
-        call; nothing constrains what it writes inside it."""
+    def plan_tools(self, req: GenRequest) -> tuple[ToolParser | None, str | None]:
+        """(the request's tool-call parser, None without tools; the constraint it runs under: req.constraint,
+        or the grammar of the tool call it must make). tool_choice "required" or a named function makes the
+        reply a grammar of the family's calls where one is available, else starts it with the family's call
+        opener (and the name): the model continues a call; nothing constrains what it writes inside it."""
         if not req.tools:
-            return None
+            return None, req.constraint
         family = self.tool_family or detect_family(None)
         names = [t["function"]["name"] for t in req.tools]
-        prefix = ""
+        prefix, constraint = "", req.constraint
         forced = req.tool_choice not in (None, "auto", "none")
         if forced and family.name in ("hermes", "json") and constrained.available():
             # a grammar of <tool_call> blocks (or one bare JSON call) whose arguments follow the schemas: a
             # call that must happen, names only from the declared tools, arguments that parse (the other
-            # formats get the opener)
+            # formats get the opener). parse_chat refuses a forced call with a constraint of its own.
             try:
                 tok = getattr(self.model, "tokenizer", None)
                 ids = {t: tok.token_to_id(t) if tok else None for t in (constrained.TOOL_OPEN, constrained.TOOL_CLOSE)}
-                req.constraint = constrained.tool_call_grammar(
+                constraint = constrained.tool_call_grammar(
                     req.tools, None if req.tool_choice == "required" else req.tool_choice,
                     {t: i for t, i in ids.items() if i is not None}, bare=family.name == "json")
             except ConfigError as e:
@@ -197,7 +198,7 @@ class Engine:
             prefix = family.forced_prefix(names[0] if len(names) == 1 else None, os.path.commonprefix(names))
         elif req.tool_choice not in (None, "auto"):
             prefix = family.forced_prefix(req.tool_choice)
-        return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix)
+        return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix), constraint
 
     def tokenize(self, req: GenRequest, response_prefix: str = "") -> list[int]:
         """The prompt's token ids (chat template applied, then response_prefix: the start of the reply),
