@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from flax import struct
@@ -24,6 +25,10 @@ from strata_jax.core.experts import ExpertRows, ExpertSpec, fused_rows
 from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
+
+# layers whose rows are read from the file (page faults, disk) while an earlier one is being pinned:
+# numpy's copies release the GIL, so the reads overlap each other and the device_put
+READ_AHEAD = 3
 
 
 @struct.dataclass
@@ -77,9 +82,15 @@ def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "p
         try:
             sharding = _host_sharding(device, kind)
             layers = []
-            for layer in infos:
-                layers.append(ExpertRows(jax.device_put(fused_rows(layer), sharding), spec.layer_parts[len(layers)]))
-                progress.add(sum(t.nbytes for t in layer))
+            with ThreadPoolExecutor(READ_AHEAD) as pool:
+                rows = [pool.submit(fused_rows, layer) for layer in infos[:READ_AHEAD]]
+                for i, layer in enumerate(infos):
+                    host = rows[i].result()
+                    rows[i] = None  # its memory goes once pinned
+                    if i + READ_AHEAD < len(infos):
+                        rows.append(pool.submit(fused_rows, infos[i + READ_AHEAD]))
+                    layers.append(ExpertRows(jax.device_put(host, sharding), spec.layer_parts[i]))
+                    progress.add(sum(t.nbytes for t in layer))
             jax.block_until_ready(layers)
             dt = time.perf_counter() - t0
             log.info("experts loaded: %s in %s host memory at %s/s (%d layers x %d experts)", fmt_bytes(total), kind,
