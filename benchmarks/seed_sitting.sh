@@ -13,17 +13,18 @@
 #
 # Pipeline (the build and the qseed file are written in the background once `check` has measured the
 # machine alone):
-#   check           `strata-jax check` (text in check.log, --json -> data-check.json): GPU, PCIe link, bandwidth
+#   check-json      `strata-jax check --json` -> data-check.json: GPU, PCIe link, bandwidth, pinned memory
 #   iq-kernels      decode_profile.py kernels for the seed's IQ types at BSEED size, one launch config
-#                   (16x2), against gather + dequantize + einsum -> data-iq.json
+#                   (16x2), each right after its gather + dequantize + einsum baseline -> data-iq.json
 #   check-qseed     `strata-jax check QSEED --vram-budget 32GiB`: the verdict on the seed's shape
 #   bench-qseed     32 GiB, STRATA_JAX_QMATVEC=1, realistic routing, decode and prefill 512 / 4096, llama.cpp's
-#                   budget placement first (before JAX takes the card) -> results-qseed.json
+#                   budget placement first (before JAX takes the card) -> results-qseed.json. QSEED_S (1000 s):
+#                   its limit; it needs ~100 s of loading and three ~105 s compilations before its first row
 #   then the qseed file is deleted (B30's 17 GB do not fit beside it on the 64 GiB disk) and
 #   b30-resident    bench --resident-only, prefill 512 / 4096 / 16384 (the blocked attention loop)
 # Knobs: SITTING_S (deadline, default 1450 s), SITTING_DIR (/tmp/ssit), PY, NO_WHEELS=1, QSEED_SHAPE /
 # B30_SHAPE (qtiny / tiny for a local dry run), LLAMA_BIN (an existing llama-bench: no build), SKIP_IQ=1,
-# IQ_TYPES (IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M).
+# IQ_TYPES (IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M), SKIP_CHECK=1, QSEED_S.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/sitting_lib.sh /tmp/ssit 1450
@@ -39,19 +40,18 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
 
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  phase check 90 "$PY" -m strata_jax.cli check
-  phase check-json 90 bash -c "'$PY' -m strata_jax.cli check --json > '$S/data-check.json'"
+  [ -n "${SKIP_CHECK:-}" ] || phase check-json 90 bash -c "'$PY' -m strata_jax.cli check --json > '$S/data-check.json'"
   build_llama 12 &
   phase write-qseed 900 "$PY" "${WRITE[@]}" "$QSEED" &
   local writer=$!
   [ -n "${SKIP_IQ:-}" ] || phase iq-kernels 240 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts kernels \
-    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sweep 16x2
+    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sizes bseed --no-dense --sweep 16x2
   [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
   wait "$writer"
   local qfile
   qfile=$(ls "$STRATA_JAX_CACHE/synthetic/$QSEED-"*.gguf 2>/dev/null | head -1)
-  phase check-qseed 90 "$PY" -m strata_jax.cli check "$qfile" --vram-budget 32GiB
-  phase bench-qseed 720 env STRATA_JAX_QMATVEC=1 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" \
+  [ -n "${SKIP_CHECK:-}" ] || phase check-qseed 90 "$PY" -m strata_jax.cli check "$qfile" --vram-budget 32GiB
+  phase bench-qseed "${QSEED_S:-1000}" env STRATA_JAX_QMATVEC=1 "$PY" -m strata_jax.cli bench --shape "$QSEED" "${COMMON[@]}" \
     --routing realistic --prefill-len 512 --prefill-len 4096 --vram-budget 32GiB --no-resident \
     --peer-llama-bench "$LLAMA_LINK" --peer-placement budget --peer-when before --peer-wait 400 --peer-reps 1 \
     --out "$S/results-qseed.json"
