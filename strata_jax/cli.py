@@ -43,6 +43,7 @@ def resolve_model(ref):
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
     from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
+    from strata_jax.model.config import ROPE_SCALINGS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
     p.add_argument("--ctx", default=None, help="context length in tokens (default: the model's trained length, or "
@@ -55,6 +56,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-chunk", default=None,
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
+    p.add_argument("--rope-scaling", default=None, choices=ROPE_SCALINGS,
+                   help="RoPE scaling over the file's: yarn or linear (with --rope-scale) to run past the trained "
+                        "context, none to turn the file's off")
+    p.add_argument("--rope-scale", default=None, help="RoPE context scaling factor, e.g. 4 for 4x the original "
+                                                      "context (the default context becomes that)")
+    p.add_argument("--yarn-orig-ctx", default=None, help="YaRN: the model's original context (default: the file's)")
     p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
                    help="speculative decoding of greedy requests: lookup drafts n-gram matches from the prompt and "
                         "output so far and verifies them in one pass (one-row sessions: --parallel 1)")
@@ -90,7 +97,8 @@ def engine_config(args):
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                parallel=getattr(args, "parallel", 1),
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
-                               spec_max=getattr(args, "spec_max", 4))
+                               spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
+                               rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx)
 
 
 # generate's sampling flags, by the name validate_sampling knows them by

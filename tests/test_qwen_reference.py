@@ -113,3 +113,37 @@ def test_stop_string_is_cut_and_not_emitted(qwen):
     cut = qwen.generate("def add(a, b):\n", max_tokens=24, temperature=0, stop=["return"])
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index("return")]
+
+
+@pytest.mark.parametrize("kind", ["yarn"])  # linear also matches (checked by hand: +3 min of CPU for CI)
+def test_rope_scaling_override_matches_transformers(qwen_gguf_path, qwen, qwen_hf, kind):
+    """--rope-scaling / --rope-scale over a file without scaling (Qwen2.5-Coder's 32K): the logits of a
+    1,024-token text equal transformers' Qwen2 with the same rope_parameters (YaRN: factor 4 over the
+    original 32,768, its attention factor and correction range; linear: positions / 4), and differ from
+    the unscaled model's by far more than the tolerance (the override is applied)."""
+    import copy
+
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    scaled = strata_jax.load(qwen_gguf_path, ctx=1024, rope_scaling=kind, rope_scale=4)
+    assert scaled.config.context_length == 4 * 32768 and scaled.config.rope_scaling.kind == kind
+    text = open(__file__.replace("tests/test_qwen_reference.py", "README.md"), encoding="utf-8").read()
+    ids = scaled.tokenize(text, add_special=False)[:1024]
+    ours = scaled.logits(ids)
+    del scaled
+    hf_cfg = copy.deepcopy(qwen_hf.config)
+    hf_cfg.rope_parameters = {"rope_type": kind, "factor": 4.0, "rope_theta": hf_cfg.rope_parameters["rope_theta"]}
+    if kind == "yarn":
+        hf_cfg.rope_parameters["original_max_position_embeddings"] = 32768
+        hf_cfg.max_position_embeddings = 4 * 32768  # transformers takes yarn's factor from this ratio
+    plain = qwen_hf.model.rotary_emb
+    qwen_hf.model.rotary_emb = Qwen2RotaryEmbedding(hf_cfg)
+    try:
+        with torch.no_grad():
+            ref = qwen_hf(torch.tensor([ids])).logits[0].float().numpy()
+    finally:
+        qwen_hf.model.rotary_emb = plain
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(ours, ref, atol=5e-5 * scale, rtol=0)
+    unscaled = qwen.logits(ids[:512]) if qwen.ctx >= 512 else None
+    assert unscaled is not None and np.abs(unscaled - ours[:512]).max() > 100 * 5e-5 * scale

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from strata_jax.core.errors import ConfigError
+from strata_jax.model.config import ROPE_SCALINGS
 from strata_jax.model.kernels import Kernels
 from strata_jax.core.units import parse_size
 
@@ -46,6 +47,7 @@ FLAGS = {
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
+    "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
@@ -89,6 +91,12 @@ class EngineConfig:
     # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
     # cross the bus) or "auto": host when the experts are offloaded or the table is over 1 GiB
     ple_table: str = "auto"
+    # RoPE scaling over the file's rope.scaling.* (llama.cpp's flags): "none", "linear" or "yarn"; the factor
+    # (the context multiple); YaRN's original context (default: the file's). None: the file's. A scaled
+    # model's trained context, which ctx defaults to, becomes the original context x the factor
+    rope_scaling: str | None = None
+    rope_scale: float | None = None
+    yarn_orig_ctx: int | None = None
     # speculative decoding of greedy requests: None (off) or "lookup" (drafts are n-gram matches over the
     # prompt and output so far, verified in one multi-token pass that shares its expert fetches)
     spec: str | None = None
@@ -228,6 +236,18 @@ def _int(value: Any, name: str, text: bool, low: int, want: str, optional: bool 
     return int(value)
 
 
+def _float(value: Any, name: str, low: float, want: str, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    try:
+        v = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise _bad(name, value, want) from None
+    if isinstance(value, bool) or not v >= low or v == float("inf"):
+        raise _bad(name, value, want)
+    return v
+
+
 def _bool(value: Any, name: str, optional: bool = False) -> bool | None:
     if value is None and optional:
         return None
@@ -349,6 +369,11 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
         "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),
+        "rope_scaling": lambda v: v if v is None else _choice(v, n("rope_scaling"), ROPE_SCALINGS),
+        "rope_scale": lambda v: _float(v, n("rope_scale"), 1.0, "a factor >= 1 (the context multiple: 4 fits "
+                                      "4x the original context)", optional=True),
+        "yarn_orig_ctx": lambda v: _int(v, n("yarn_orig_ctx"), text, 1, "a positive context length (the model's "
+                                        "original trained context)", optional=True),
         "spec": lambda v: v if v is None else _choice(v, n("spec"), SPEC_DRAFTERS),
         "spec_max": lambda v: _int(v, n("spec_max"), text, 1, "a positive integer (drafted tokens per verify pass)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),

@@ -28,7 +28,7 @@ from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertSpec
-from strata_jax.model.config import ModelConfig
+from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.memory import activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
@@ -121,15 +121,31 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
                               off_device=(PLE_TABLE_NAME,) if ple_host else ())
 
 
+def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
+    """cfg with the config's rope_scaling / rope_scale / yarn_orig_ctx over the file's, logged."""
+    if config.rope_scaling is None and config.rope_scale is None and config.yarn_orig_ctx is None:
+        return cfg
+    try:
+        cfg = with_rope_scaling(cfg, config.rope_scaling, config.rope_scale, config.yarn_orig_ctx)
+    except ValueError as e:
+        raise ConfigError(f"{e}.") from None
+    r = cfg.rope_scaling
+    log.info("rope scaling: %s", "none (the file's scaling off)" if r is None else
+             f"{r.kind} x{r.factor:g}" + (f" of an original {r.orig_ctx:,}-token context" if r.orig_ctx else "")
+             + f": the model's context is {cfg.context_length:,}")
+    return cfg
+
+
 class Model:
     """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
 
     def __init__(self, gguf: GGUFFile, config: EngineConfig | None = None, device: Any = None):
         t0 = time.perf_counter()
         self.gguf = gguf
-        self.config = cfg = ModelConfig.from_gguf(gguf)
-        self.device = device or jax.devices()[0]
         config = config or EngineConfig.create()
+        cfg = _with_rope_override(ModelConfig.from_gguf(gguf), config)
+        self.config = cfg
+        self.device = device or jax.devices()[0]
         config = config.check_model(cfg).resolved(self.device.platform)
         self.dtype = jnp.dtype(config.dtype).type
         if runtime.applied and self.device.platform == "gpu":

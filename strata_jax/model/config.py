@@ -407,6 +407,33 @@ def _mla(gguf: GGUFFile, m, arch: str, n_kv: Any, head_dim: int) -> MLADims:
     return dims
 
 
+ROPE_SCALINGS = ("none", "linear", "yarn")  # what rope.scaling.type and --rope-scaling take
+
+
+def with_rope_scaling(cfg: "ModelConfig", kind: str | None, factor: float | None = None,
+                      orig_ctx: int | None = None) -> "ModelConfig":
+    """cfg with llama.cpp's --rope-scaling / --rope-scale / --yarn-orig-ctx applied over the file's
+    rope.scaling.* (None: keep the file's). The context the model is fit for becomes orig_ctx x factor
+    (orig_ctx: the file's original context, else its context_length), which is what ctx defaults to."""
+    if kind is None and factor is None and orig_ctx is None:
+        return cfg
+    old = cfg.rope_scaling
+    kind = kind or (old.kind if old is not None else "none")
+    if kind == "none":
+        return dataclasses.replace(cfg, rope_scaling=None)
+    factor = factor if factor is not None else old.factor if old is not None else None
+    if factor is None:
+        raise ValueError(f"rope scaling {kind!r} needs a factor (--rope-scale): the file gives none")
+    base = orig_ctx or (old.orig_ctx if old is not None and old.orig_ctx else cfg.context_length)
+    if old is not None and old.kind == kind == "yarn":  # the file's YaRN constants stay
+        new = dataclasses.replace(old, factor=factor, orig_ctx=base)
+    else:
+        new = RopeScaling(kind=kind, factor=factor, orig_ctx=base if kind == "yarn" else 0)
+    if factor == 1.0:
+        return dataclasses.replace(cfg, rope_scaling=None)
+    return dataclasses.replace(cfg, rope_scaling=new, context_length=int(base * factor))
+
+
 def _rope_scaling(gguf: GGUFFile, m, arch: str) -> RopeScaling | None:
     """rope.scaling.* for every architecture, with llama.cpp's defaults for the keys a file leaves out
     (beta fast 32, slow 1, ext factor 1; the original context: context_length). A factor of 1 or none
@@ -415,8 +442,8 @@ def _rope_scaling(gguf: GGUFFile, m, arch: str) -> RopeScaling | None:
     factor = float(m("rope.scaling.factor", 0.0) or 0.0)
     if kind == "none" or (kind in ("linear", "yarn") and factor == 1.0):
         return None
-    if kind not in ("linear", "yarn"):
-        _refuse(gguf, f"rope.scaling.type {kind!r}", "supported: none, linear, yarn")
+    if kind not in ROPE_SCALINGS:
+        _refuse(gguf, f"rope.scaling.type {kind!r}", "supported: " + ", ".join(ROPE_SCALINGS))
     if factor < 1.0:
         _refuse(gguf, f"rope.scaling.factor {factor} for {kind} rope scaling", "it must be at least 1")
     if kind == "linear":
