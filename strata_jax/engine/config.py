@@ -89,7 +89,7 @@ class EngineConfig:
     # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
     # cross the bus) or "auto": host when the experts are offloaded or the table is over 1 GiB
     ple_table: str = "auto"
-    # speculative decoding of greedy requests: None (off) or "lookup" (drafts are n-gram matches over the
+    # speculative decoding: None (off) or "lookup" (drafts are n-gram matches over the
     # prompt and output so far, verified in one multi-token pass that shares its expert fetches)
     spec: str | None = None
     # drafted tokens per verify pass at most
