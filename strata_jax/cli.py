@@ -56,8 +56,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
     p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
-                   help="speculative decoding of greedy requests: lookup drafts n-gram matches from the prompt and "
-                        "output so far and verifies them in one pass (one-row sessions: --parallel 1)")
+                   help="speculative decoding (greedy and sampled, lossless): lookup drafts n-gram matches from the "
+                        "prompt and output so far and verifies them in one pass (one-row sessions: --parallel 1)")
     p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
