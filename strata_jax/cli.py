@@ -63,8 +63,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                                       "context (the default context becomes that)")
     p.add_argument("--yarn-orig-ctx", default=None, help="YaRN: the model's original context (default: the file's)")
     p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
-                   help="speculative decoding of greedy requests: lookup drafts n-gram matches from the prompt and "
-                        "output so far and verifies them in one pass (one-row sessions: --parallel 1)")
+                   help="speculative decoding (greedy and sampled, lossless): lookup drafts n-gram matches from the "
+                        "prompt and output so far and verifies them in one pass (one-row sessions: --parallel 1)")
     p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,

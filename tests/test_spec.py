@@ -1,13 +1,21 @@
 """Speculative decoding with prompt-lookup drafts (EngineConfig.spec="lookup"): greedy output identical to
 plain decode on a synthetic MoE (offloaded and resident) and on the real default model, with drafts
-accepted where the text repeats; the n-gram drafter and the adaptive switch; the fallbacks (sampling,
-several rows) and refusals (hybrid models, bad values), checked before weights load."""
+accepted where the text repeats; sampled output keeps the target distribution (chi-square tests of the
+acceptance rule against the exact distribution, with biased rules shown to fail them, and of spec on
+against spec off end to end), and a seed gives plain decode's tokens; the n-gram drafter and the
+adaptive switch; the fallbacks (a grammar, several rows) and refusals (hybrid models, bad values),
+checked before weights load."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import strata_jax
@@ -19,6 +27,7 @@ from strata_jax.engine import lookup
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.session import Session
+from strata_jax.model.sampling import REPEAT_WINDOW, PenaltyState, SamplingMode, SamplingParams, accept_drafts
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine
 
@@ -87,13 +96,19 @@ def test_greedy_spec_equals_plain_decode(moe_path, plain, slots):
     assert short.token_ids == plain.token_ids[:7] and short.finish_reason == "length"
 
 
-def test_sampling_falls_back_to_plain_decode(moe_path, caplog):
-    m = strata_jax.load(moe_path, ctx=256, spec="lookup")
-    ref = strata_jax.load(moe_path, ctx=256).generate(PROMPT, max_tokens=8, temperature=0.8, seed=3)
+def test_grammar_falls_back_to_plain_decode(moe_path, caplog):
+    llg = pytest.importorskip("llguidance")  # noqa: F841
+    from strata_jax.engine.constrained import request_grammar
+
+    grammar = request_grammar(grammar='root ::= word (" " word)* "."\nword ::= [a-e]+')
+    s = Session(strata_jax.load(moe_path, ctx=256, spec="lookup"), 1)
     with caplog.at_level(logging.INFO, logger="strata_jax"):
-        out = m.generate(PROMPT, max_tokens=8, temperature=0.8, seed=3)
-    assert out.token_ids == ref.token_ids and out.timings["draft_n"] == 0
-    assert sum("decodes without speculation" in r.getMessage() for r in caplog.records) == 1
+        row, chunks = s.admit(PROMPT, max_tokens=8, temperature=0, constraint=grammar)
+    chunks = list(chunks)
+    while row in s.active_rows:
+        chunks += s.step().get(row, [])
+    assert chunks[-1].timings["draft_n"] == 0
+    assert sum("decodes without speculation (it has a grammar" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_several_rows_decode_without_speculation(moe_path, plain, caplog):
@@ -114,6 +129,153 @@ def test_server_timings_report_drafts(moe_path, plain):
     assert body["choices"][0]["text"] == plain.text
     t = body["timings"]
     assert t["draft_n"] >= t["draft_n_accepted"] > 0
+
+
+# -- sampling: the target distribution ----------------------------------------------------------------------
+
+def chi2_pvalue(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution (Wilson-Hilferty: a normal in the cube root, close enough
+    for a 1e-3 threshold at df >= 3, with no scipy)."""
+    v = 2 / (9 * df)
+    return 0.5 * math.erfc(((stat / df) ** (1 / 3) - (1 - v)) / math.sqrt(v) / math.sqrt(2))
+
+
+def goodness_of_fit(counts: dict, probs: dict) -> float:
+    """p-value of observed counts against exact probabilities (categories expecting < 5 pooled)."""
+    n = sum(counts.values())
+    assert set(counts) <= set(probs), set(counts) - set(probs)  # a sequence the target never gives
+    small = [c for c in probs if probs[c] * n < 5]
+    o = [counts.get(c, 0) for c in probs if c not in small] + [sum(counts.get(c, 0) for c in small)]
+    e = [probs[c] * n for c in probs if c not in small] + [sum(probs[c] for c in small) * n]
+    o, e = (o, e) if e[-1] else (o[:-1], e[:-1])
+    return chi2_pvalue(sum((a - b) ** 2 / b for a, b in zip(o, e)), len(e) - 1)
+
+
+def two_sample(a: collections.Counter, b: collections.Counter) -> float:
+    """p-value that two samples of categories come from one distribution (categories seen < 10 times pooled)."""
+    na, nb = sum(a.values()), sum(b.values())
+    cats = [c for c in set(a) | set(b) if a[c] + b[c] >= 10]
+    rest = (na - sum(a[c] for c in cats), nb - sum(b[c] for c in cats))
+    pairs = [(a[c], b[c]) for c in cats] + ([rest] if sum(rest) else [])
+    k1, k2 = math.sqrt(nb / na), math.sqrt(na / nb)
+    return chi2_pvalue(sum((x * k1 - y * k2) ** 2 / (x + y) for x, y in pairs), len(pairs) - 1)
+
+
+# positions 0, 1, 2 of a verify pass over V = 6 tokens; drafts d1 = 1 (after position 0) and d2 = 0
+LOGITS_TV = np.array([[1.2, 1.0, 0.6, 0.1, -0.5, -2.0],
+                      [0.3, 1.1, -0.2, 0.9, 0.0, -1.0],
+                      [0.5, -0.4, 1.3, 0.2, 0.8, -0.1]], np.float32)
+DRAFTS = (1, 0)
+TRIALS = 20000
+
+
+def target_sequences(temperature: float, top_k: int) -> dict:
+    """The exact distribution of a pass's emitted tokens: x_j ~ p_j (softmax of the top_k logits /
+    temperature) while every earlier x equals its draft."""
+    p = []
+    for row in LOGITS_TV:
+        keep = row >= np.sort(row)[-top_k]
+        z = np.where(keep, np.exp((row - row.max()) / temperature), 0.0)
+        p.append(z / z.sum())
+    probs, prefix, mass = {}, (), 1.0
+    for j, p_j in enumerate(p):
+        d = DRAFTS[j] if j < len(DRAFTS) else None
+        for t in np.flatnonzero(p_j):
+            if t != d:
+                probs[prefix + (int(t),)] = mass * p_j[t]
+        if d is None:
+            break
+        prefix, mass = prefix + (d,), mass * p_j[d]
+    return probs, p
+
+
+def test_acceptance_rule_keeps_the_target_distribution():
+    temperature, top_k = 0.7, 4  # the processed distribution, not the raw softmax, is the target
+    probs, p = target_sequences(temperature, top_k)
+    V = LOGITS_TV.shape[1]
+    sp = SamplingParams.make(1, temperature=temperature, top_p=1.0, top_k=top_k, min_p=0.0)
+    pen = PenaltyState(jnp.zeros((1, V), jnp.int32), jnp.full((1, REPEAT_WINDOW), -1, jnp.int32))
+    mode = SamplingMode(sample=True, penalties=False, logprobs=False)
+
+    @jax.jit
+    def passes(seeds):
+        def one(seed):
+            key = jax.random.key_data(jax.random.PRNGKey(seed))
+            tok_T, n_acc, _, _ = accept_drafts(jnp.asarray(LOGITS_TV), jnp.asarray(DRAFTS), 2, key, 0, 3, sp, pen, mode)
+            return tok_T, n_acc
+        return jax.vmap(one)(seeds)
+
+    tok_NT, n_acc_N = map(np.asarray, passes(jnp.arange(TRIALS)))
+    emitted = collections.Counter(tuple(t[: a + 1].tolist()) for t, a in zip(tok_NT, n_acc_N))
+    assert goodness_of_fit(emitted, probs) > 1e-3
+    assert abs(n_acc_N.mean() - p[0][1] * (1 + p[1][0])) < 0.02  # acceptance: p0(d1) (1 + p1(d2))
+    assert np.array_equal(np.asarray(passes(jnp.arange(4))[0]), tok_NT[:4])  # a seed gives its tokens again
+
+    # the test has power: rules that are subtly wrong fail it with these trials
+    rng = np.random.default_rng(0)
+
+    def biased(resample_from_p: bool):
+        out = collections.Counter()
+        for _ in range(TRIALS):
+            seq = ()
+            for j, p_j in enumerate(p):
+                d = DRAFTS[j] if j < len(DRAFTS) else None
+                if d is not None and (not resample_from_p or rng.random() < p_j[d]):
+                    seq += (d,)  # always accepting, or accepting with probability p(d) ...
+                    continue
+                seq += (int(rng.choice(len(p_j), p=p_j)),)  # ... then drawing from p, not the residual
+                break
+            out[seq] += 1
+        return out
+
+    for rule in (False, True):
+        counts = biased(rule)
+        assert goodness_of_fit({c: n for c, n in counts.items() if c in probs}, probs) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def spec_model(moe_path):
+    return strata_jax.load(moe_path, ctx=256, spec="lookup")
+
+
+@pytest.fixture(scope="module")
+def plain_model(moe_path):
+    return strata_jax.load(moe_path, ctx=256)
+
+
+def looping(m, plain) -> list[int]:
+    """The prompt followed by its greedy continuation, which loops: lookup drafts from the first step."""
+    return m.tokenize(PROMPT) + plain.token_ids
+
+
+SAMPLED = dict(temperature=1.0, top_k=3)  # few tokens per step: the drafts are often drawn, and few categories
+
+
+def test_sampled_spec_matches_plain_decode_distribution(spec_model, plain_model, plain):
+    ids, n = looping(spec_model, plain), 600
+    on, off, drafted, accepted = collections.Counter(), collections.Counter(), 0, 0
+    for seed in range(n):  # independent samples: spec on and off take different seeds
+        a = spec_model.generate(ids, max_tokens=3, seed=seed, **SAMPLED)
+        on[tuple(a.token_ids)] += 1
+        drafted, accepted = drafted + a.timings["draft_n"], accepted + a.timings["draft_n_accepted"]
+        off[tuple(plain_model.generate(ids, max_tokens=3, seed=n + seed, **SAMPLED).token_ids)] += 1
+    assert drafted > accepted > 50, (drafted, accepted)
+    assert two_sample(on, off) > 1e-3, (on.most_common(10), off.most_common(10))
+
+
+def test_sampled_spec_same_seed_gives_plain_decode_tokens(spec_model, plain_model, plain):
+    """Each token is drawn with the key and step plain decode uses, penalties and logprobs included."""
+    ids = looping(spec_model, plain)
+    kw = dict(max_tokens=16, presence_penalty=-1.0, repeat_penalty=0.9, logprobs=True, top_logprobs=2, **SAMPLED)
+    accepted = 0
+    for seed in range(4):
+        a, b = spec_model.generate(ids, seed=seed, **kw), spec_model.generate(ids, seed=seed, **kw)
+        ref = plain_model.generate(ids, seed=seed, **kw)
+        assert a.token_ids == b.token_ids == ref.token_ids
+        np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in ref.logprobs], atol=1e-4)
+        assert [[t for t, _ in lp.top] for lp in a.logprobs] == [[t for t, _ in lp.top] for lp in ref.logprobs]
+        accepted += a.timings["draft_n_accepted"]
+    assert accepted > 0
 
 
 # -- options and refusals -------------------------------------------------------------------------------

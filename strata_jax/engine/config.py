@@ -97,7 +97,7 @@ class EngineConfig:
     rope_scaling: str | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
-    # speculative decoding of greedy requests: None (off) or "lookup" (drafts are n-gram matches over the
+    # speculative decoding: None (off) or "lookup" (drafts are n-gram matches over the
     # prompt and output so far, verified in one multi-token pass that shares its expert fetches)
     spec: str | None = None
     # drafted tokens per verify pass at most

@@ -24,12 +24,15 @@ grammar forces (fed without sampling, up to a chunk) and one masked sampled step
 model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
 its first token is masked in the prefill.
 
-Speculative decoding (EngineConfig.spec "lookup", one-row sessions): a greedy request's step drafts up
-to spec_max tokens by prompt lookup (engine/lookup.py) and verifies them in one multi-token pass of its
-row (model/decode.py verify), which accepts the drafts the model's argmax agrees with, plus the argmax
-after them: the same tokens plain greedy decode gives, several per pass, their expert fetches shared.
-Without a match, or while the row's recent acceptance is low, the step is a plain decode call. A
-sampling, penalized, logprobs or constrained request decodes without speculation. A row that
+Speculative decoding (EngineConfig.spec "lookup", one-row sessions): a request's step drafts up to
+spec_max tokens by prompt lookup (engine/lookup.py) and verifies them in one multi-token pass of its
+row (model/decode.py verify). Each position's token is drawn on the device as plain decode draws it
+(same processed distribution, penalties included, same key and step); drafts are accepted while they
+equal those draws, plus the token drawn after them. For a deterministic drafter that is speculative
+sampling's rejection rule (accept with probability p(d), else draw from the residual), so sampled
+output keeps the target distribution, and greedy output is plain greedy decode's very tokens: several
+per pass, their expert fetches shared. Without a match, or while the row's recent acceptance is low,
+the step is a plain decode call. A constrained request decodes without speculation. A row that
 speculates takes no call queued ahead (its drafts need the tokens before).
 
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk).
@@ -220,7 +223,7 @@ class Session:
                         "has %d rows", self.spec, n_rows)
             self.spec = None
         elif self.spec is not None:
-            log.info("speculative decoding: %s drafts, up to %d per verify pass, for greedy requests", self.spec,
+            log.info("speculative decoding: %s drafts, up to %d per verify pass, for unconstrained requests", self.spec,
                      self.spec_max)
         if n_rows > 1:
             kv_bytes = kv_cache_bytes(cfg, model.ctx, n_rows, jnp.dtype(model.dtype).itemsize, model.kv)
@@ -311,12 +314,11 @@ class Session:
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
         if self.spec is not None:
             q.spec_on = True
-            if mode == GREEDY and constraint is None:
+            if constraint is None:
                 q.spec = Acceptance()
             else:
-                log.info("spec %s: this request decodes without speculation (verification is greedy only; it %s)",
-                         self.spec, "has a grammar" if constraint is not None else
-                         "samples, takes penalties or logprobs")
+                log.info("spec %s: this request decodes without speculation (it has a grammar, whose mask for each "
+                         "token needs the host)", self.spec)
         q.t_prefill = time.perf_counter() - t0
         q.t1 = q.t_steady = time.perf_counter()
         self._reqs[row] = q
@@ -507,19 +509,18 @@ class Session:
         pos = len(q.fed)
         t_d = time.perf_counter()
         (out, routed) = self._call(programs.verify, np.int32(r), toks, np.array([len(drafts) + 1], np.int32),
-                                   self._stop_St, end=pos + toks.shape[1], **m.forced_prefill(pos, toks.shape[1]))
+                                   self._stop_St, end=pos + toks.shape[1], mode=q.mode,
+                                   **m.forced_prefill(pos, toks.shape[1]))
         m.host.dispatch(time.perf_counter() - t_d)
         t_w = time.perf_counter()
-        greedy, n_emit = np.asarray(out.greedy_T), int(out.n_emit)
+        tokens, n_emit, accepted = np.asarray(out.tokens_T), int(out.n_emit), int(out.n_acc)
+        lps = jax.device_get(out.logprobs) if out.logprobs is not None else None
         now = time.perf_counter()
         m.host.wait(now - t_w, 1)
         m.note_steps(now - self._t_last, 1)  # one pass: the expert cache saw one step
         self._t_last = now
         if m.routing is not None:
             m.routing.append(np.asarray(routed).transpose(1, 0, 2)[:n_emit])
-        accepted = 0  # the drafts the argmax agreed with (n_emit may be cut shorter by max_tokens)
-        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
-            accepted += 1
         q.draft_n += len(drafts)
         q.draft_n_accepted += accepted
         q.spec.record(len(drafts), accepted)
@@ -527,8 +528,9 @@ class Session:
         if q.t_steady == q.t1:
             q.t_steady = t_d
         chunks = []
-        for tok in greedy[:n_emit].tolist():
-            chunks += self._push(r, q, tok, None)
+        for j, tok in enumerate(tokens[:n_emit].tolist()):
+            lp = token_logprob(jax.tree.map(lambda a: a[j], lps), 0, tok, q.n_top, 0) if lps is not None else None
+            chunks += self._push(r, q, tok, lp)
             if self._reqs[r] is not q:  # done: a stop id or string, or max_tokens
                 break
         return {r: chunks} if chunks else {}

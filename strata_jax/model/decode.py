@@ -38,8 +38,8 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward
-from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, next_token, no_logprobs,
-                                      token_logprobs)
+from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts, next_token,
+                                      no_logprobs, token_logprobs)
 
 STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "attn_block")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place
@@ -224,36 +224,37 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
 
 @struct.dataclass
 class VerifyOut:
-    greedy_T: jax.Array  # int32: the argmax after each position of [last, d1..dk]: accepted drafts, then the bonus
+    tokens_T: jax.Array  # int32: the token drawn after each position of [last, d1..dk]: accepted drafts, then the bonus
     n_emit: jax.Array  # int32 scalar: tokens the pass produced (accepted drafts + the bonus, capped by tokens left)
+    n_acc: jax.Array  # int32 scalar: drafts accepted (n_emit may cut them shorter)
+    logprobs: Logprobs | None  # fields [T, 1, ...] (mode.logprobs), else None
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC, donate_argnames=STEP_DONATE)
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode",), donate_argnames=STEP_DONATE)
 def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
-           kernels, attn_len, attn_block=None, forced=None):
-    """A greedy speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
-    n_valid_1) at the row's position, all logits; the longest prefix of drafts equal to the argmax at
-    each position is accepted, and the argmax after it is the bonus token. The row's state moves to the
-    accepted position: the cache entries written for rejected drafts lie past it, where attention never
-    reads (it masks by position) and the next steps overwrite them. Greedy rows only (no penalties,
-    sampling or logprobs). Returns (VerifyOut, kv, experts, routed [M, T, k], rows)."""
+           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None):
+    """A speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
+    n_valid_1) at the row's position, all logits; sampling.accept_drafts draws the token after each
+    position as decode would (the argmax for a greedy row) and accepts the longest prefix of drafts equal
+    to those draws, plus the token drawn after it, so the output keeps the distribution of plain decode
+    (greedy: its very tokens). The row's state moves to the accepted position: the cache entries written
+    for rejected drafts lie past it, where attention never reads (it masks by position) and the next
+    steps overwrite them. No constrained rows (their mask needs the host). Returns (VerifyOut, kv,
+    experts, routed [M, T, k], rows)."""
     T = tokens_1T.shape[1]
     start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
     logits_1TV, kv, experts, routed = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1,
                                                    n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
                                                    attn_len=attn_len, attn_block=attn_block, forced=forced)
-    greedy_T = jnp.argmax(logits_1TV[0], axis=-1).astype(jnp.int32)
-    t = jnp.arange(T)
-    # draft j + 1 is accepted while every draft before it was and it equals the argmax at position j
-    ok_T = (greedy_T[:-1] == tokens_1T[0, 1:]) & (t[:-1] < n_valid_1[0] - 1)
-    n_acc = jnp.sum(jnp.cumprod(ok_T.astype(jnp.int32)))
-    left = rows.left_B[row]
+    r = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows)
+    left = r.left_B[0]
+    tokens_T, n_acc, pen, lp = accept_drafts(logits_1TV[0], tokens_1T[0, 1:], n_valid_1[0] - 1, r.key_B2[0],
+                                             r.step_B[0], left, r.sp, r.pen, mode)
     n_emit = jnp.minimum(n_acc + 1, left)
-    stopped = jnp.any(jnp.isin(greedy_T, stop_St) & (t < n_emit))
+    stopped = jnp.any(jnp.isin(tokens_T, stop_St) & (jnp.arange(T) < n_emit))
     one = lambda a: a.reshape(1)  # noqa: E731
     state = dataclasses.replace(
-        jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows),
-        tok_B=one(greedy_T[jnp.maximum(n_emit - 1, 0)]), pos_B=start_1 + n_emit, step_B=one(rows.step_B[row] + n_emit),
-        left_B=one(left - n_emit), live_B=one(rows.live_B[row] & ~stopped & (left - n_emit > 0)))
+        r, tok_B=one(tokens_T[jnp.maximum(n_emit - 1, 0)]), pos_B=start_1 + n_emit, step_B=r.step_B + n_emit,
+        left_B=r.left_B - n_emit, live_B=r.live_B & ~stopped & (left - n_emit > 0), pen=pen)
     rows = _set_row(rows, row, state)
-    return VerifyOut(greedy_T, n_emit), kv, experts, routed, rows
+    return (VerifyOut(tokens_T, n_emit, n_acc, lp if mode.logprobs else None), kv, experts, routed, rows)

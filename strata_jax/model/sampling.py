@@ -252,3 +252,31 @@ def _draw(logits_BV: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array
     scaled = jnp.where(keep, sorted_BV / temp, -jnp.inf)
     choice_B = jax.random.categorical(key, scaled, axis=-1)
     return jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+# -- speculative acceptance -------------------------------------------------------------------------
+
+def accept_drafts(logits_TV: jax.Array, drafts_T: jax.Array, n_drafts, key_2: jax.Array, step, left,
+                  sp: SamplingParams, pen: PenaltyState, mode: SamplingMode):
+    """Speculative sampling of one row with a deterministic drafter (q one-hot at each draft): position j's
+    logits follow drafts d_1..d_j, and its token x_j is drawn exactly as next_token draws the row's
+    (step + j)-th token (key folded with step + j, penalties having taken in x_0..x_{j-1}). d_{j+1} is
+    accepted while x_j == d_{j+1}: it is accepted with probability p_j(d_{j+1}), and a rejection emits
+    x_j, distributed as p_j with d_{j+1} removed and renormalized (the residual max(p - q, 0)), so the
+    output keeps the target distribution; the token after the last accepted draft is the bonus. Greedy
+    rows draw the argmax, which is plain greedy verification. drafts_T: int32 [T - 1] (padding past
+    n_drafts); left: tokens the row may still emit (penalties take in only those). Returns (tokens int32
+    [T], drafts accepted, new penalty state, logprobs stacked over T [T, 1, ...])."""
+    T = logits_TV.shape[0]
+    drafts_T = jnp.concatenate([drafts_T.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])  # none after the last
+
+    def position(carry, x):
+        pen, emitted = carry  # emitted: every draft before position j was accepted, so x_j is output
+        j, logits_V, d = x
+        key = jax.random.fold_in(key_2, step + j)
+        tok_1, pen, lp = next_token(logits_V[None], key[None], sp, pen, mode, (emitted & (j < left))[None])
+        accepted = emitted & (j < n_drafts) & (tok_1[0] == d)
+        return (pen, accepted), (tok_1[0], accepted, lp)
+
+    (pen, _), (tok_T, acc_T, lp) = jax.lax.scan(position, (pen, jnp.bool_(True)), (jnp.arange(T), logits_TV, drafts_T))
+    return tok_T, jnp.sum(acc_T.astype(jnp.int32)), pen, lp
