@@ -197,6 +197,10 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (["--expert-slots", "-4"], "--expert-slots -4 is invalid: it must be a positive integer"),
     (["--prefetch-depth", "-1"], "--prefetch-depth -1 is invalid: it must be a depth >= 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--rope-scale", "0.5"], "--rope-scale '0.5' is invalid: it must be a factor >= 1"),
+    (["--rope-scale", "four"], "--rope-scale 'four' is invalid: it must be a factor >= 1"),
+    (["--yarn-orig-ctx", "0"], "--yarn-orig-ctx 0 is invalid: it must be a positive context length"),
+    (["--rope-scaling", "dynamic"], "argument --rope-scaling: invalid choice: 'dynamic'"),
 ])
 def test_cli_generate_refuses_bad_flags_before_loading(capsys, flags, message):
     rc, err = _cli(capsys, "generate", "--model", MISSING, "--prompt", "x", *flags)
@@ -257,3 +261,17 @@ def test_ple_table_flag_is_checked_and_named():
     assert EngineConfig.create().ple_table == "auto"
     args = build_parser().parse_args(["generate", "--ple-table", "host", "--prompt", "x"])
     assert engine_config(args).ple_table == "host"
+
+
+def test_rope_scaling_override_sets_the_models_context(tmp_path):
+    """--rope-scaling yarn --rope-scale 4 over a file without scaling: the config the forward pass reads has
+    YaRN over the file's context, and ctx defaults to 4x it; yarn without a factor anywhere is refused."""
+    spec = SyntheticSpec(arch="qwen2", n_layers=1, d_model=64, head_dim=16, ffn_dim=64, vocab_size=512, qtype="Q8_0")
+    path = write_synthetic_gguf(tmp_path / "dense.gguf", spec)
+    m = strata_jax.load(path, rope_scaling="yarn", rope_scale=4, yarn_orig_ctx=256, dtype="float32")
+    r = m.config.rope_scaling
+    assert (r.kind, r.factor, r.orig_ctx) == ("yarn", 4.0, 256) and m.config.context_length == 1024
+    assert m.ctx == 1024
+    with pytest.raises(ConfigError, match=r"rope scaling 'linear' needs a factor \(--rope-scale\)"):
+        strata_jax.load(path, rope_scaling="linear")
+    assert strata_jax.load(path, rope_scaling="none").config.rope_scaling is None
