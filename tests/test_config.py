@@ -197,6 +197,8 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (["--expert-slots", "-4"], "--expert-slots -4 is invalid: it must be a positive integer"),
     (["--prefetch-depth", "-1"], "--prefetch-depth -1 is invalid: it must be a depth >= 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--expert-cache-state", "/nonexistent/dir/state"],
+     "--expert-cache-state '/nonexistent/dir/state' is invalid: its parent directory /nonexistent/dir does not exist"),
 ])
 def test_cli_generate_refuses_bad_flags_before_loading(capsys, flags, message):
     rc, err = _cli(capsys, "generate", "--model", MISSING, "--prompt", "x", *flags)

@@ -164,3 +164,35 @@ def test_a_non_writable_parent_is_refused(tmp_path):
             EngineConfig.create(flags=True, expert_cache_state=str(ro / "state"))
     finally:
         ro.chmod(0o700)
+
+
+def restored_slots(model_path, state, caplog) -> int:
+    """Slots a load with `state` restores (from its log line), -1 if it started cold."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="strata_jax"):
+        m = load(model_path, state, expert_slots=SLOTS)
+    if not any("expert cache: restored" in s for s in messages(caplog)):
+        return -1
+    return sum(int((np.asarray(c.owner_X) >= 0).sum()) for c in m.experts.slots.caches)
+
+
+def test_generate_saves_the_state_at_its_end(model_path, tmp_path, caplog, capsys):
+    from strata_jax.cli import main
+
+    state = str(tmp_path / "cli-state")
+    assert main(["generate", "--model", str(model_path), "--ctx", "128", "--expert-slots", str(SLOTS),
+                 "--expert-cache-state", state, "--prompt", PROMPT, "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert restored_slots(model_path, state, caplog) > 0
+
+
+def test_serve_saves_the_state_on_a_clean_shutdown(model_path, tmp_path, caplog):
+    from strata_jax.serving.engine import Engine
+
+    state = str(tmp_path / "serve-state")
+    engine = Engine(lambda: load(model_path, state, expert_slots=SLOTS), warmup=False)
+    engine.start()
+    assert engine.wait_ready(120)
+    engine.model.generate(PROMPT, max_tokens=4, temperature=0)  # (the engine thread is idle between jobs)
+    assert not os.path.exists(state)
+    engine.shutdown(timeout=60)
+    assert restored_slots(model_path, state, caplog) > 0
