@@ -23,7 +23,7 @@ from strata_jax.engine.config import EngineConfig
 TINY = SHAPES["tiny"]  # 2 MoE layers x 16 experts, top-2
 SLOTS = 12  # per-layer pools of 6: fewer than the 32 experts, so a cold cache misses
 PROMPT = "the tea is hot and the rain is there, so she sat on the stairs to read"
-GEN = dict(max_tokens=16, temperature=0)
+GEN = dict(max_tokens=6, temperature=0)
 
 
 def load(path, state, **options):
@@ -85,8 +85,12 @@ def test_a_warm_start_hits_from_the_first_token_and_computes_the_same(model_path
     assert gen.token_ids == cold_gen.token_ids
     st = m.stats()
     assert st["lookups"] == cold_stats["lookups"] > 0
-    assert st["hit_rate"] > cold_stats["hit_rate"]
+    assert st["hit_rate"] > cold_stats["hit_rate"] + 0.2  # measured 0.35 cold, 0.8 warm
     assert st["misses"] < cold_stats["misses"]
+    # the first decode step: a cold cache (prefill streams layers, admitting nothing) misses every expert
+    first = load(model_path, state, expert_slots=SLOTS)
+    first.generate(PROMPT, max_tokens=2, temperature=0)
+    assert first.stats()["lookups"] > 0 and first.stats()["hits"] > 0
 
 
 def test_a_state_of_another_slot_plan_or_model_is_ignored(model_path, saved, tmp_path, caplog):
