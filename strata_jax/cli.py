@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="strata-jax: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)  # not its backend-probing chatter
+    logging.getLogger("absl").setLevel(logging.WARNING)  # nor orbax's dozens of lines per save (--expert-cache-state)
     try:
         return args.func(args)
     except StrataError as e:

@@ -58,7 +58,8 @@ def test_restored_state_and_rows_match_the_saved_ones(model_path, saved, caplog)
         m = load(model_path, state, expert_slots=SLOTS)
     owned = sum(int((c.owner_X >= 0).sum()) for c in caches)
     assert 0 < owned <= SLOTS
-    assert any(f"expert cache: restored {owned} of {SLOTS} slots from {state} (saved " in s for s in messages(caplog))
+    restored = f"expert cache: restored {owned:,} of {SLOTS:,} slots from {state} (saved "
+    assert any(restored in s for s in messages(caplog))
     table, store = m.experts.slots, m.experts.store
     E = TINY.n_experts
     for p, (pool, got, want) in enumerate(zip(table.pools, table.caches, caches)):

@@ -59,7 +59,8 @@ def save_cache_state(path: str, caches: tuple[CacheState, ...], identity: dict[s
         caches=ocp.args.StandardSave(caches), meta=ocp.args.JsonSave({**identity, "saved": saved})))
     mgr.wait_until_finished()
     mgr.close()
-    log.info("expert cache: saved the state of %d slots to %s", sum(int(c.owner_X.shape[0]) for c in caches), path)
+    n_slots = sum(int(c.owner_X.shape[0]) for c in caches)
+    log.info("expert cache: saved the state of %s slots to %s", f"{n_slots:,}", path)
 
 
 def _mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
@@ -81,6 +82,7 @@ def load_cache_state(path: str, template: tuple[CacheState, ...],
     if not os.path.isdir(path):
         log.info("expert cache: no saved state in %s yet; starting cold (it is saved on exit)", path)
         return None
+    mgr = None
     try:
         import orbax.checkpoint as ocp  # noqa: PLC0415
 
@@ -95,7 +97,6 @@ def load_cache_state(path: str, template: tuple[CacheState, ...],
             log.warning("expert cache: the state in %s is ignored, %s; starting cold", path, why)
             return None
         caches = mgr.restore(step, args=ocp.args.Composite(caches=ocp.args.StandardRestore(template))).caches
-        mgr.close()
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
         if jax.tree.structure(caches) != jax.tree.structure(template) or shapes(caches) != shapes(template):
             log.warning("expert cache: the state in %s is ignored, its arrays do not have this cache's shapes; "
@@ -106,6 +107,9 @@ def load_cache_state(path: str, template: tuple[CacheState, ...],
         log.warning("expert cache: cannot read the state in %s (%s: %s); starting cold", path, type(e).__name__,
                     str(e).splitlines()[0][:300] if str(e) else "")
         return None
+    finally:
+        if mgr is not None:
+            mgr.close()
 
 
 def restore_slot_table(path: str, table: SlotTable, store: ExpertStore, identity: dict[str, Any]) -> SlotTable:
@@ -118,7 +122,8 @@ def restore_slot_table(path: str, table: SlotTable, store: ExpertStore, identity
     table = table.replace(caches=caches)
     table = fill_pools(table, store)
     owned = sum(int(jnp.sum(c.owner_X >= 0)) for c in caches)
-    log.info("expert cache: restored %d of %d slots from %s (saved %s)", owned, table.n_slots, path, saved)
+    log.info("expert cache: restored %s of %s slots from %s (saved %s)", f"{owned:,}", f"{table.n_slots:,}", path,
+             saved)
     return table
 
 
