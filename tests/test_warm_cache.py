@@ -138,6 +138,21 @@ def test_an_empty_or_corrupt_state_starts_cold(model_path, saved, tmp_path, capl
     assert m.generate(PROMPT, max_tokens=4, temperature=0).token_ids  # the cold cache works
 
 
+def test_a_save_cut_short_leaves_the_previous_state(model_path, saved, tmp_path, caplog):
+    state, caches, _, _ = saved
+    cut = tmp_path / "cut"
+    shutil.copytree(state, cut)
+    (step,) = os.listdir(cut)
+    # what a save killed before its rename leaves: the next step's temporary directory, half written
+    partial = cut / f"{int(step) + 1}.orbax-checkpoint-tmp"
+    shutil.copytree(cut / step, partial)
+    for f in (partial / "caches").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")
+    owned = sum(int((c.owner_X >= 0).sum()) for c in caches)
+    assert restored_slots(model_path, str(cut), caplog) == owned
+
+
 def test_a_resident_load_ignores_the_option(model_path, tmp_path, caplog):
     state = tmp_path / "resident"
     with caplog.at_level(logging.INFO, logger="strata_jax"):
