@@ -80,6 +80,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(default 0 = off: without copy/compute overlap it is slower, docs/benchmarks.md)")
     c.add_argument("--expert-pools", choices=POOLS, default="per-layer",
                    help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
+    c.add_argument("--expert-cache-state", default=None, metavar="DIR",
+                   help="keep the expert cache warm across restarts: its state is restored from DIR at load (when "
+                        "saved for this model, slot plan and policy) and saved there at the end of generate or on "
+                        "serve's clean shutdown (offloading only)")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
     p.add_argument("--ple-table", default="auto", choices=PLE_TABLES,
@@ -95,6 +99,7 @@ def engine_config(args):
                                decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
+                               expert_cache_state=getattr(args, "expert_cache_state", None),
                                parallel=getattr(args, "parallel", 1),
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
                                spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
@@ -144,6 +149,8 @@ def _cmd_generate(args) -> int:
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
           + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
           + f"finish: {final.finish_reason}", file=sys.stderr)
+    if config.expert_cache_state is not None:
+        model.save_expert_cache()
     if model.config.is_moe:
         st = model.stats()
         print(f"experts: {st['lookups']} lookups, hit rate {st['hit_rate']:.1%}, {st['bytes_h2d'] / 1e6:.1f} MB "
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="strata-jax: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)  # not its backend-probing chatter
+    logging.getLogger("absl").setLevel(logging.WARNING)  # nor orbax's dozens of lines per save (--expert-cache-state)
     try:
         return args.func(args)
     except StrataError as e:

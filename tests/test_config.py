@@ -201,6 +201,8 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (["--rope-scale", "four"], "--rope-scale 'four' is invalid: it must be a factor >= 1"),
     (["--yarn-orig-ctx", "0"], "--yarn-orig-ctx 0 is invalid: it must be a positive context length"),
     (["--rope-scaling", "dynamic"], "argument --rope-scaling: invalid choice: 'dynamic'"),
+    (["--expert-cache-state", "/nonexistent/dir/state"],
+     "--expert-cache-state '/nonexistent/dir/state' is invalid: its parent directory /nonexistent/dir does not exist"),
 ])
 def test_cli_generate_refuses_bad_flags_before_loading(capsys, flags, message):
     rc, err = _cli(capsys, "generate", "--model", MISSING, "--prompt", "x", *flags)

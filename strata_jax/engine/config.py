@@ -46,13 +46,15 @@ FLAGS = {
     "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
+    "expert_cache_state": "--expert-cache-state",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
 # vram_budget and vram_reserve size every model's context too)
-_EXPERT_OPTIONS = {"expert_slots": None, "policy": "lru", "prefetch": 0, "expert_pools": "per-layer"}
+_EXPERT_OPTIONS = {"expert_slots": None, "policy": "lru", "prefetch": 0, "expert_pools": "per-layer",
+                   "expert_cache_state": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,10 @@ class EngineConfig:
     prefetch: int = 0
     # MoE: a slot pool per MoE layer (an equal share each) or one shared by layers of the same expert types
     expert_pools: str = "per-layer"
+    # MoE, offloading: a directory for the expert cache's state (which expert sits in which slot, the
+    # policy's metadata), restored at load when it was saved for this model, slot plan and policy, and
+    # saved by Model.save_expert_cache (serve on shutdown, generate at its end); None = start cold
+    expert_cache_state: str | None = None
     # KV-cache rows (requests decoded at once, a server's --parallel) the expert cache leaves room for
     parallel: int = 1
     # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
@@ -314,6 +320,28 @@ def _check_profile(path: str, name: str) -> None:
                           f"a trace; {save}")
 
 
+def _cache_state(value: Any, name: str) -> str | None:
+    """A directory the expert cache's state can be saved in: it exists or its parent does, and is writable
+    (checked now, so a run does not end unable to save)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise _bad(name, value, "a directory path (where the expert cache's state is kept; created if missing) "
+                                "or None")
+    path = os.path.abspath(os.path.expanduser(os.fspath(value)))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{_show(name, value)} is a file, not a directory: give a directory for the expert "
+                          "cache's state (created if missing), e.g. ~/.cache/strata-jax/expert-state.")
+    where = path if os.path.isdir(path) else os.path.dirname(path)
+    if not os.path.isdir(where):
+        raise ConfigError(f"{_show(name, value)} is invalid: its parent directory {where} does not exist; create "
+                          "it or give another directory.")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{_show(name, value)} is invalid: {where} is not writable, so the expert cache's state "
+                          "could not be saved there; give a writable directory.")
+    return path
+
+
 def _prefetch(value: Any, name: str, text: bool) -> int:
     if isinstance(value, bool):
         return int(value)
@@ -366,6 +394,7 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "policy": lambda v: _policy(v, n("policy")),
         "prefetch": lambda v: _prefetch(v, n("prefetch"), text),
         "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
+        "expert_cache_state": lambda v: _cache_state(v, n("expert_cache_state")),
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
         "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),

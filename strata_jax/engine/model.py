@@ -178,7 +178,7 @@ class Model:
                                           expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
-                                          batch_rows=config.parallel)
+                                          batch_rows=config.parallel, cache_state=config.expert_cache_state)
             loader.bytes_loaded += self.experts.device_bytes
         storage = config.kv if config.kv != "f16" else f"f16: {jnp.dtype(self.dtype).name}"
         log.info(describe_context(self.context_plan, config.parallel, storage, self.cache_plan))
@@ -206,6 +206,24 @@ class Model:
     def stats(self) -> dict[str, Any]:
         """Expert-cache telemetry since load or reset_stats (see OffloadManager.stats); {} for dense models."""
         return self.experts.stats() if self.experts is not None else {}
+
+    def save_expert_cache(self, path: str | os.PathLike[str] | None = None) -> str | None:
+        """Save the expert cache's state (which expert sits in which slot, the policy's metadata) to the
+        directory `path` (default: the expert_cache_state option), for a later load with that option to
+        start warm. Returns the directory, or None when there is no cache to warm (a dense model, or
+        every expert resident). Call it between generations."""
+        from strata_jax.engine.config import check_option  # noqa: PLC0415
+
+        if path is None:
+            path = self.engine_config.expert_cache_state
+            if path is None:
+                raise ConfigError("save_expert_cache() needs a directory: pass path=..., or load the model with "
+                                  "expert_cache_state=PATH (--expert-cache-state).")
+        path = check_option("expert_cache_state", path)
+        if self.experts is None:
+            log.info("expert cache state not saved: %s is a dense model", self.config.arch)
+            return None
+        return path if self.experts.save_cache_state(path) else None
 
     def device_memory(self, session: Session | None = None) -> dict[str, int]:
         """Device bytes by use: dense weights, expert slot pools (0 for a dense model) and the KV cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ from strata_jax.core.paths import SHARD_NAME, shard_name
 from strata_jax.gguf.layout import layout, row_bytes as _row_bytes
 
 GGUF_MAGIC = b"GGUF"
+FINGERPRINT_DATA_BYTES = 1 << 16  # tensor bytes GGUFFile.fingerprint hashes after each header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +247,7 @@ class GGUFFile:
         self.shard_paths = tuple(s.path for s in shards)
         self.shard_sizes = tuple(s.file_size for s in shards)
         self.file_size = sum(self.shard_sizes)
+        self._shards = shards
         self.tensors: dict[str, TensorInfo] = {}
         for i, shard in enumerate(shards):
             for t in shard.tensors(i):
@@ -257,6 +260,15 @@ class GGUFFile:
     @property
     def n_shards(self) -> int:
         return len(self.shard_paths)
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of every shard's header (metadata and tensor table) and the first bytes of its
+        tensor data: tells this model apart from another file of the same name, size and tensor table
+        (another fine-tune) while reading one page of weights."""
+        h = hashlib.sha256()
+        for shard in self._shards:
+            h.update(shard.map[:shard.data_start + FINGERPRINT_DATA_BYTES].tobytes())
+        return h.hexdigest()
 
     @property
     def architecture(self) -> str:

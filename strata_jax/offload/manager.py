@@ -24,6 +24,7 @@ from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
 from strata_jax.offload.store import ExpertStore, load_expert_store
+from strata_jax.offload.warm import cache_identity, restore_slot_table, save_cache_state
 
 log = logging.getLogger("strata_jax")
 
@@ -61,12 +62,13 @@ def _min_slots(spec: ExpertSpec, batch_rows: int) -> int:
 
 class OffloadManager:
     """gguf: the model's GGUFFile (strata_jax.gguf.reader); spec: its experts' layout, checked against the
-    file (strata_jax.model.weights.expert_spec); device: where the slot pools go."""
+    file (strata_jax.model.weights.expert_spec); device: where the slot pools go; cache_state: a directory
+    whose saved cache state (offload/warm.py) warms an offloading cache at load."""
 
     def __init__(self, gguf, spec: ExpertSpec, device, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
-                 batch_rows: int = 1):
+                 batch_rows: int = 1, cache_state: str | None = None):
         self.device = device if device is not None else jax.devices()[0]
         self.spec = spec
         self.policy = get_policy(policy)
@@ -98,9 +100,15 @@ class OffloadManager:
         self.fetch_s = self.stream_s = 0.0
         if self.plan.resident:
             slots = resident_slot_table(gguf, spec, self.device)
+            if cache_state is not None:
+                log.info("expert cache state %s not used: every expert is resident, there is no cache to warm",
+                         cache_state)
         else:
             store = load_expert_store(gguf, spec, self.device)
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device)
+            self._identity = cache_identity(gguf, spec.n_experts, slots, self.policy.name)
+            if cache_state is not None:
+                slots = restore_slot_table(cache_state, slots, store, self._identity)
             self.fetch_s, self.stream_s = calibrate_fetch(store.layers[0], self.device)
             log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
                      fmt_bytes(store.layers[0].bytes_per_expert), store.layers[0].bytes_per_expert / self.fetch_s / 1e9)
@@ -140,6 +148,17 @@ class OffloadManager:
 
     def put(self, experts: SlotExperts) -> None:
         self._experts = experts
+
+    def save_cache_state(self, path: str) -> bool:
+        """Save the cache's state to the directory `path` (offload/warm.py); False (and nothing written)
+        when every expert is resident. Between steps only: a step holds the slot table."""
+        if self.plan.resident:
+            log.info("expert cache state not saved: every expert is resident, there is no cache to warm")
+            return False
+        if self._experts is None:
+            raise RuntimeError("save_cache_state during a step: the step holds the slot table")
+        save_cache_state(path, self._experts.table.caches, self._identity)
+        return True
 
     def _zero_counters(self) -> ExpertCounters:
         return jax.device_put(ExpertCounters.zeros(self._n_layers), self.device)

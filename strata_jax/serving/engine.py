@@ -276,6 +276,17 @@ class Engine:
                 self._step(session)
             self._tick(session)
         self._end_all(session)
+        self._save_expert_cache(model)
+
+    def _save_expert_cache(self, model: Any) -> None:
+        """On a clean shutdown, the expert cache's state for the next start (--expert-cache-state)."""
+        config = getattr(model, "engine_config", None)
+        if getattr(config, "expert_cache_state", None) is None:
+            return
+        try:
+            model.save_expert_cache()
+        except Exception as e:  # noqa: BLE001 - the server still stops; the next start is cold
+            log.error("expert cache state not saved: %s: %s", type(e).__name__, e)
 
     def _end_all(self, session: Any) -> None:
         """Stop the running jobs (an error event each) and fail the queued ones."""
