@@ -96,6 +96,23 @@ def test_greedy_spec_equals_plain_decode(moe_path, plain, slots):
     assert short.token_ids == plain.token_ids[:7] and short.finish_reason == "length"
 
 
+def test_verify_pass_looks_each_distinct_expert_up_once(moe_path):
+    """A verify pass routes its drafted tokens together: with every position forced to the same k experts,
+    a pass counts k lookups per layer, as a one-token step does, not k per token (one fetch per distinct
+    expert when offloading). So lookups = layers x k x the few-token calls, and the calls are the emitted
+    tokens after the first, less the accepted drafts (each pass emits its accepted drafts + 1)."""
+    m = strata_jax.load(moe_path, ctx=256, spec="lookup", spec_max=3)  # 4 tokens x top-2 <= 8 experts: few path
+    cfg = m.config
+    M, k = len(cfg.moe_layers), cfg.n_experts_used
+    m.force_routing(np.broadcast_to(np.arange(k, dtype=np.int32), (1, M, k)))
+    m.reset_stats()
+    out = m.generate(PROMPT, max_tokens=N, temperature=0)
+    t, st = out.timings, m.stats()
+    assert t["draft_n_accepted"] > 0 and t["draft_n"] > 0
+    calls = N - 1 - t["draft_n_accepted"]
+    assert st["lookups"] == M * k * calls  # per token it would be M * k * (calls + draft_n)
+
+
 def test_grammar_falls_back_to_plain_decode(moe_path, caplog):
     llg = pytest.importorskip("llguidance")  # noqa: F841
     from strata_jax.engine.constrained import request_grammar
