@@ -113,6 +113,23 @@ def test_verify_pass_looks_each_distinct_expert_up_once(moe_path):
     assert st["lookups"] == M * k * calls  # per token it would be M * k * (calls + draft_n)
 
 
+def test_rejected_drafts_leave_the_cache_as_plain_decode_does(moe_path, plain):
+    """Rollback: a pass writes K/V for every drafted token, rejected ones included; what lies past the
+    accepted tokens is overwritten before anything attends to it. After the same greedy request, the
+    cache positions the sequence holds equal plain decode's (f32 on CPU; a pass computes several
+    positions at once, so to rounding), and the next turn continues from them as plain decode does."""
+    spec, base = (strata_jax.load(moe_path, ctx=256, spec=sp) for sp in ("lookup", None))
+    outs = [m.generate(PROMPT, max_tokens=N, temperature=0) for m in (spec, base)]
+    assert outs[0].token_ids == outs[1].token_ids == plain.token_ids and outs[0].timings["draft_n"] > outs[0].timings["draft_n_accepted"]
+    n = len(spec.session().cached_tokens(0))
+    assert n == len(base.session().cached_tokens(0)) > N
+    for a, b in zip(jax.tree.leaves(spec.session()._kv), jax.tree.leaves(base.session()._kv)):
+        np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], rtol=1e-5, atol=1e-5)
+    turn2 = spec.session().cached_tokens(0) + [7, 8, 9]
+    assert spec.generate(turn2, max_tokens=8, temperature=0).token_ids == \
+        base.generate(turn2, max_tokens=8, temperature=0).token_ids
+
+
 def test_grammar_falls_back_to_plain_decode(moe_path, caplog):
     llg = pytest.importorskip("llguidance")  # noqa: F841
     from strata_jax.engine.constrained import request_grammar
