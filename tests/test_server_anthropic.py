@@ -27,6 +27,7 @@ from strata_jax.engine.streaming import GenerationChunk
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine
 
+from test_server import POISON, assert_poison_refused, wire
 from test_server_openai import ServerProcess, free_port
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
@@ -438,13 +439,17 @@ FIELDS = {"model": _TEXT, "max_tokens": st.integers(1, 4), "system": _TEXT | st.
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(fields=st.fixed_dictionaries({}, optional=FIELDS),
-       corrupt=st.dictionaries(st.sampled_from(sorted(FIELDS)), JSONV, max_size=2))
-def test_fuzz_messages_never_5xx(url, fields, corrupt):
+       corrupt=st.dictionaries(st.sampled_from(sorted(FIELDS)), JSONV, max_size=2), poison=POISON)
+def test_fuzz_messages_never_5xx(url, fields, corrupt, poison):
     body = {"messages": USER, "max_tokens": 2, **fields, **corrupt}
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
         body["max_tokens"] = 4
-    r = raw(url, "/v1/messages", body)
+    r = raw(url, "/v1/messages", content=wire(body, poison), headers={"content-type": "application/json"})
     assert r.status_code < 500, r.text
+    if poison:
+        assert_poison_refused(r, poison, lambda r: assert_anthropic_error(r, 400))
+        assert httpx.get(url + "/health").status_code == 200
+        return
     if r.status_code >= 400:
         assert_anthropic_error(r, r.status_code)
     elif body.get("stream") is True:
