@@ -37,9 +37,10 @@ KEY = "anthropic-test-key"
 MAX_BODY = 64 << 10  # small, so a body over the limit is quick to send
 USER = [{"role": "user", "content": "hello there"}]
 T0 = {"extra_body": {"temperature": 0}}  # greedy; this SDK has no sampling arguments, the API still takes them
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"]
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
 VALID = {"/v1/chat/completions": {"messages": USER, "max_tokens": 2},
          "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
          "/v1/messages": {"model": "m", "messages": USER, "max_tokens": 2},
          "/v1/messages/count_tokens": {"model": "m", "messages": USER}}
 
@@ -369,6 +370,41 @@ def test_sdk_errors_and_http_conventions(client, url):
     r = raw(url, "/v1/messages", {"model": "m", "max_tokens": 2, "messages": USER},
             headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"})
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def _shape(obj):
+    """The keys of a JSON reply, recursively (lists by their first item): what an SDK parses."""
+    if isinstance(obj, dict):
+        return {k: _shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shape(obj[0])] if obj else []
+    return type(obj).__name__
+
+
+def _pick_text(v):
+    """The generated text (or token count, or model list) of a reply, ids aside."""
+    if isinstance(v, list):
+        return [_pick_text(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _pick_text(x) for k, x in v.items() if k not in ("id", "created", "created_at")}
+    return v
+
+
+@pytest.mark.parametrize("path", ["/models", "/chat/completions", "/completions", "/responses", "/messages",
+                                  "/messages/count_tokens"])
+def test_unprefixed_aliases_answer_as_v1(url, path):
+    """llama.cpp's paths without /v1: the same reply as the /v1 route (greedy, so the same text too)."""
+    if path == "/models":
+        alias, v1 = (httpx.get(url + p, headers={"x-api-key": KEY}, timeout=60) for p in (path, "/v1" + path))
+    else:
+        body = {**VALID["/v1" + path], "temperature": 0}
+        alias, v1 = raw(url, path, body), raw(url, "/v1" + path, body)
+    assert alias.status_code == v1.status_code == 200, alias.text
+    a, b = alias.json(), v1.json()
+    assert _shape(a) == _shape(b)
+    for key in ("choices", "output", "content", "input_tokens", "data"):
+        if key in b:
+            assert _pick_text(a[key]) == _pick_text(b[key])
 
 
 # -- robustness on every endpoint ------------------------------------------------------------------------
