@@ -514,17 +514,24 @@ def test_port_in_use_is_refused_before_loading(moe_path, capsys, monkeypatch):
     assert "--max-body" in capsys.readouterr().err
 
 
-def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
-    """Two streams longer than the grace period (OpenAI's and Anthropic's) and a short one that fits in
-    it: SIGTERM lets the short one finish, then ends the long ones with an error event (OpenAI's followed
-    by [DONE]) and the process exits 0 without a traceback."""
+LONG_OPENAI = {"/v1/completions": {"prompt": "hello", "max_tokens": 4000},
+               "/v1/chat/completions": {"messages": USER, "max_tokens": 4000},
+               "/v1/responses": {"input": USER, "max_output_tokens": 4000}}  # the chat turns, which run long
+STARTED = ('"text":"', '"delta":{"content":"', "event: response.output_text.delta", "content_block_start")
+
+
+@pytest.mark.parametrize("openai_path", list(LONG_OPENAI))
+def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path, openai_path):
+    """Two streams longer than the grace period (one of OpenAI's endpoints and Anthropic's) and a short
+    one that fits in it: SIGTERM lets the short one finish, then ends the long ones with an error event
+    (chat and completions: then [DONE]; responses: then response.failed, its terminal event) and the
+    process exits 0 without a traceback."""
     grace = 2.0
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-grace", str(grace), "--parallel", "3",
                         "--ctx", "4096", "--expert-pools", "shared", "--expert-slots", "16", "--no-warmup")
     lines: dict[str, list[str]] = {"openai": [], "anthropic": [], "short": []}
     started = {k: threading.Event() for k in lines}
-    bodies = {"openai": ("/v1/completions", {"prompt": "hello", "max_tokens": 4000, "temperature": 0,
-                                             "stream": True}),
+    bodies = {"openai": (openai_path, {**LONG_OPENAI[openai_path], "temperature": 0, "stream": True}),
               "anthropic": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 4000, "temperature": 0,
                                              "stream": True}),
               "short": ("/v1/completions", {"prompt": "hi", "max_tokens": 12, "temperature": 0, "stream": True})}
@@ -536,7 +543,7 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
                 if not line:
                     continue
                 lines[name].append(line)
-                if line.startswith("data: ") and ('"text"' in line or "content_block_start" in line):
+                if any(mark in line for mark in STARTED):
                     started[name].set()
         started[name].set()
 
@@ -564,9 +571,22 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
     short = [json.loads(x[6:]) for x in lines["short"] if x.startswith("data: {")]
     assert lines["short"][-1] == "data: [DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
     openai_data = [x for x in lines["openai"] if x.startswith("data: ")]
-    assert openai_data[-1] == "data: [DONE]", openai_data[-3:]
-    err = json.loads(openai_data[-2][6:])["error"]
-    assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+    if openai_path == "/v1/responses":  # named events, no [DONE]
+        kinds = [x for x in lines["openai"] if x.startswith("event: ")]
+        assert kinds[0] == "event: response.created" and kinds[-2:] == ["event: error", "event: response.failed"]
+        err, failed = (json.loads(x[6:]) for x in openai_data[-2:])
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+        r = failed["response"]
+        assert r["status"] == "failed" and r["error"] == {"code": "shutting_down", "message": err["message"]}
+        assert r["output"][0]["status"] == "incomplete" and r["output"][0]["content"][0]["text"]
+        assert [json.loads(x[6:])["sequence_number"] for x in openai_data] == list(range(len(openai_data)))
+    else:
+        assert openai_data[-1] == "data: [DONE]", openai_data[-3:]
+        err = json.loads(openai_data[-2][6:])["error"]
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+        text = [json.loads(x[6:])["choices"][0] for x in openai_data[:-2]]
+        assert all(c["finish_reason"] is None for c in text)  # cut, not finished
+        assert "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in text)
     anthropic_events = [x for x in lines["anthropic"] if x.startswith("event: ")]
     assert anthropic_events[0] == "event: message_start" and anthropic_events[-1] == "event: error"
     last = json.loads([x for x in lines["anthropic"] if x.startswith("data: ")][-1][6:])
