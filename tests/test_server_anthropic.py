@@ -24,6 +24,7 @@ from strata_jax.cli import main
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.engine.model import Model
 from strata_jax.engine.streaming import GenerationChunk
+from strata_jax.serving.anthropic import parse_messages
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine
 
@@ -312,6 +313,21 @@ def test_tool_choice_none_and_tool(model, qwen_tokenizer):
         assert evs[3][1]["delta"]["type"] == "input_json_delta" and evs[5][1]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_tool_choice_maps_onto_the_chat_paths():
+    """any / tool force a call as OpenAI's "required" / a named function do (the engine's plan_tools reads
+    req.tool_choice); disable_parallel_tool_use is parallel_tool_calls false."""
+    other = dict(WEATHER, name="get_time")
+    cases = [(None, None, True), ({"type": "auto"}, None, True), ({"type": "any"}, "required", True),
+             ({"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}, "get_time", False),
+             ({"type": "auto", "disable_parallel_tool_use": True}, None, False)]
+    for choice, want, parallel in cases:
+        body = {"messages": USER, "max_tokens": 4, "tools": [WEATHER, other]}
+        req = parse_messages(body if choice is None else {**body, "tool_choice": choice})
+        assert (req.tool_choice, req.parallel_tool_calls) == (want, parallel), choice
+    none = parse_messages({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "none"}})
+    assert none.tools is None and none.tool_choice is None
+
+
 # -- auth and errors ------------------------------------------------------------------------------------
 
 def test_auth(url):
@@ -352,6 +368,10 @@ BAD = [
     ({"messages": USER, "max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "w"}]}, "server tools"),
     ({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}}, "'x'"),
+    ({"messages": USER, "max_tokens": 4, "tools": [WEATHER],
+      "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}}, "disable_parallel_tool_use"),
+    ({"messages": USER + [{"role": "assistant", "content": "Sure"}], "max_tokens": 4, "tools": [WEATHER],
+      "tool_choice": {"type": "any"}}, "prefill"),
     ({"messages": USER, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"messages": USER, "max_tokens": 4, "model": 3}, "model"),
 ]
