@@ -162,3 +162,20 @@ def test_responses_stream(client):
     assert "".join(deltas) == whole.output_text and whole.output_text
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert whole.usage.output_tokens == 6 and whole.instructions == kw["instructions"]
+
+
+def test_responses_tool_choice_required_and_named_force_calls(client):
+    """The Responses API's tool_choice goes through the chat path: "required" and a named function force a
+    function_call item for a question answered in prose under "auto"."""
+    tools = RESPONSES_TOOLS + [{"type": "function", "name": "get_time", "description": "The time in a city",
+                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                               "required": ["city"]}}]
+    kw = dict(model="m", input="Write a haiku about the sea.", tools=tools, temperature=0, max_output_tokens=32)
+    auto = client.responses.create(**kw)
+    assert [o.type for o in auto.output] == ["message"] and auto.output_text
+    for choice, name in (("required", None), ({"type": "function", "name": "get_time"}, "get_time")):
+        r = client.responses.create(**kw, tool_choice=choice, parallel_tool_calls=False)
+        assert r.status == "completed", r.output
+        [call] = [o for o in r.output if o.type == "function_call"]
+        assert call.name == (name or call.name) and call.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.arguments).get("city"), str), call.arguments
