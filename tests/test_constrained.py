@@ -209,8 +209,17 @@ def test_n2_choices_differ_are_reproducible_and_usage_counts_the_prompt_once(sdk
             finish[c.index] = c.finish_reason or finish[c.index]
         usage = ch.usage
     assert parts == texts and finish == ["length", "length"] and usage.completion_tokens == 12
-    comp = sdk.completions.create(model="m", prompt="once upon", max_tokens=4, seed=5, n=2, temperature=1.0)
+    ckw = dict(model="m", prompt="once upon", max_tokens=4, seed=5, n=2, temperature=1.0)
+    comp = sdk.completions.create(**ckw)
     assert [c.index for c in comp.choices] == [0, 1] and comp.usage.completion_tokens == 8
+    parts, finish = ["", ""], [None, None]
+    for ch in sdk.completions.create(**ckw, stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            parts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+        usage = ch.usage
+    assert parts == [c.text for c in comp.choices] and finish == ["length", "length"]
+    assert usage.completion_tokens == 8 and usage.prompt_tokens == comp.usage.prompt_tokens
 
 
 def test_grammar_and_json_schema_fields_through_the_server(sdk):
