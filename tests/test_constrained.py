@@ -209,8 +209,17 @@ def test_n2_choices_differ_are_reproducible_and_usage_counts_the_prompt_once(sdk
             finish[c.index] = c.finish_reason or finish[c.index]
         usage = ch.usage
     assert parts == texts and finish == ["length", "length"] and usage.completion_tokens == 12
-    comp = sdk.completions.create(model="m", prompt="once upon", max_tokens=4, seed=5, n=2, temperature=1.0)
+    ckw = dict(model="m", prompt="once upon", max_tokens=4, seed=5, n=2, temperature=1.0)
+    comp = sdk.completions.create(**ckw)
     assert [c.index for c in comp.choices] == [0, 1] and comp.usage.completion_tokens == 8
+    parts, finish = ["", ""], [None, None]
+    for ch in sdk.completions.create(**ckw, stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            parts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+        usage = ch.usage
+    assert parts == [c.text for c in comp.choices] and finish == ["length", "length"]
+    assert usage.completion_tokens == 8 and usage.prompt_tokens == comp.usage.prompt_tokens
 
 
 def test_grammar_and_json_schema_fields_through_the_server(sdk):
@@ -224,6 +233,38 @@ def test_grammar_and_json_schema_fields_through_the_server(sdk):
         sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=2, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert e.value.body["param"] == "response_format" and "nonsense" in e.value.body["message"]
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["unit", "city"],
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "city": {"type": "string", "maxLength": 6}}}
+
+
+def test_llamacpp_json_schema_field_validates_on_chat_and_completions(sdk):
+    """llama.cpp's top-level json_schema field (no response_format): the synthetic model never writes JSON
+    by itself, so a reply that parses and validates shows the schema decoded it; greedy and sampled, chat
+    (whole and streamed) and /v1/completions (which takes grammar too)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    js = {"json_schema": CITY}
+    r = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=40, temperature=0, extra_body=js)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), CITY)
+    s = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=40, temperature=0, stream=True, extra_body=js)
+    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == text
+    free = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=40, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    for seed in (1, 2):
+        sampled = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=40, temperature=1, seed=seed,
+                                              extra_body=js).choices[0].message.content
+        jsonschema.validate(json.loads(sampled), CITY)
+    c = sdk.completions.create(model="m", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=js)
+    assert c.choices[0].finish_reason == "stop", c.choices[0].text
+    jsonschema.validate(json.loads(c.choices[0].text), CITY)
+    g = sdk.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"grammar": GBNF})
+    assert GBNF_RE.fullmatch(g.choices[0].text), g.choices[0].text
+    free = sdk.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    assert not GBNF_RE.fullmatch(free), free  # unconstrained, the same prompt writes something else
 
 
 # -- the default model: JSON that parses and validates (slow: the real 0.5B model) ----------------------

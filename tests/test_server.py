@@ -454,18 +454,62 @@ VALID = {  # plausible values, so that many fuzzed requests get through validati
 }
 
 
+# Poison for a fuzzed body: a lone surrogate escape (json.dumps writes a lone surrogate str as "\udXXX")
+# or bytes that are not UTF-8, put at the start of one of the body's strings. st.text never draws either.
+_LONE = st.characters(categories=["Cs"]).map(lambda c: json.dumps(c)[1:-1].encode())
+# any bytes, then a lead byte (0xc0-0xff) that the next byte, ASCII, does not continue: never UTF-8
+_NOT_UTF8 = st.sampled_from([b"\xff", b"\xc3(", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80"]) | st.tuples(
+    st.binary(max_size=3), st.integers(0xC0, 0xFF)).map(lambda t: t[0] + bytes([t[1]]))
+POISON = st.sampled_from([None, None, None, None, "surrogate", "UTF-8"]).flatmap(
+    lambda kind: st.just(None) if kind is None else st.tuples(
+        st.just(kind), _LONE if kind == "surrogate" else _NOT_UTF8, st.integers(0, 10**6)))
+
+
+def wire(body, poison=None) -> bytes:
+    """The body as JSON (json.dumps: NaN and Infinity go over the wire too), poisoned when asked: the junk goes
+    right after the opening quote of one of its strings (key or value), so the JSON around it stays well formed."""
+    text = json.dumps(body).encode()  # ASCII: non-ASCII characters are escaped
+    if poison is None:
+        return text
+    _, junk, spot = poison
+    starts, inside, i = [], False, 0
+    while i < len(text):
+        c = text[i:i + 1]
+        if inside and c == b"\\":
+            i += 2
+            continue
+        if c == b'"':
+            inside = not inside
+            if inside:
+                starts.append(i + 1)
+        i += 1
+    at = starts[spot % len(starts)]
+    return text[:at] + junk + text[at:]
+
+
+def assert_poison_refused(r, poison, message=lambda r: r.json()["error"]["message"]):
+    """A poisoned body is a 400 that names the problem (a lone surrogate is checked after UTF-8)."""
+    assert r.status_code == 400, (poison, r.status_code, r.text)
+    assert poison[0] in message(r), (poison, r.text)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
        fields=st.fixed_dictionaries({}, optional=VALID),
-       corrupt=st.dictionaries(st.sampled_from(sorted(VALID)), JSONV, max_size=2), keep_valid=st.booleans())
-def test_fuzz_never_5xx(client, endpoint, fields, corrupt, keep_valid):
+       corrupt=st.dictionaries(st.sampled_from(sorted(VALID)), JSONV, max_size=2), keep_valid=st.booleans(),
+       poison=POISON)
+def test_fuzz_never_5xx(client, endpoint, fields, corrupt, keep_valid, poison):
     body = {"max_tokens": 3, **({"messages": MSGS, "prompt": "hi"} if keep_valid else {}), **fields, **corrupt}
     for limit in ("max_tokens", "max_completion_tokens"):  # keep the fuzz fast; ranges have their own tests
         if isinstance(body.get(limit), int) and body[limit] > 8:
             body[limit] = 8
-    r = client.post(endpoint, content=json.dumps(body))  # json.dumps: NaN and Infinity go over the wire too
-    event(f"status {r.status_code}")
+    r = client.post(endpoint, content=wire(body, poison))
+    event(f"status {r.status_code}" + (f" ({poison[0]})" if poison else ""))
     assert r.status_code < 500, r.text
+    if poison:
+        assert_poison_refused(r, poison)
+        assert client.get("/health").status_code == 200
+        return
     if r.status_code >= 400:
         assert_error(r, r.status_code)
     elif body.get("stream") is True:
@@ -741,13 +785,17 @@ RESPONSES_VALID = {
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(fields=st.fixed_dictionaries({}, optional=RESPONSES_VALID),
-       corrupt=st.dictionaries(st.sampled_from(sorted(RESPONSES_VALID)), JSONV, max_size=2))
-def test_responses_fuzz_never_5xx(client, fields, corrupt):
+       corrupt=st.dictionaries(st.sampled_from(sorted(RESPONSES_VALID)), JSONV, max_size=2), poison=POISON)
+def test_responses_fuzz_never_5xx(client, fields, corrupt, poison):
     body = {"input": "hi", "max_output_tokens": 3, **fields, **corrupt}
     if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 8:
         body["max_output_tokens"] = 8
-    r = client.post("/v1/responses", content=json.dumps(body))
+    r = client.post("/v1/responses", content=wire(body, poison))
     assert r.status_code < 500, r.text
+    if poison:
+        assert_poison_refused(r, poison)
+        assert client.get("/health").status_code == 200
+        return
     if r.status_code >= 400:
         assert_error(r, r.status_code)
     elif body.get("stream") is True:

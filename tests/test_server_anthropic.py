@@ -24,9 +24,11 @@ from strata_jax.cli import main
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.engine.model import Model
 from strata_jax.engine.streaming import GenerationChunk
+from strata_jax.serving.anthropic import parse_messages
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine
 
+from test_server import POISON, assert_poison_refused, wire
 from test_server_openai import ServerProcess, free_port
 
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
@@ -36,9 +38,10 @@ KEY = "anthropic-test-key"
 MAX_BODY = 64 << 10  # small, so a body over the limit is quick to send
 USER = [{"role": "user", "content": "hello there"}]
 T0 = {"extra_body": {"temperature": 0}}  # greedy; this SDK has no sampling arguments, the API still takes them
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"]
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
 VALID = {"/v1/chat/completions": {"messages": USER, "max_tokens": 2},
          "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
          "/v1/messages": {"model": "m", "messages": USER, "max_tokens": 2},
          "/v1/messages/count_tokens": {"model": "m", "messages": USER}}
 
@@ -310,6 +313,21 @@ def test_tool_choice_none_and_tool(model, qwen_tokenizer):
         assert evs[3][1]["delta"]["type"] == "input_json_delta" and evs[5][1]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_tool_choice_maps_onto_the_chat_paths():
+    """any / tool force a call as OpenAI's "required" / a named function do (the engine's plan_tools reads
+    req.tool_choice); disable_parallel_tool_use is parallel_tool_calls false."""
+    other = dict(WEATHER, name="get_time")
+    cases = [(None, None, True), ({"type": "auto"}, None, True), ({"type": "any"}, "required", True),
+             ({"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}, "get_time", False),
+             ({"type": "auto", "disable_parallel_tool_use": True}, None, False)]
+    for choice, want, parallel in cases:
+        body = {"messages": USER, "max_tokens": 4, "tools": [WEATHER, other]}
+        req = parse_messages(body if choice is None else {**body, "tool_choice": choice})
+        assert (req.tool_choice, req.parallel_tool_calls) == (want, parallel), choice
+    none = parse_messages({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "none"}})
+    assert none.tools is None and none.tool_choice is None
+
+
 # -- auth and errors ------------------------------------------------------------------------------------
 
 def test_auth(url):
@@ -350,6 +368,10 @@ BAD = [
     ({"messages": USER, "max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "w"}]}, "server tools"),
     ({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"messages": USER, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}}, "'x'"),
+    ({"messages": USER, "max_tokens": 4, "tools": [WEATHER],
+      "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}}, "disable_parallel_tool_use"),
+    ({"messages": USER + [{"role": "assistant", "content": "Sure"}], "max_tokens": 4, "tools": [WEATHER],
+      "tool_choice": {"type": "any"}}, "prefill"),
     ({"messages": USER, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"messages": USER, "max_tokens": 4, "model": 3}, "model"),
 ]
@@ -368,6 +390,41 @@ def test_sdk_errors_and_http_conventions(client, url):
     r = raw(url, "/v1/messages", {"model": "m", "max_tokens": 2, "messages": USER},
             headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"})
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def _shape(obj):
+    """The keys of a JSON reply, recursively (lists by their first item): what an SDK parses."""
+    if isinstance(obj, dict):
+        return {k: _shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shape(obj[0])] if obj else []
+    return type(obj).__name__
+
+
+def _pick_text(v):
+    """The generated text (or token count, or model list) of a reply, ids aside."""
+    if isinstance(v, list):
+        return [_pick_text(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _pick_text(x) for k, x in v.items() if k not in ("id", "created", "created_at")}
+    return v
+
+
+@pytest.mark.parametrize("path", ["/models", "/chat/completions", "/completions", "/responses", "/messages",
+                                  "/messages/count_tokens"])
+def test_unprefixed_aliases_answer_as_v1(url, path):
+    """llama.cpp's paths without /v1: the same reply as the /v1 route (greedy, so the same text too)."""
+    if path == "/models":
+        alias, v1 = (httpx.get(url + p, headers={"x-api-key": KEY}, timeout=60) for p in (path, "/v1" + path))
+    else:
+        body = {**VALID["/v1" + path], "temperature": 0}
+        alias, v1 = raw(url, path, body), raw(url, "/v1" + path, body)
+    assert alias.status_code == v1.status_code == 200, alias.text
+    a, b = alias.json(), v1.json()
+    assert _shape(a) == _shape(b)
+    for key in ("choices", "output", "content", "input_tokens", "data"):
+        if key in b:
+            assert _pick_text(a[key]) == _pick_text(b[key])
 
 
 # -- robustness on every endpoint ------------------------------------------------------------------------
@@ -438,13 +495,17 @@ FIELDS = {"model": _TEXT, "max_tokens": st.integers(1, 4), "system": _TEXT | st.
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(fields=st.fixed_dictionaries({}, optional=FIELDS),
-       corrupt=st.dictionaries(st.sampled_from(sorted(FIELDS)), JSONV, max_size=2))
-def test_fuzz_messages_never_5xx(url, fields, corrupt):
+       corrupt=st.dictionaries(st.sampled_from(sorted(FIELDS)), JSONV, max_size=2), poison=POISON)
+def test_fuzz_messages_never_5xx(url, fields, corrupt, poison):
     body = {"messages": USER, "max_tokens": 2, **fields, **corrupt}
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
         body["max_tokens"] = 4
-    r = raw(url, "/v1/messages", body)
+    r = raw(url, "/v1/messages", content=wire(body, poison), headers={"content-type": "application/json"})
     assert r.status_code < 500, r.text
+    if poison:
+        assert_poison_refused(r, poison, lambda r: assert_anthropic_error(r, 400))
+        assert httpx.get(url + "/health").status_code == 200
+        return
     if r.status_code >= 400:
         assert_anthropic_error(r, r.status_code)
     elif body.get("stream") is True:
@@ -473,17 +534,24 @@ def test_port_in_use_is_refused_before_loading(moe_path, capsys, monkeypatch):
     assert "--max-body" in capsys.readouterr().err
 
 
-def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
-    """Two streams longer than the grace period (OpenAI's and Anthropic's) and a short one that fits in
-    it: SIGTERM lets the short one finish, then ends the long ones with an error event (OpenAI's followed
-    by [DONE]) and the process exits 0 without a traceback."""
+LONG_OPENAI = {"/v1/completions": {"prompt": "hello", "max_tokens": 4000},
+               "/v1/chat/completions": {"messages": USER, "max_tokens": 4000},
+               "/v1/responses": {"input": USER, "max_output_tokens": 4000}}  # the chat turns, which run long
+STARTED = ('"text":"', '"delta":{"content":"', "event: response.output_text.delta", "content_block_start")
+
+
+@pytest.mark.parametrize("openai_path", list(LONG_OPENAI))
+def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path, openai_path):
+    """Two streams longer than the grace period (one of OpenAI's endpoints and Anthropic's) and a short
+    one that fits in it: SIGTERM lets the short one finish, then ends the long ones with an error event
+    (chat and completions: then [DONE]; responses: then response.failed, its terminal event) and the
+    process exits 0 without a traceback."""
     grace = 2.0
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-grace", str(grace), "--parallel", "3",
                         "--ctx", "4096", "--expert-pools", "shared", "--expert-slots", "16", "--no-warmup")
     lines: dict[str, list[str]] = {"openai": [], "anthropic": [], "short": []}
     started = {k: threading.Event() for k in lines}
-    bodies = {"openai": ("/v1/completions", {"prompt": "hello", "max_tokens": 4000, "temperature": 0,
-                                             "stream": True}),
+    bodies = {"openai": (openai_path, {**LONG_OPENAI[openai_path], "temperature": 0, "stream": True}),
               "anthropic": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 4000, "temperature": 0,
                                              "stream": True}),
               "short": ("/v1/completions", {"prompt": "hi", "max_tokens": 12, "temperature": 0, "stream": True})}
@@ -495,7 +563,7 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
                 if not line:
                     continue
                 lines[name].append(line)
-                if line.startswith("data: ") and ('"text"' in line or "content_block_start" in line):
+                if any(mark in line for mark in STARTED):
                     started[name].set()
         started[name].set()
 
@@ -523,9 +591,22 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path):
     short = [json.loads(x[6:]) for x in lines["short"] if x.startswith("data: {")]
     assert lines["short"][-1] == "data: [DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
     openai_data = [x for x in lines["openai"] if x.startswith("data: ")]
-    assert openai_data[-1] == "data: [DONE]", openai_data[-3:]
-    err = json.loads(openai_data[-2][6:])["error"]
-    assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+    if openai_path == "/v1/responses":  # named events, no [DONE]
+        kinds = [x for x in lines["openai"] if x.startswith("event: ")]
+        assert kinds[0] == "event: response.created" and kinds[-2:] == ["event: error", "event: response.failed"]
+        err, failed = (json.loads(x[6:]) for x in openai_data[-2:])
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+        r = failed["response"]
+        assert r["status"] == "failed" and r["error"] == {"code": "shutting_down", "message": err["message"]}
+        assert r["output"][0]["status"] == "incomplete" and r["output"][0]["content"][0]["text"]
+        assert [json.loads(x[6:])["sequence_number"] for x in openai_data] == list(range(len(openai_data)))
+    else:
+        assert openai_data[-1] == "data: [DONE]", openai_data[-3:]
+        err = json.loads(openai_data[-2][6:])["error"]
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+        text = [json.loads(x[6:])["choices"][0] for x in openai_data[:-2]]
+        assert all(c["finish_reason"] is None for c in text)  # cut, not finished
+        assert "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in text)
     anthropic_events = [x for x in lines["anthropic"] if x.startswith("event: ")]
     assert anthropic_events[0] == "event: message_start" and anthropic_events[-1] == "event: error"
     last = json.loads([x for x in lines["anthropic"] if x.startswith("data: ")][-1][6:])

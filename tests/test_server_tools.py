@@ -88,6 +88,33 @@ def test_tool_choice_named_and_required(client):
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
 
 
+def test_anthropic_tool_choice_any_and_tool_force_a_tool_use(server):
+    """Anthropic's tool_choice through its SDK: "any" and a named "tool" force a tool_use block (as OpenAI's
+    "required" and named function do) for a question the model answers in prose under "auto"."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    tools.append({"name": "get_time", "description": "The time in a city",
+                  "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}})
+    prose = [{"role": "user", "content": "Write a haiku about the sea."}]
+    t0 = {"temperature": 0}
+    auto = c.messages.create(model="m", max_tokens=16, messages=prose, tools=tools, extra_body=t0)
+    assert [b.type for b in auto.content] == ["text"] and auto.stop_reason != "tool_use"
+    for choice, name in (({"type": "any", "disable_parallel_tool_use": True}, None),
+                         ({"type": "tool", "name": "get_time"}, "get_time")):
+        r = c.messages.create(model="m", max_tokens=32, messages=prose, tools=tools, tool_choice=choice,
+                              extra_body=t0)
+        assert r.stop_reason == "tool_use", r.content
+        [use] = [b for b in r.content if b.type == "tool_use"]
+        assert use.name == (name or use.name) and use.name in ("get_weather", "get_time")
+        assert isinstance(use.input.get("city"), str), use.input  # the grammar follows input_schema
+        with c.messages.stream(model="m", max_tokens=32, messages=prose, tools=tools, tool_choice=choice,
+                               extra_body=t0) as s:
+            final = s.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[-1].input == use.input
+
+
 def test_tool_choice_none_offers_no_tools(client):
     r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0,
                                        max_tokens=12)
@@ -135,3 +162,20 @@ def test_responses_stream(client):
     assert "".join(deltas) == whole.output_text and whole.output_text
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert whole.usage.output_tokens == 6 and whole.instructions == kw["instructions"]
+
+
+def test_responses_tool_choice_required_and_named_force_calls(client):
+    """The Responses API's tool_choice goes through the chat path: "required" and a named function force a
+    function_call item for a question answered in prose under "auto"."""
+    tools = RESPONSES_TOOLS + [{"type": "function", "name": "get_time", "description": "The time in a city",
+                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                               "required": ["city"]}}]
+    kw = dict(model="m", input="Write a haiku about the sea.", tools=tools, temperature=0, max_output_tokens=32)
+    auto = client.responses.create(**kw)
+    assert [o.type for o in auto.output] == ["message"] and auto.output_text
+    for choice, name in (("required", None), ({"type": "function", "name": "get_time"}, "get_time")):
+        r = client.responses.create(**kw, tool_choice=choice, parallel_tool_calls=False)
+        assert r.status == "completed", r.output
+        [call] = [o for o in r.output if o.type == "function_call"]
+        assert call.name == (name or call.name) and call.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.arguments).get("city"), str), call.arguments

@@ -209,6 +209,10 @@ def text(page, selector: str) -> str:
     return page.inner_text(selector).strip()
 
 
+def chat_post(request) -> bool:
+    return request.method == "POST" and request.url.endswith("/v1/chat/completions")
+
+
 def set_field(page, selector: str, value) -> None:
     page.fill(selector, str(value))
     page.dispatch_event(selector, "change")
@@ -234,8 +238,14 @@ def test_webui_chat_stop_and_live_monitor(server, browser):
     set_field(page, "#system", "Be brief.")
     set_field(page, "#temperature", 0)  # greedy: the synthetic model's answers are the same on every run
     set_field(page, "#max_tokens", 48)
+    set_field(page, "#top_p", 0.5)
     page.fill("#input", "Hello there")
-    page.click("#send")
+    with page.expect_request(chat_post) as sent:  # the settings are what the request carries
+        page.click("#send")
+    body = sent.value.post_data_json
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["stream"]) == (0, 0.5, 48, True)
+    assert sent.value.headers["authorization"] == f"Bearer {KEY}"
     page.wait_for_function("document.querySelector('.msg.assistant .body').textContent.length > 0")
     page.wait_for_selector(".msg.assistant[data-finish='length'], .msg.assistant[data-finish='stop']")
     answer = page.locator(".msg.assistant").first
@@ -253,7 +263,12 @@ def test_webui_chat_stop_and_live_monitor(server, browser):
     set_field(page, "#max_tokens", LONG)
     cancelled = server.output().count("request cancelled after")
     page.fill("#input", "Tell me a long story")
-    page.click("#send")
+    with page.expect_request(chat_post) as sent:
+        page.click("#send")
+    body = sent.value.post_data_json
+    assert body["max_tokens"] == LONG and body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
+    assert body["messages"][1] == {"role": "user", "content": "Hello there"} and body["messages"][2]["content"]
     page.wait_for_function("document.getElementById('m-processing').textContent === '1'")
     page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].textContent.length > 20")
     assert page.is_enabled("#stop") and not page.is_enabled("#send")

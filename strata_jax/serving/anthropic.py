@@ -3,8 +3,9 @@
 tool_calls, tool_result onto tool messages), and the response, stream events and error envelope.
 Pure functions over JSON values, like protocol.py, whose field readers and tool-call parser it reuses.
 
-`tool_choice` "any" and "tool" cannot force a call (there is no constrained decoding): "tool" narrows
-the tools the template shows to the named one, "any" is "auto".
+`tool_choice` maps onto the chat path's: "any" is "required" and "tool" a named function (the template
+is shown that tool only), both forcing a call as the engine's plan_tools does for OpenAI's requests;
+`disable_parallel_tool_use` is `parallel_tool_calls: false`.
 """
 
 from __future__ import annotations
@@ -149,18 +150,22 @@ def _messages(body: dict) -> tuple[list[dict], str]:
     return out, prefill
 
 
-def _tools(body: dict) -> list[dict] | None:
-    """Anthropic's tools as the OpenAI-style function tools the chat templates render."""
+def _tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
+    """Anthropic's tools as the OpenAI-style function tools the chat templates render, the chat path's
+    tool_choice (None: auto, "required", or the one tool's name) and parallel_tool_calls."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     kinds = ("auto", "any", "tool", "none")
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in kinds
-                                   and (choice["type"] != "tool" or isinstance(choice.get("name"), str))):
+                                   and (choice["type"] != "tool" or isinstance(choice.get("name"), str))
+                                   and isinstance(choice.get("disable_parallel_tool_use", False), bool)):
         raise bad("'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or "
-                  "{\"type\": \"tool\", \"name\": ...}.", "tool_choice")
+                  "{\"type\": \"tool\", \"name\": ...} (with an optional boolean 'disable_parallel_tool_use').",
+                  "tool_choice")
+    parallel = not (choice or {}).get("disable_parallel_tool_use", False)
     if tools is None:
         if choice is not None and choice["type"] in ("any", "tool"):
             raise bad(f"'tool_choice' {choice['type']!r} needs 'tools'.", "tool_choice")
-        return None
+        return None, None, parallel
     if not isinstance(tools, list):
         raise bad(f"'tools' must be an array of tools, got {_kind(tools)}.", "tools")
     out = []
@@ -183,8 +188,9 @@ def _tools(body: dict) -> list[dict] | None:
         if not out:
             raise bad(f"'tool_choice' names {choice['name']!r}, which is not in 'tools'.", "tool_choice")
     if (choice is not None and choice["type"] == "none") or not out:
-        return None
-    return out
+        return None, None, parallel
+    forced = {"any": "required", "tool": (choice or {}).get("name")}.get((choice or {}).get("type"))
+    return out, forced, parallel
 
 
 def parse_messages(body: Any, *, count_only: bool = False) -> GenRequest:
@@ -212,7 +218,11 @@ def parse_messages(body: Any, *, count_only: bool = False) -> GenRequest:
             req.stop = list(stops)
         req.stream = _bool(body, "stream", False)
     req.prompt, req.prefill = _messages(body)
-    req.tools = _tools(body)
+    req.tools, req.tool_choice, req.parallel_tool_calls = _tools(body)
+    if req.tool_choice is not None and req.prefill:
+        raise bad("'tool_choice' {\"type\": \"any\"} or {\"type\": \"tool\"} forces the reply to start with a tool "
+                  "call, which the assistant prefill (the last message) would start instead: drop one of them.",
+                  "tool_choice")
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):

@@ -350,8 +350,8 @@ class Routes:
                 yield sse(e, e["type"])
             while True:
                 if ev.kind == "error":
-                    e = rb.error(ev.error.body())
-                    yield sse(e, e["type"])
+                    for e in rb.error(ev.error.body()):
+                        yield sse(e, e["type"])
                     return
                 ttft = ev.t - t0 if ttft is None else ttft
                 n += len(ev.chunk.token_ids)

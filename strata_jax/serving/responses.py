@@ -255,6 +255,12 @@ class ResponseBuilder:
         out.append(self.event(kind, response=final))
         return out
 
-    def error(self, body: dict) -> dict[str, Any]:
+    def error(self, body: dict) -> list[dict]:
+        """A stream that fails after its headers: an error event, then response.failed, the terminal event
+        that OpenAI's SDK takes as the final response (status "failed", what was written so far)."""
         err = body.get("error", {})
-        return self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+        output = [message_item(self.msg_id, self.text, "incomplete")] if self.text_open else []
+        failed = self.response("failed", output, extra={"error": {"code": err.get("code"),
+                                                                  "message": err.get("message")}})
+        return [self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param")),
+                self.event("response.failed", response=failed)]
