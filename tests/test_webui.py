@@ -182,7 +182,7 @@ def test_monitor_stream_ends_on_sigterm(moe_path, tmp_path):
         # it ends on its own, with an event saying why, well before uvicorn's graceful-shutdown limit (10 s)
         assert seen[-1]["status"] == "shutting_down"
         assert srv.proc.wait(20) == 0, srv.output()
-        assert time.monotonic() - t_sig < 5
+        assert time.monotonic() - t_sig < 8  # the process too, with margin for a loaded machine
     finally:
         srv.stop()
 
