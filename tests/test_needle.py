@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_needle_at_8k_is_found(qwen_gguf_path):
     m = strata_jax.load(qwen_gguf_path, ctx=8192)
     ids = needle_prompt(m, 4096, 0.5)
-    assert 4000 < len(ids) <= 4096 and "passphrase" in m.detokenize(ids)
+    assert abs(len(ids) - 4096) < 64 and "passphrase" in m.detokenize(ids)  # text round trips shift a token or two
     row = run_one(m, 8192, 0.5)
     assert row["prompt_tokens"] > 8000
     assert row["found"], f"the answer {row['answer']!r} lacks {KEYS}"

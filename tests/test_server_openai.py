@@ -239,28 +239,39 @@ def test_disconnect_cancels_generation(server):
     _wait_for_cancel_log(server)
 
 
+def consume_in_thread(items):
+    """Run the generator function `items` in a thread, keeping what it yields in `seen` and the httpx error
+    that ends it early (a stream cut by the server) in `errors`; `started` is set at the first item (or
+    at the end). Returns (thread, started, seen, errors)."""
+    seen: list = []
+    errors: list[Exception] = []
+    started = threading.Event()
+
+    def run():
+        try:
+            for item in items():
+                seen.append(item)
+                started.set()
+        except httpx.HTTPError as e:
+            errors.append(e)
+        started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, started, seen, errors
+
+
 @pytest.mark.parametrize("parallel", ["1", "2"])
 def test_sigterm_exits_cleanly(moe_path, tmp_path, parallel):
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-timeout", "5", "--parallel", parallel)
     try:
         srv.wait_ready()
-        seen: list[str] = []
-        errors: list[Exception] = []
-        started = threading.Event()
-
         def stream():
             body = {"prompt": "hello", "max_tokens": 600, "temperature": 0, "stream": True}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
-                    for line in r.iter_lines():
-                        seen.append(line)
-                        started.set()
-            except httpx.HTTPError as e:  # cut off by the shutdown: acceptable, as long as it ends
-                errors.append(e)
-            started.set()
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                yield from r.iter_lines()
 
-        t = threading.Thread(target=stream)
-        t.start()
+        t, started, seen, errors = consume_in_thread(stream)  # a cut stream is acceptable, as long as it ends
         assert started.wait(30)
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)

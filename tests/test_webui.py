@@ -19,7 +19,7 @@ import pytest
 
 from strata_jax.dev.synthetic import write_synthetic_gguf
 from test_server import DENSE, serving
-from test_server_openai import KEY, SPEC, ServerProcess
+from test_server_openai import KEY, SPEC, ServerProcess, consume_in_thread
 
 import strata_jax
 
@@ -160,20 +160,7 @@ def test_monitor_stream_ends_on_sigterm(moe_path, tmp_path):
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-timeout", "5")
     try:
         srv.wait_ready()
-        seen: list[dict] = []
-        started = threading.Event()
-
-        def watch():
-            try:
-                for ev in monitor_events(srv.url, headers={}, interval=0.25):
-                    seen.append(ev)
-                    started.set()
-            except httpx.HTTPError:
-                pass
-            started.set()
-
-        t = threading.Thread(target=watch)
-        t.start()
+        t, started, seen, _ = consume_in_thread(lambda: monitor_events(srv.url, headers={}, interval=0.25))
         assert started.wait(30)
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
