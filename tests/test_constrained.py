@@ -373,3 +373,26 @@ def test_tool_choice_required_and_named_force_calls(sdk):
         sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=2, tools=[WEATHER],
                                     tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice" and "get_weather" in e.value.body["message"]
+
+
+def test_llama3_forced_call_grammar_yields_calls_its_parser_reads(qwen_gguf_path):
+    """Llama 3's forced call: whatever path the grammar allows (random allowed tokens, by a real tokenizer)
+    is one bare JSON call naming the tool with "parameters" that follow its schema, and the llama3
+    parser reads it as that call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from strata_jax.engine.constrained import tool_call_grammar
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.tokenizer import GGUFTokenizer
+    from strata_jax.serving.tools import ToolParser, detect_family
+
+    tok = GGUFTokenizer.from_metadata(GGUFFile(qwen_gguf_path).metadata)
+    grammar = tool_call_grammar([WEATHER], "get_weather", bare=True, args_key="parameters")
+    parser = ToolParser(detect_family("<|python_tag|>"), [WEATHER])
+    for seed in range(3):
+        text = random_constrained_text(tok, grammar, seed)
+        obj = json.loads(text)
+        assert set(obj) == {"name", "parameters"} and obj["name"] == "get_weather"
+        jsonschema.validate(obj["parameters"], WEATHER["function"]["parameters"])
+        content, calls = parser.parse(text)
+        assert [c["function"]["name"] for c in calls] == ["get_weather"] and not content
+        assert json.loads(calls[0]["function"]["arguments"]) == obj["parameters"]

@@ -159,17 +159,19 @@ def test_run_on_call_and_forced_prefixes(monkeypatch):
 
 def test_forced_call_takes_the_grammar_with_llguidance():
     """With llguidance, "required" / a named function is a grammar of the family's calls (hermes: the
-    <tool_call> blocks; a template without markup: one bare JSON call), not a prefix."""
+    <tool_call> blocks; a template without markup: one bare JSON call; Llama 3: one bare JSON call with
+    "parameters"), not a prefix."""
     pytest.importorskip("llguidance")
-    for fam, wrapped in (("<tool_call>", True), ("", False)):
+    for fam, wrapped, key in (("<tool_call>", True, "arguments"), ("", False, "arguments"),
+                              ("<|python_tag|>", False, "parameters")):
         engine = Engine(lambda: None)
         engine.tool_family = detect_family(fam)
         req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
         parser, constraint = engine.plan_tools(req)
         assert parser.prefix == "" and '"const": "get_time"' in constraint and req.constraint is None
-        assert ("<tool_call>" in constraint) == wrapped
-    engine.tool_family = detect_family("<|python_tag|>")  # other formats: the opener, no grammar
+        assert ("<tool_call>" in constraint) == wrapped and f'"required": ["name", "{key}"]' in constraint
+    engine.tool_family = detect_family("<|channel|>")  # other formats: the opener, no grammar
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
     parser, constraint = engine.plan_tools(req)
     assert parser.prefix and constraint is None

@@ -125,18 +125,19 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Qwen/Hermes calls s
 
 
 def tool_call_grammar(tools: list[dict], name: str | None = None, marker_ids: dict[str, int] | None = None,
-                      bare: bool = False) -> str:
+                      bare: bool = False, args_key: str = "arguments") -> str:
     """OpenAI's tool_choice "required" (one or more calls of the given tools) or a named function (one
     call of it) as a grammar: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks whose
     arguments follow each function's parameters schema. marker_ids: the vocabulary's own token for a
     marker (Qwen's <tool_call> is one token, which a text literal does not match): either form is allowed.
-    bare: one call as a bare JSON object (templates without call markup; serving/tools.py's json family)."""
+    bare: one call as a bare JSON object (templates without call markup; serving/tools.py's json family).
+    args_key: the arguments' key ("parameters": Llama 3's bare JSON calls)."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not fns:
         known = ", ".join(repr(t["function"]["name"]) for t in tools)
         raise ConfigError(f"tool_choice names the function {name!r}, which is not in tools ({known}).")
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
+              "properties": {"name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}}}
              for f in fns]
     schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls}, **{"x-guidance": JSON_OPTIONS})
     repeat = "" if name is not None else ' ("\\n" call)*'

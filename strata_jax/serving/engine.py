@@ -182,16 +182,18 @@ class Engine:
         names = [t["function"]["name"] for t in req.tools]
         prefix, constraint = "", req.constraint
         forced = req.tool_choice not in (None, "auto", "none")
-        if forced and family.name in ("hermes", "json") and constrained.available():
-            # a grammar of <tool_call> blocks (or one bare JSON call) whose arguments follow the schemas: a
-            # call that must happen, names only from the declared tools, arguments that parse (the other
-            # formats get the opener). parse_chat refuses a forced call with a constraint of its own.
+        if forced and family.name in ("hermes", "json", "llama3") and constrained.available():
+            # a grammar of <tool_call> blocks (or one bare JSON call; Llama 3's names its arguments
+            # "parameters") whose arguments follow the schemas: a call that must happen, names only from the
+            # declared tools, arguments that parse (the other formats get the opener). parse_chat refuses a
+            # forced call with a constraint of its own.
             try:
                 tok = getattr(self.model, "tokenizer", None)
                 ids = {t: tok.token_to_id(t) if tok else None for t in (constrained.TOOL_OPEN, constrained.TOOL_CLOSE)}
                 constraint = constrained.tool_call_grammar(
                     req.tools, None if req.tool_choice == "required" else req.tool_choice,
-                    {t: i for t, i in ids.items() if i is not None}, bare=family.name == "json")
+                    {t: i for t, i in ids.items() if i is not None}, bare=family.name in ("json", "llama3"),
+                    args_key="parameters" if family.name == "llama3" else "arguments")
             except ConfigError as e:
                 raise bad(str(e), "tool_choice") from None
         elif req.tool_choice == "required":  # one tool: that one; several: the start their names share
