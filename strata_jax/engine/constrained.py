@@ -121,7 +121,7 @@ def request_grammar(response_format: Any = None, grammar: Any = None, json_schem
     return response_format_grammar(response_format)
 
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Qwen/Hermes calls serving/protocol.py parses
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Qwen/Hermes call markers (serving/tools.py parses them)
 
 
 def tool_call_grammar(tools: list[dict], name: str | None = None, marker_ids: dict[str, int] | None = None,

@@ -28,6 +28,8 @@ import re
 import secrets
 from typing import Any
 
+from strata_jax.engine.constrained import TOOL_CLOSE, TOOL_OPEN  # the Hermes markers, where the grammar has them
+
 FAMILIES = ("hermes", "qwen3_coder", "llama3", "harmony", "deepseek", "json")
 
 # DeepSeek's markers use fullwidth bars and U+2581 (the template's own spelling)
@@ -36,7 +38,6 @@ DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁
 PYTHON_TAG = "<|python_tag|>"
 H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclasses.dataclass(frozen=True)
