@@ -279,11 +279,11 @@ def qwen(qwen_gguf_path):
     return strata_jax.load(qwen_gguf_path, ctx=512)
 
 
-def random_constrained_text(tok, grammar: str, seed: int = 0) -> str:
+def random_constrained_text(tok, grammar: str, seed: int = 0, max_tokens: int = 64) -> str:
     """Draw uniformly among the tokens llguidance allows until the grammar ends; our tokenizer's text."""
     m = llg.LLMatcher(llg_tokenizer(tok, tok.vocab_size), grammar)
     rng, out = np.random.default_rng(seed), []
-    for _ in range(64):
+    for _ in range(max_tokens):
         mask = np.empty((1, (tok.vocab_size + 31) // 32), np.int32)
         m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: tok.vocab_size])
@@ -375,24 +375,30 @@ def test_tool_choice_required_and_named_force_calls(sdk):
     assert e.value.body["param"] == "tool_choice" and "get_weather" in e.value.body["message"]
 
 
-def test_llama3_forced_call_grammar_yields_calls_its_parser_reads(qwen_gguf_path):
-    """Llama 3's forced call: whatever path the grammar allows (random allowed tokens, by a real tokenizer)
-    is one bare JSON call naming the tool with "parameters" that follow its schema, and the llama3
-    parser reads it as that call."""
+FAMILY_TEMPLATES = {"hermes": "<tool_call>", "json": "", "llama3": "<|python_tag|>", "harmony": "<|channel|>",
+                    "deepseek": "<｜tool▁call▁begin｜>", "qwen3_coder": "<function=><parameter="}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_forced_call_grammar_yields_calls_the_familys_parser_reads(qwen_gguf_path, family):
+    """A forced call in each template family's format: whatever path its grammar allows (random allowed
+    tokens, through a real tokenizer) is read by that family's parser as exactly one call of the named
+    tool, with arguments that follow its schema (a typed parameter too, for the XML format)."""
     jsonschema = pytest.importorskip("jsonschema")
-    from strata_jax.engine.constrained import tool_call_grammar
+    from strata_jax.engine.constrained import lark_grammar
     from strata_jax.gguf.reader import GGUFFile
     from strata_jax.model.tokenizer import GGUFTokenizer
-    from strata_jax.serving.tools import ToolParser, detect_family
+    from strata_jax.serving.tools import ToolParser, call_grammar, detect_family, marker_ids
 
+    fam = detect_family(FAMILY_TEMPLATES[family])
+    assert fam.name == family
     tok = GGUFTokenizer.from_metadata(GGUFFile(qwen_gguf_path).metadata)
-    grammar = tool_call_grammar([WEATHER], "get_weather", bare=True, args_key="parameters")
-    parser = ToolParser(detect_family("<|python_tag|>"), [WEATHER])
+    tools = [WEATHER, CLOCK]
+    grammar = lark_grammar(call_grammar(family, tools, "get_weather", marker_ids(tok)), "test")
+    parser = ToolParser(fam, tools)
+    schema = WEATHER["function"]["parameters"]
     for seed in range(3):
-        text = random_constrained_text(tok, grammar, seed)
-        obj = json.loads(text)
-        assert set(obj) == {"name", "parameters"} and obj["name"] == "get_weather"
-        jsonschema.validate(obj["parameters"], WEATHER["function"]["parameters"])
+        text = random_constrained_text(tok, grammar, seed, max_tokens=160)
         content, calls = parser.parse(text)
-        assert [c["function"]["name"] for c in calls] == ["get_weather"] and not content
-        assert json.loads(calls[0]["function"]["arguments"]) == obj["parameters"]
+        assert [c["function"]["name"] for c in calls] == ["get_weather"], text
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)

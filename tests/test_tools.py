@@ -157,24 +157,27 @@ def test_run_on_call_and_forced_prefixes(monkeypatch):
     assert engine.plan_tools(req)[0].prefix == ""
 
 
-def test_forced_call_takes_the_grammar_with_llguidance():
-    """With llguidance, "required" / a named function is a grammar of the family's calls (hermes: the
-    <tool_call> blocks; a template without markup: one bare JSON call; Llama 3: one bare JSON call with
-    "parameters"), not a prefix."""
+def test_forced_call_takes_the_grammar_with_llguidance(monkeypatch):
+    """With llguidance, "required" / a named function is a grammar of the family's calls (what each writes
+    is in tests/test_constrained.py), not a prefix; without it, the family's opener starts the reply."""
     pytest.importorskip("llguidance")
-    for fam, wrapped, key in (("<tool_call>", True, "arguments"), ("", False, "arguments"),
-                              ("<|python_tag|>", False, "parameters")):
+    from strata_jax.engine import constrained
+
+    for fam, mark in (("<tool_call>", "<tool_call>"), ("", '"arguments"'), ("<|python_tag|>", '"parameters"'),
+                      ("<|channel|>", "commentary to=functions.get_time"), ("<｜tool▁call▁begin｜>", "```json"),
+                      ("<function=><parameter=", "<function=get_time>")):
         engine = Engine(lambda: None)
         engine.tool_family = detect_family(fam)
         req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
         parser, constraint = engine.plan_tools(req)
-        assert parser.prefix == "" and '"const": "get_time"' in constraint and req.constraint is None
-        assert ("<tool_call>" in constraint) == wrapped and f'"required": ["name", "{key}"]' in constraint
-    engine.tool_family = detect_family("<|channel|>")  # other formats: the opener, no grammar
+        assert parser.prefix == "" and "get_time" in constraint and req.constraint is None, fam
+        assert mark in constraint or json.dumps(mark)[1:-1] in constraint, (fam, constraint[:300])
+    monkeypatch.setattr(constrained, "available", lambda: False)  # no llguidance: the opener, no grammar
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
     parser, constraint = engine.plan_tools(req)
     assert parser.prefix and constraint is None
+    monkeypatch.undo()
     # tool_choice auto leaves the request's own constraint as it is; a forced call refuses one
     rf = {"type": "json_object"}
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "response_format": rf})

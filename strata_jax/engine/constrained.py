@@ -121,39 +121,11 @@ def request_grammar(response_format: Any = None, grammar: Any = None, json_schem
     return response_format_grammar(response_format)
 
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Qwen/Hermes call markers (serving/tools.py parses them)
-
-
-def tool_call_grammar(tools: list[dict], name: str | None = None, marker_ids: dict[str, int] | None = None,
-                      bare: bool = False, args_key: str = "arguments") -> str:
-    """OpenAI's tool_choice "required" (one or more calls of the given tools) or a named function (one
-    call of it) as a grammar: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks whose
-    arguments follow each function's parameters schema. marker_ids: the vocabulary's own token for a
-    marker (Qwen's <tool_call> is one token, which a text literal does not match): either form is allowed.
-    bare: one call as a bare JSON object (templates without call markup; serving/tools.py's json family).
-    args_key: the arguments' key ("parameters": Llama 3's bare JSON calls)."""
-    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    if not fns:
-        known = ", ".join(repr(t["function"]["name"]) for t in tools)
-        raise ConfigError(f"tool_choice names the function {name!r}, which is not in tools ({known}).")
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
-              "properties": {"name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}}}
-             for f in fns]
-    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls}, **{"x-guidance": JSON_OPTIONS})
-    repeat = "" if name is not None else ' ("\\n" call)*'
-    ids = marker_ids or {}
-
-    def marker(text: str) -> str:
-        return f"({json.dumps(text)} | <[{ids[text]}]>)" if text in ids else json.dumps(text)
-
-    if bare:  # a template with no call markup: the call is the whole reply, a JSON object naming the tool
-        lark = f"start: body\nbody: %json {json.dumps(schema)}"
-    else:
-        lark = (f"start: call{repeat}\ncall: {marker(TOOL_OPEN)} \"\\n\" body \"\\n\" {marker(TOOL_CLOSE)}\n"
-                f"body: %json {json.dumps(schema)}")
-    # x-guidance: the same compact JSON as response_format's
-    return _validated(_llg().LLMatcher.grammar_from_lark(lark),
-                      "a tool's parameters are not a usable JSON schema for tool_choice")
+def lark_grammar(lark: str, problem: str) -> str:
+    """An llguidance grammar from Lark text (its `%json {schema}` rules take JSON_OPTIONS under
+    "x-guidance" for the same compact JSON as response_format's), validated: a ConfigError names
+    `problem` otherwise."""
+    return _validated(_llg().LLMatcher.grammar_from_lark(lark), problem)
 
 
 def llg_tokenizer(tokenizer, vocab_size: int):

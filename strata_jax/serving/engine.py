@@ -35,7 +35,7 @@ from strata_jax.engine import constrained
 from strata_jax.engine.config import check_option
 from strata_jax.serving.protocol import APIError, GenRequest, bad
 from strata_jax.serving.telemetry import Telemetry
-from strata_jax.serving.tools import Family, ToolParser, detect_family
+from strata_jax.serving.tools import Family, ToolParser, call_grammar, detect_family, marker_ids
 
 log = logging.getLogger("strata_jax")
 
@@ -174,26 +174,23 @@ class Engine:
     def plan_tools(self, req: GenRequest) -> tuple[ToolParser | None, str | None]:
         """(the request's tool-call parser, None without tools; the constraint it runs under: req.constraint,
         or the grammar of the tool call it must make). tool_choice "required" or a named function makes the
-        reply a grammar of the family's calls where one is available, else starts it with the family's call
-        opener (and the name): the model continues a call; nothing constrains what it writes inside it."""
+        reply a grammar of the family's calls; without llguidance it starts the reply with the family's call
+        opener (and the name) instead: the model continues a call, nothing constrains what it writes in it."""
         if not req.tools:
             return None, req.constraint
         family = self.tool_family or detect_family(None)
         names = [t["function"]["name"] for t in req.tools]
         prefix, constraint = "", req.constraint
         forced = req.tool_choice not in (None, "auto", "none")
-        if forced and family.name in ("hermes", "json", "llama3") and constrained.available():
-            # a grammar of <tool_call> blocks (or one bare JSON call; Llama 3's names its arguments
-            # "parameters") whose arguments follow the schemas: a call that must happen, names only from the
-            # declared tools, arguments that parse (the other formats get the opener). parse_chat refuses a
-            # forced call with a constraint of its own.
+        if forced and constrained.available():
+            # a grammar of the family's calls whose arguments follow the schemas: a call that must happen,
+            # names only from the declared tools, arguments that parse (serving/tools.py call_grammar).
+            # parse_chat refuses a forced call with a constraint of its own.
             try:
-                tok = getattr(self.model, "tokenizer", None)
-                ids = {t: tok.token_to_id(t) if tok else None for t in (constrained.TOOL_OPEN, constrained.TOOL_CLOSE)}
-                constraint = constrained.tool_call_grammar(
-                    req.tools, None if req.tool_choice == "required" else req.tool_choice,
-                    {t: i for t, i in ids.items() if i is not None}, bare=family.name in ("json", "llama3"),
-                    args_key="parameters" if family.name == "llama3" else "arguments")
+                lark = call_grammar(family.name, req.tools, None if req.tool_choice == "required" else req.tool_choice,
+                                    marker_ids(getattr(self.model, "tokenizer", None)))
+                constraint = constrained.lark_grammar(lark, "a tool's parameters are not a usable JSON schema "
+                                                            "for tool_choice")
             except ConfigError as e:
                 raise bad(str(e), "tool_choice") from None
         elif req.tool_choice == "required":  # one tool: that one; several: the start their names share

@@ -26,9 +26,11 @@ import dataclasses
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
-from strata_jax.engine.constrained import TOOL_CLOSE, TOOL_OPEN  # the Hermes markers, where the grammar has them
+from strata_jax.core.errors import ConfigError
+from strata_jax.engine.constrained import JSON_OPTIONS  # response_format's compact JSON
 
 FAMILIES = ("hermes", "qwen3_coder", "llama3", "harmony", "deepseek", "json")
 
@@ -37,7 +39,12 @@ DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 PYTHON_TAG = "<|python_tag|>"
 H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+H_CALL = "<|call|>"
+H_ENDS = ("<|end|>", H_CALL, "<|return|>")
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+# the markers a vocabulary may hold as single tokens (call_grammar allows the token or the text)
+MARKERS = (TOOL_OPEN, TOOL_CLOSE, H_CHANNEL, H_CONSTRAIN, H_MESSAGE, H_CALL, DS_CALLS_BEGIN, DS_CALLS_END,
+           DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +289,81 @@ def _arguments(args: Any) -> str:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def marker_ids(tokenizer) -> dict[str, int]:
+    """The MARKERS the vocabulary holds as single tokens: call_grammar's marker_ids."""
+    if tokenizer is None:
+        return {}
+    ids = {t: tokenizer.token_to_id(t) for t in MARKERS}
+    return {t: i for t, i in ids.items() if i is not None}
+
+
+def call_grammar(family: str, tools: list[dict], name: str | None = None,
+                 marker_ids: dict[str, int] | None = None) -> str:
+    """Lark text of OpenAI's tool_choice "required" (one call or more of the given tools; one for the
+    formats that take a single call) or a named function (one call of it), in this family's format, the
+    arguments following each function's parameters schema (every family of FAMILIES has one). marker_ids:
+    the vocabulary's own token for a marker (Qwen's <tool_call> is one token, which a text literal does
+    not match): either form is allowed. What the parsers above read is what these write."""
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not fns:
+        known = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise ConfigError(f"tool_choice names the function {name!r}, which is not in tools ({known}).")
+    ids, NL = marker_ids or {}, "\n"
+
+    def lit(text: str) -> str:
+        return f"({json.dumps(text)} | <[{ids[text]}]>)" if text in ids else json.dumps(text)
+
+    def js(schema: dict) -> str:
+        return "%json " + json.dumps(dict(schema, **{"x-guidance": JSON_OPTIONS}))
+
+    def params(f: dict) -> dict:
+        return f.get("parameters") or {"type": "object"}
+
+    def call_object(args_key: str) -> str:
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
+                  "properties": {"name": {"const": f["name"]}, args_key: params(f)}} for f in fns]
+        return js(calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+    def per_function(rule: Callable[[int, dict], str]) -> str:
+        alts = " | ".join(f"call{i}" for i in range(len(fns)))
+        return f"call: {alts}\n" + "".join(f"call{i}: {rule(i, f)}\n" for i, f in enumerate(fns))
+
+    more = "" if name is not None else ' ("\\n" call)*'
+    if family == "hermes":
+        return (f"start: call{more}\ncall: {lit(TOOL_OPEN)} \"\\n\" body \"\\n\" {lit(TOOL_CLOSE)}\n"
+                f"body: {call_object('arguments')}\n")
+    if family in ("json", "llama3"):  # one bare JSON object naming the tool (Llama 3: its "parameters")
+        return f"start: body\nbody: {call_object('parameters' if family == 'llama3' else 'arguments')}\n"
+    if family == "harmony":  # one message on the commentary channel addressed to the function
+        return "start: call\n" + per_function(lambda i, f: (
+            f"{lit(H_CHANNEL)} {json.dumps('commentary to=functions.' + f['name'] + ' ')} {lit(H_CONSTRAIN)} "
+            f"\"json\" {lit(H_MESSAGE)} {js(params(f))} {lit(H_CALL)}"))
+    if family == "deepseek":  # V3: the name after the separator, the arguments in a fenced JSON block
+        return (f"start: {lit(DS_CALLS_BEGIN)} call{'' if name is not None else ' call*'} {lit(DS_CALLS_END)}\n"
+                + per_function(lambda i, f: (
+                    f"{lit(DS_CALL_BEGIN)} \"function\" {lit(DS_SEP)} {json.dumps(f['name'] + NL + '```json' + NL)} "
+                    f"{js(params(f))} {json.dumps(NL + '```')} {lit(DS_CALL_END)}")))
+    if family == "qwen3_coder":  # XML: a <parameter=...> per argument, text values, JSON for other types
+        def xml_value(sch: dict) -> str:  # what _coder_value reads back: text for strings, else JSON
+            if sch.get("enum") and all(isinstance(v, str) for v in sch["enum"]):
+                return "(" + " | ".join(json.dumps(v) for v in sch["enum"]) + ")"
+            return "/[^<\\n][^<]*/" if sch.get("type") in (None, "string") else js(sch)
+
+        def xml(i: int, f: dict) -> str:
+            props = params(f).get("properties") or {}
+            need = set(params(f).get("required") or [])
+            parts = [f"{lit(TOOL_OPEN)} {json.dumps(NL + '<function=' + f['name'] + '>' + NL)}"]
+            for key, sch in props.items():
+                head, tail = json.dumps(f"<parameter={key}>{NL}"), json.dumps(f"{NL}</parameter>{NL}")
+                value = xml_value(sch if isinstance(sch, dict) else {})
+                piece = f"{head} {value} {tail}"
+                parts.append(piece if key in need else f"({piece})?")
+            parts.append(f"{json.dumps('</function>' + NL)} {lit(TOOL_CLOSE)}")
+            return " ".join(parts)
+        return f"start: call{more}\n" + per_function(xml)
+    raise ValueError(f"no call grammar for the tool-call family {family!r}")
 
 
 class ToolParser:
