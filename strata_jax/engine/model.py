@@ -410,7 +410,9 @@ def enable_compilation_cache() -> None:
     if jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: a restart compiles none
+    log.info("compiled programs are kept in %s (a restart reuses them; STRATA_JAX_COMPILATION_CACHE=0 turns "
+             "this off)", cache_dir() / "xla")
 
 
 def load(path: str | os.PathLike[str] | None = None, config: EngineConfig | None = None, *, device: Any = None,
