@@ -4,6 +4,7 @@ what llama.cpp reads (the pinned converter's gguf-py: its reader, its qwen4exp t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import strata_jax
 from strata_jax.bench.shapes import SHAPES, synthetic_model_path
+from strata_jax.dev.synthetic import write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
 
 QTINY = SHAPES["qtiny"]
@@ -162,3 +164,15 @@ def test_ple_table_device_with_offloaded_experts_equals_host():
     dev = _load(expert_slots=QTINY.n_layers * 8, ple_table="device")
     assert (host.ple_table, dev.ple_table) == ("host", "device")
     assert np.array_equal(np.asarray(host.logits(ids)), np.asarray(dev.logits(ids)))
+
+
+def test_qwen4exp_with_attention_layers_only_decodes_as_its_full_forward(tmp_path):
+    """A qwen4exp whose every layer is full attention (interval 1, no PLE): no DeltaNet state, but QSA's
+    block keys are still per-row state beside the KV cache; greedy decode equals the full forward's argmax."""
+    spec = dataclasses.replace(SHAPES["qtiny"], full_attention_interval=1, ple_layer=-1)
+    m = strata_jax.load(write_synthetic_gguf(tmp_path / "attn.gguf", spec), ctx=256)
+    assert set(m.config.layer_kinds) == {"attention"} and m.config.has_recurrent_state
+    prompt = list(range(5, 25))
+    g = m.generate(prompt, max_tokens=6, temperature=0)
+    assert len(g.token_ids) == 6
+    assert m.logits(prompt + g.token_ids)[len(prompt) - 1:-1].argmax(-1).tolist() == g.token_ids

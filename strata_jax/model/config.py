@@ -261,7 +261,9 @@ class ModelConfig:
 
     @property
     def has_recurrent_state(self) -> bool:
-        return bool(self.layer_kinds) and LINEAR in self.layer_kinds
+        """Per-row state beside the KV cache (model/hybrid.py HybridState): DeltaNet layers, the PLE
+        n-gram context or QSA's compressed block keys."""
+        return self.is_hybrid and (LINEAR in self.layer_kinds or self.ple is not None or self.has_qsa)
 
     @property
     def has_qsa(self) -> bool:

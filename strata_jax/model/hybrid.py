@@ -65,9 +65,10 @@ class HybridState:
 
 def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
-    dn = deltanet_dims(cfg)
+    lin = linear_layers(cfg)
+    dn = deltanet_dims(cfg) if lin else None
     return HybridState(
-        linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in linear_layers(cfg)),
+        linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in lin),
         ple=tuple(ple.PLEState.zeros(batch, ple_dims(cfg)) for _ in (cfg.ple.layers if cfg.ple else ())),
         qsa=tuple(qsa.QSAState.zeros(batch, length, qsa_dims(cfg, i)) for i in qsa_layers(cfg)),
     )
