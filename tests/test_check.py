@@ -83,7 +83,7 @@ def test_cli_json_and_model_refs(moe_path, capsys):
 def test_cli_refuses_a_bad_vram_budget_before_the_model(capsys):
     assert main(["check", "/nonexistent/model.gguf", "--vram-budget", "nonsense"]) == 2
     err = capsys.readouterr().err
-    assert "--vram-budget='nonsense' is not a size" in err and "no such file" not in err and "Traceback" not in err
+    assert "--vram-budget 'nonsense' is not a size" in err and "no such file" not in err and "Traceback" not in err
 
 
 def test_largest_pinned_halves_until_it_fits(monkeypatch):

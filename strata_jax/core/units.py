@@ -16,17 +16,16 @@ _UNITS = {
 
 
 def parse_size(value: str | int | float, name: str = "size") -> int:
-    """Bytes from an int or a string with an optional unit (binary K/M/G/T and KiB..., decimal KB...)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is not a size; write e.g. 32GiB or 24000000000.")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{name}={value!r} is negative.")
+    """Bytes from an int or a string with an optional unit (binary K/M/G/T and KiB..., decimal KB...).
+    name: the option or its command-line flag (a flag shows as `--flag 'value'` in the error)."""
+    m = None if isinstance(value, (bool, int, float)) else re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*",
+                                                                         str(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}={value!r} is not a size; write e.g. 32GiB, 24GB, 512MiB or a number of bytes.")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if m and m.group(2).lower() in _UNITS:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    shown = f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
+    raise ConfigError(f"{shown} is not a size: write e.g. 32GiB, 24GB, 512MiB or a number of bytes (>= 0).")
 
 
 def fmt_bytes(n: float) -> str:

@@ -281,11 +281,7 @@ def _dtype(value: Any, name: str) -> str:
 def _size(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    try:
-        return parse_size(value, name)
-    except ConfigError:
-        raise ConfigError(f"{_show(name, value)} is not a size: write e.g. 32GiB, 24GB, 512MiB or a number of "
-                          "bytes (>= 0).") from None
+    return parse_size(value, name)
 
 
 def _policy(value: Any, name: str) -> Any:
