@@ -115,6 +115,20 @@ def test_nextn_block_is_loaded_not_run():
     np.testing.assert_array_equal(_engine(tm).logits(ids), _engine(hybrid_model("qwen3next")).logits(ids))
 
 
+def test_mtp_experts_are_not_counted_as_the_caches():
+    """The MTP block's routed experts stay in the file: the bytes inspect, check and the bench size the
+    expert cache with are the text layers' experts, what the offloaded store holds."""
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model import memory
+
+    tm = hybrid_model("qwen3next-mtp")
+    g = GGUFFile(str(tm.gguf_path))
+    m = _engine(tm, expert_slots=8)
+    mtp = sum(t.nbytes for n, t in g.tensors.items() if n.startswith(f"blk.{m.config.n_layers}.") and "_exps." in n)
+    assert mtp > 0 and memory.routed_expert_bytes(g) == memory.routed_expert_bytes(g, m.config) + mtp
+    assert memory.routed_expert_bytes(g, m.config) == m.experts.store.nbytes
+
+
 @pytest.mark.parametrize("arch", HYBRID_BASE_ARCHS)
 def test_logits_match_transformers(arch):
     """Every position's logits (a prompt prefilled in chunks, the last one padded) within REL_TOL of

@@ -110,7 +110,7 @@ class ModelBytes:
         expert_M = tuple(sum(gguf.tensor(f"blk.{i}.{n}.weight").nbytes
                              for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_experts
                          for i in cfg.moe_layers)
-        return cls(dense_read, expert_M, memory.routed_expert_bytes(gguf), dense_total, cfg.n_experts_used,
+        return cls(dense_read, expert_M, memory.routed_expert_bytes(gguf, cfg), dense_total, cfg.n_experts_used,
                    memory.kv_cache_bytes(cfg, ctx=1, rows=1, itemsize=1), kv)
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
@@ -128,7 +128,7 @@ def resident_estimate(gguf, cfg, ctx: int, itemsize: int, prefill_chunk: int = 5
     """Device bytes an all-resident load needs, as the engine sizes it (model/memory.py's fixed bytes:
     dense + KV cache + activations, plus the default reserve) with every expert on top."""
     fixed = memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=itemsize, prefill_chunk=prefill_chunk, kv=kv)
-    return fixed + memory.routed_expert_bytes(gguf) + reserve
+    return fixed + memory.routed_expert_bytes(gguf, cfg) + reserve
 
 
 def limit_figures(mb: ModelBytes, counters_MS: np.ndarray | None, decode_steps: int, decode_tok_s: float,

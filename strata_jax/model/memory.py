@@ -43,9 +43,18 @@ def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = ()) -> int:
     return sum(t.nbytes for t in gguf.tensors.values() if not is_routed_expert(t.name) and t.name not in off_device)
 
 
-def routed_expert_bytes(gguf: GGUFFile) -> int:
-    """All routed experts of the file (every MoE layer's gate, up and down)."""
-    return sum(t.nbytes for t in gguf.tensors.values() if is_routed_expert(t.name))
+def _block(name: str) -> int | None:
+    """The block index of a `blk.N.` tensor (None for the others)."""
+    head, _, rest = name.partition(".")
+    n = rest.partition(".")[0]
+    return int(n) if head == "blk" and n.isdigit() else None
+
+
+def routed_expert_bytes(gguf: GGUFFile, cfg: ModelConfig | None = None) -> int:
+    """The routed experts the expert cache serves: every MoE layer's gate, up and down (with cfg: the
+    text layers' only; an MTP block's experts, past cfg.n_layers, stay in the file)."""
+    return sum(t.nbytes for t in gguf.tensors.values() if is_routed_expert(t.name)
+               and (cfg is None or (_block(t.name) is not None and _block(t.name) < cfg.n_layers)))
 
 
 def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
