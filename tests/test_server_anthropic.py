@@ -534,9 +534,12 @@ def test_port_in_use_is_refused_before_loading(moe_path, capsys, monkeypatch):
     assert "--max-body" in capsys.readouterr().err
 
 
-LONG_OPENAI = {"/v1/completions": {"prompt": "hello", "max_tokens": 4000},
-               "/v1/chat/completions": {"messages": USER, "max_tokens": 4000},
-               "/v1/responses": {"input": USER, "max_output_tokens": 4000}}  # the chat turns, which run long
+# streams that outlast the grace period on a fast machine: greedy, this random model loops on these without
+# a stop id for 16,000 tokens (~12 s alone on the 2-core machine; "hello" stops after ~1,200)
+LONG = 16000
+LONG_OPENAI = {"/v1/completions": {"prompt": "the", "max_tokens": LONG},
+               "/v1/chat/completions": {"messages": USER, "max_tokens": LONG},
+               "/v1/responses": {"input": USER, "max_output_tokens": LONG}}
 STARTED = ('"text":"', '"delta":{"content":"', "event: response.output_text.delta", "content_block_start")
 
 
@@ -548,11 +551,11 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path, op
     process exits 0 without a traceback."""
     grace = 2.0
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-grace", str(grace), "--parallel", "3",
-                        "--ctx", "4096", "--expert-pools", "shared", "--expert-slots", "16", "--no-warmup")
+                        "--ctx", "16384", "--expert-pools", "shared", "--expert-slots", "16", "--no-warmup")
     lines: dict[str, list[str]] = {"openai": [], "anthropic": [], "short": []}
     started = {k: threading.Event() for k in lines}
     bodies = {"openai": (openai_path, {**LONG_OPENAI[openai_path], "temperature": 0, "stream": True}),
-              "anthropic": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 4000, "temperature": 0,
+              "anthropic": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": LONG, "temperature": 0,
                                              "stream": True}),
               "short": ("/v1/completions", {"prompt": "hi", "max_tokens": 12, "temperature": 0, "stream": True})}
 
