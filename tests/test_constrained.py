@@ -222,6 +222,27 @@ def test_n2_choices_differ_are_reproducible_and_usage_counts_the_prompt_once(sdk
     assert usage.completion_tokens == 8 and usage.prompt_tokens == comp.usage.prompt_tokens
 
 
+def test_n2_choices_each_keep_the_constraint_and_the_forced_call(sdk):
+    """n > 1 with a constraint: every choice follows the schema (each row runs its own matcher); with a
+    forced tool call: every choice is that call, its arguments following the tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"enum": [1, 2, 3]}}}  # short, so a random model finishes it in max_tokens
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    r = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=24, temperature=1.0, seed=3, n=2,
+                                    response_format=rf)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+    t = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=40, temperature=1.0, seed=4, n=2,
+                                    tools=[WEATHER, CLOCK], tool_choice={"type": "function",
+                                                                         "function": {"name": "get_time"}})
+    for c in t.choices:
+        assert c.finish_reason == "tool_calls" and [x.function.name for x in c.message.tool_calls] == ["get_time"]
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments),
+                            CLOCK["function"]["parameters"])
+
+
 def test_grammar_and_json_schema_fields_through_the_server(sdk):
     r = sdk.chat.completions.create(model="m", messages=MSGS, max_tokens=10, temperature=0,
                                     extra_body={"grammar": GBNF})

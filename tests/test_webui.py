@@ -74,6 +74,9 @@ def test_monitor_events_fields_live_rates_and_metrics(server):
     assert ex["expert_slots"] == 8 and ex["total_experts"] == SPEC.n_layers * SPEC.n_experts and ex["resident"] is False
     assert len(ex["per_layer_hit_rate"]) == len(ex["per_layer_lookups"]) == SPEC.n_layers
     assert sum(ex["per_layer_lookups"]) == ex["lookups"] == ex["hits"] + ex["misses"]
+    # each layer's rate is its hits over its lookups: weighted by them, they give the total hits
+    assert round(sum(h * n for h, n in zip(ex["per_layer_hit_rate"], ex["per_layer_lookups"]))) == ex["hits"]
+    assert all(0 <= h <= 1 for h in ex["per_layer_hit_rate"])
 
     # a long generation: the watched engine refreshes between decode calls, so the rates move while it runs
     done = threading.Event()
