@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import pytest
 
+from engine_checks import assert_offloaded_matches, resident_reference
 from reference_models import deepseek2_model, hf_greedy, hf_logits, hf_quantized_model
 from reference_models import load_weights as _load
 from reference_models import rewrite_gguf
@@ -321,16 +322,9 @@ def test_offloaded_equals_resident():
     the all-resident run's, bit for bit."""
     tm = deepseek2_model("v3")
     ids = _ids(tm)
-    res = _engine()
-    assert res.cache_plan.resident
-    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
+    ref = resident_reference(_engine(), ids)
     for prefetch in (0, 1):
-        off = _engine(expert_slots=2 * 4, expert_pools="per-layer", prefetch=prefetch)
-        assert not off.cache_plan.resident
-        np.testing.assert_array_equal(off.logits(ids), ref_logits)
-        assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
-        st = off.stats()
-        assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+        assert_offloaded_matches(_engine(expert_slots=2 * 4, expert_pools="per-layer", prefetch=prefetch), ids, ref)
 
 
 def _gguf_exact_reference(tm):

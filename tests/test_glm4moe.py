@@ -10,6 +10,7 @@ import functools
 import numpy as np
 import pytest
 
+from engine_checks import assert_offloaded_matches, resident_reference
 from reference_models import glm4moe_model, hf_greedy, hf_logits
 from reference_models import load_weights as _load
 from strata_jax.gguf.reader import GGUFFile
@@ -168,16 +169,9 @@ def test_offloaded_equals_resident():
     are the all-resident run's, bit for bit."""
     tm = glm4moe_model("f32")
     ids = _ids(tm)
-    res = _engine(tm)
-    assert res.cache_plan.resident
-    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
+    ref = resident_reference(_engine(tm), ids)
     for prefetch in (0, 1):
-        off = _engine(tm, expert_slots=2 * 4, expert_pools="per-layer", prefetch=prefetch)
-        assert not off.cache_plan.resident
-        np.testing.assert_array_equal(off.logits(ids), ref_logits)
-        assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
-        st = off.stats()
-        assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+        assert_offloaded_matches(_engine(tm, expert_slots=2 * 4, expert_pools="per-layer", prefetch=prefetch), ids, ref)
 
 
 def _without_bias(params):

@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import pytest
 
+from engine_checks import assert_offloaded_matches, resident_reference
 from reference_models import gptoss_model, hf_greedy, hf_logits
 from reference_models import load_weights as _load
 from reference_models import rewrite_gguf
@@ -344,18 +345,11 @@ def test_offloaded_equals_resident(experts, prefetch):
     greedy tokens are transformers'."""
     tm = gptoss_model("f32")
     ids, _ = _reference()
-    res = _resident(experts)
-    assert res.cache_plan.resident
-    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=8, temperature=0).token_ids
+    ref = resident_reference(_resident(experts), ids, 8)
     if experts == "f32":
-        assert ref_tokens == hf_greedy(tm, ids, 8)
+        assert ref[1] == hf_greedy(tm, ids, 8)
     path = _mxfp4_paths() if experts == "mxfp4" else tm.gguf_path
-    off = _engine(path, expert_slots=3 * 4, expert_pools="per-layer", prefetch=prefetch)
-    assert not off.cache_plan.resident
-    np.testing.assert_array_equal(off.logits(ids), ref_logits)
-    assert off.generate(ids, max_tokens=8, temperature=0).token_ids == ref_tokens
-    st = off.stats()
-    assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+    assert_offloaded_matches(_engine(path, expert_slots=3 * 4, expert_pools="per-layer", prefetch=prefetch), ids, ref)
 
 
 # -- each feature matters ---------------------------------------------------------------------------

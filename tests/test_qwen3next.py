@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from engine_checks import assert_offloaded_matches, resident_reference
 from reference_models import HYBRID_ARCHS, HYBRID_BASE_ARCHS, hf_logits, hybrid_model
 from reference_models import load_weights as _load
 from strata_jax.gguf.reader import GGUFFile
@@ -219,15 +220,8 @@ def test_offloaded_equals_resident(arch):
     the all-resident run's, bit for bit."""
     tm = hybrid_model(arch)
     ids = _ids(tm)
-    res = _engine(tm)
-    assert res.cache_plan.resident
-    ref_logits, ref_tokens = res.logits(ids), res.generate(ids, max_tokens=12, temperature=0).token_ids
-    off = _engine(tm, expert_slots=4 * 4, expert_pools="per-layer")
-    assert not off.cache_plan.resident
-    np.testing.assert_array_equal(off.logits(ids), ref_logits)
-    assert off.generate(ids, max_tokens=12, temperature=0).token_ids == ref_tokens
-    st = off.stats()
-    assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+    assert_offloaded_matches(_engine(tm, expert_slots=4 * 4, expert_pools="per-layer"), ids,
+                             resident_reference(_engine(tm), ids))
 
 
 def test_greedy_equals_transformers():
