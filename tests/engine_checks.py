@@ -20,3 +20,47 @@ def assert_offloaded_matches(off, ids, reference) -> None:
     assert off.generate(ids, max_tokens=len(ref_tokens), temperature=0).token_ids == ref_tokens
     st = off.stats()
     assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
+
+
+def decode_two_rows(m, seqs, ctx: int, n0=(5, 7), idle_until: int = 6):
+    """Two rows through model/forward.py's forward (jitted, all logits): a prefill of n0[b] tokens each in
+    one call (a 16-token bucket), then one token per call, row 1 idle (at a position past the cache) for
+    its first idle_until steps; an idle row routes to no expert (checked for a MoE). Returns each row's
+    logits per position, how far each row got, and the prefill's routed expert ids [M, B*T, k]."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.model.forward import KVCache, forward
+
+    cfg, n = m.config, len(seqs[0])
+    step = jax.jit(functools.partial(forward, cfg=cfg, dtype=jnp.float32, kernels=m.kernels, all_logits=True,
+                                     attn_len=ctx))
+    experts = m.experts.take() if m.experts is not None else None
+    try:
+        kv = KVCache.zeros(cfg, 2, ctx, jnp.float32)
+        toks = np.zeros((2, 16), np.int32)
+        for b in range(2):
+            toks[b, :n0[b]] = seqs[b][:n0[b]]
+        logits, kv, experts, prefill_routed = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
+                                                   jnp.asarray(n0, jnp.int32))
+        got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
+        pos = list(n0)
+        for s in range(n - n0[0]):
+            live = [True, s >= idle_until and pos[1] < n]
+            tok = [seqs[b][pos[b]] if live[b] else 0 for b in range(2)]
+            start = [pos[b] if live[b] else ctx for b in range(2)]
+            logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
+                                               jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
+            if cfg.is_moe:
+                assert (np.asarray(routed) >= 0).all(axis=(0, 2)).tolist() == live  # an idle row routes nowhere
+            for b in range(2):
+                if live[b]:
+                    got[b].append(np.asarray(logits[b, 0]))
+                    pos[b] += 1
+    finally:
+        if experts is not None:
+            m.experts.put(experts)
+    assert pos == [n, n - idle_until + n0[1] - n0[0]]
+    return got, pos, np.asarray(prefill_routed)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine_checks import assert_offloaded_matches, resident_reference
+from engine_checks import assert_offloaded_matches, decode_two_rows, resident_reference
 from reference_models import HYBRID_ARCHS, HYBRID_BASE_ARCHS, hf_logits, hybrid_model
 from reference_models import load_weights as _load
 from strata_jax.gguf.reader import GGUFFile
@@ -169,44 +169,10 @@ def test_decode_one_token_at_a_time_equals_full_forward(arch):
     """Two rows: a prefill chunk, then one token per step, row 1 idle (a position past the cache, no
     valid token) for a few steps; each row's logits at every position equal the one-pass forward of its
     sequence (and transformers')."""
-    import jax
-    import jax.numpy as jnp
-
-    from strata_jax.model.forward import KVCache, forward
-
     tm = hybrid_model(arch)
     m = _engine(tm)
-    cfg = m.config
     seqs = [_ids(tm, 24, seed=1), _ids(tm, 24, seed=2)]
-    step = jax.jit(functools.partial(forward, cfg=cfg, dtype=jnp.float32, kernels=m.kernels, all_logits=True,
-                                     attn_len=CTX))
-    experts = m.experts.take() if m.experts is not None else None
-    try:
-        kv = KVCache.zeros(cfg, 2, CTX, jnp.float32)
-        n0 = [5, 7]
-        toks = np.zeros((2, 16), np.int32)
-        for b in range(2):
-            toks[b, :n0[b]] = seqs[b][:n0[b]]
-        logits, kv, experts, _ = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
-                                      jnp.asarray(n0, jnp.int32))
-        got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
-        pos, idle_until = list(n0), 6
-        for s in range(24 - n0[0]):
-            live = [True, s >= idle_until and pos[1] < 24]
-            tok = [seqs[b][pos[b]] if live[b] else 0 for b in range(2)]
-            start = [pos[b] if live[b] else CTX for b in range(2)]
-            logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
-                                               jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
-            if cfg.is_moe:
-                assert (np.asarray(routed) >= 0).all(axis=(0, 2)).tolist() == live  # an idle row routes nowhere
-            for b in range(2):
-                if live[b]:
-                    got[b].append(np.asarray(logits[b, 0]))
-                    pos[b] += 1
-    finally:
-        if experts is not None:
-            m.experts.put(experts)
-    assert pos == [24, 24 - idle_until + n0[1] - n0[0]]
+    got, pos, _ = decode_two_rows(m, seqs, CTX)
     for b in range(2):
         n = pos[b]
         one_pass = m.logits(seqs[b][:n])

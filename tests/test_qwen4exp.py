@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_checks import assert_offloaded_matches, resident_reference
+from engine_checks import assert_offloaded_matches, decode_two_rows, resident_reference
 from reference_models import QWEN4EXP_VARIANTS, hf_logits, qsa_ties_to_lowest_block, qwen4exp_model
 from reference_models import load_weights as _load
 from reference_models import rewrite_gguf as _rewrite
@@ -229,48 +229,13 @@ def test_decode_one_token_at_a_time_equals_full_forward(variant):
     """Two rows: a prefill chunk, then one token per step. Row 1 sits idle for a few steps (the decode
     program's dead row: a position past the cache and no valid token) and then goes on; each row's
     logits at every position equal the one-pass forward of its sequence (and transformers')."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from strata_jax.model.forward import KVCache, forward
-
     tm = qwen4exp_model(variant)
     m = _engine(tm)
     cfg = m.config
     seqs = [_ids(tm, 24, seed=1), _ids(tm, 24, seed=2)]
-    step = jax.jit(functools.partial(forward, cfg=cfg, dtype=jnp.float32, kernels=m.kernels, all_logits=True,
-                                     attn_len=CTX))
-    experts = m.experts.take()
-    try:
-        kv = KVCache.zeros(cfg, 2, CTX, jnp.float32)
-        n0 = [5, 7]  # prompt tokens each row prefills
-        toks = np.zeros((2, 16), np.int32)
-        for b in range(2):
-            toks[b, :n0[b]] = seqs[b][:n0[b]]
-        logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(toks), jnp.zeros(2, jnp.int32),
-                                           jnp.asarray(n0, jnp.int32))
-        real = np.arange(16)[None, :] < np.asarray(n0)[:, None]  # bucket padding routes to no expert
-        assert (np.asarray(routed).reshape(len(cfg.moe_layers), 2, 16, -1) >= 0).all(axis=(0, 3)).tolist() == \
-            real.tolist()
-        got = [list(np.asarray(logits[b, :n0[b]])) for b in range(2)]
-        pos = list(n0)
-        idle_until = 6  # row 1 idles for the first 6 decode steps
-        for s in range(24 - n0[0]):
-            live = [True, s >= idle_until and pos[1] < 24]
-            tok = [seqs[b][pos[b]] if live[b] else 0 for b in range(2)]
-            start = [pos[b] if live[b] else CTX for b in range(2)]
-            logits, kv, experts, routed = step(m.params, experts, kv, jnp.asarray(tok, jnp.int32)[:, None],
-                                               jnp.asarray(start, jnp.int32), jnp.asarray(live, jnp.int32))
-            assert (np.asarray(routed) >= 0).all(axis=(0, 2)).tolist() == live  # an idle row routes nowhere
-            for b in range(2):
-                if live[b]:
-                    got[b].append(np.asarray(logits[b, 0]))
-                    pos[b] += 1
-    finally:
-        m.experts.put(experts)
-    assert pos == [24, 24 - idle_until + n0[1] - n0[0]]
+    got, pos, routed = decode_two_rows(m, seqs, CTX)
+    real = np.arange(16)[None, :] < np.asarray([5, 7])[:, None]  # bucket padding routes to no expert
+    assert (routed.reshape(len(cfg.moe_layers), 2, 16, -1) >= 0).all(axis=(0, 3)).tolist() == real.tolist()
     for b in range(2):
         n = pos[b]
         one_pass = m.logits(seqs[b][:n])
