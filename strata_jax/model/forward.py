@@ -23,7 +23,7 @@ from strata_jax.model import kvquant, mla
 from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
-from strata_jax.model.moe import moe_block, route, routed_ids
+from strata_jax.model.moe import finish_routing, moe_block, route
 from strata_jax.model.weights import Params
 
 
@@ -170,7 +170,5 @@ def forward(
         logits = lm_head(x, params.lm_head, dtype, kernels)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = routed_ids(routed, valid_N, cfg)
-    if experts is not None:
-        experts = experts.finish(routed_MNk)
+    routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
     return logits, KVCache(k_all, v_all), experts, routed_MNk

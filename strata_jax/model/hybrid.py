@@ -37,7 +37,7 @@ from strata_jax.model import deltanet, hyper, ple, qsa
 from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import gated_attention, lm_head, rms_norm, swiglu
-from strata_jax.model.moe import moe_block, routed_ids
+from strata_jax.model.moe import finish_routing, moe_block
 from strata_jax.model.weights import HybridParams
 
 
@@ -182,8 +182,6 @@ def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT,
         logits = lm_head(x, params.lm_head, dtype, kernels)
         if not all_logits:
             logits = logits[:, 0]
-    routed_MNk = routed_ids(routed, valid_N, cfg)
-    if experts is not None:
-        experts = experts.finish(routed_MNk)
+    routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
     out_kv = type(kv)(k_all, v_all, HybridState(tuple(lin_state), tuple(ple_state), tuple(qsa_state)))
     return logits, out_kv, experts, routed_MNk

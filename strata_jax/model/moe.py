@@ -204,12 +204,16 @@ def _many_token_impl(kernels: Kernels):
     return _experts_grouped if kernels.moe_prefill == "grouped" else _experts_dense
 
 
-def routed_ids(routed: list[jax.Array], valid_N: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """int32 [M, N, k]: every MoE layer's routed experts for the step's N tokens, -1 for the tokens that
-    are not real (bucket padding, idle rows), as ExpertProvider.finish and the host's trace take them."""
+def finish_routing(routed: list[jax.Array], valid_N: jax.Array, cfg: ModelConfig,
+                   experts: ExpertProvider | None) -> tuple[jax.Array, ExpertProvider | None]:
+    """After the layer loop: int32 [M, N, k], every MoE layer's routed experts for the step's N tokens, -1
+    for the tokens that are not real (bucket padding, idle rows), as the host's trace takes them; and the
+    provider once it has counted them (ExpertProvider.finish)."""
     if not routed:
-        return jnp.zeros((0, valid_N.shape[0], max(cfg.n_experts_used, 1)), jnp.int32)
-    return jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
+        routed_MNk = jnp.zeros((0, valid_N.shape[0], max(cfg.n_experts_used, 1)), jnp.int32)
+    else:
+        routed_MNk = jnp.where(valid_N[None, :, None], jnp.stack(routed), -1)
+    return routed_MNk, experts.finish(routed_MNk) if experts is not None else None
 
 
 def moe_block(
