@@ -130,6 +130,30 @@ def test_rejected_drafts_leave_the_cache_as_plain_decode_does(moe_path, plain):
         base.generate(turn2, max_tokens=8, temperature=0).token_ids
 
 
+def test_a_request_caps_or_turns_off_its_drafts(moe_path, plain):
+    """spec_max per request (the Python API's, llama.cpp's speculative.n_max on the server): 0 decodes
+    without speculation, 1 drafts at most one token per verify pass; greedy tokens stay plain decode's."""
+    from starlette.testclient import TestClient
+
+    m = strata_jax.load(moe_path, ctx=256, spec="lookup", spec_max=4)
+    off = m.generate(PROMPT, max_tokens=N, temperature=0, spec_max=0)
+    assert off.token_ids == plain.token_ids and off.timings["draft_n"] == 0
+    calls = m.host_timing()["decode_calls"]
+    one = m.generate(PROMPT, max_tokens=N, temperature=0, spec_max=1)
+    passes = m.host_timing()["decode_calls"] - calls
+    assert one.token_ids == plain.token_ids and 0 < one.timings["draft_n"] <= passes
+    engine = Engine(lambda: m, warmup=False)
+    with TestClient(create_app(engine, model_id="moe")) as client:
+        assert engine.wait_ready(60)
+        body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0}
+        none = client.post("/v1/completions", json={**body, "speculative.n_max": 0}).json()
+        some = client.post("/v1/completions", json=body).json()
+        bad = client.post("/v1/completions", json={**body, "speculative.n_max": -1})
+    assert none["choices"][0]["text"] == some["choices"][0]["text"] == plain.text
+    assert none["timings"]["draft_n"] == 0 < some["timings"]["draft_n"]
+    assert bad.status_code == 400 and "speculative.n_max" in bad.json()["error"]["message"]
+
+
 def test_grammar_falls_back_to_plain_decode(moe_path, caplog):
     llg = pytest.importorskip("llguidance")  # noqa: F841
     from strata_jax.engine.constrained import request_grammar

@@ -358,6 +358,7 @@ class Model:
         response_format: dict | None = None,
         grammar: str | None = None,
         json_schema: dict | None = None,
+        spec_max: int | None = None,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
@@ -370,14 +371,16 @@ class Model:
         the top_logprobs most likely alternatives, 0..20; top_logprobs > 0 implies logprobs).
         Constrained output (llguidance): response_format as OpenAI's ({"type": "json_object"} or
         {"type": "json_schema", "json_schema": {"schema": {...}}}), or llama.cpp's grammar (GBNF text) or
-        json_schema (a schema dict); at most one of them."""
+        json_schema (a schema dict); at most one of them. spec_max: with speculative decoding on
+        (EngineConfig.spec), this request's drafted tokens per verify pass at most (0: none; the config's
+        spec_max bounds it)."""
         constraint = request_grammar(response_format, grammar, json_schema)
         s = self.session()
         row, chunks = s.admit(prompt_or_messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, min_p=min_p, seed=seed, stop=stop, cache_prompt=cache_prompt,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
-                              top_logprobs=top_logprobs, constraint=constraint, **template_kwargs)
+                              top_logprobs=top_logprobs, constraint=constraint, spec_max=spec_max, **template_kwargs)
         try:
             yield from chunks
             while row in s.active_rows:

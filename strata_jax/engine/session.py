@@ -166,6 +166,7 @@ class _Request:
     draft_n: int = 0  # tokens drafted for it (llama.cpp's names) ...
     draft_n_accepted: int = 0  # ... and how many of them the verify passes accepted
     spec_on: bool = False  # the session speculates: its timings report the draft counts
+    spec_max: int = 0  # drafted tokens per verify pass at most: the session's, or fewer if the request asks
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -273,7 +274,7 @@ class Session:
               min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
               cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
-              keep_special: Sequence[int] = (), constraint: str | None = None,
+              keep_special: Sequence[int] = (), constraint: str | None = None, spec_max: int | None = None,
               **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
         Model.generate_stream, and keep_special: special token ids whose text stays in the streamed
@@ -314,9 +315,10 @@ class Session:
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
         if self.spec is not None:
             q.spec_on = True
-            if constraint is None:
+            q.spec_max = self.spec_max if spec_max is None else min(spec_max, self.spec_max)
+            if constraint is None and q.spec_max > 0:
                 q.spec = Acceptance()
-            else:
+            elif constraint is not None:
                 log.info("spec %s: this request decodes without speculation (it has a grammar, whose mask for each "
                          "token needs the host)", self.spec)
         q.t_prefill = time.perf_counter() - t0
@@ -497,7 +499,7 @@ class Session:
         if len(live) != 1 or live[0][1].spec is None:
             return None
         r, q = live[0]
-        n_max = min(self.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
+        n_max = min(q.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
         if n_max < 1 or not q.spec.should_draft():
             return None
         drafts = lookup_draft(q.fed + [q.last], n_max)

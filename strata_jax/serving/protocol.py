@@ -82,6 +82,7 @@ class GenRequest:
     prefill: str = ""  # text the reply starts with (Anthropic's final assistant message): generation continues it
     n: int = 1  # choices, each sampled from the same prompt
     constraint: str | None = None  # llguidance grammar (response_format, grammar or json_schema)
+    spec_max: int | None = None  # drafted tokens per verify pass at most (llama.cpp's speculative.n_max)
 
     @property
     def prompt_param(self) -> str:
@@ -92,7 +93,7 @@ class GenRequest:
                     min_p=self.min_p, seed=self.seed, stop=self.stop or None, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
                     repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                    constraint=self.constraint)
+                    constraint=self.constraint, spec_max=self.spec_max)
 
 
 # -- field readers -----------------------------------------------------------------------------------
@@ -169,6 +170,8 @@ def _common(body: Any) -> dict[str, Any]:
     if lb is not None and not (isinstance(lb, dict) and not lb):
         raise bad("'logit_bias' is not supported yet; omit it.", "logit_bias")
     out["constraint"] = _constraint(body)
+    # llama.cpp's per-request draft cap (0: no speculation for this request); the server's --spec-max bounds it
+    out["spec_max"] = _number(body, "speculative.n_max", None, 0, 64, integer=True)
     return out
 
 
