@@ -61,7 +61,7 @@ def ple_placement(choice: str, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_byt
         return None, "no PLE table"
     if choice != "auto":
         return choice, "ple_table=" + choice
-    if gguf.tensor(PLE_TABLE_NAME).nbytes > PLE_DEVICE_MAX:
+    if ple_surely_host(choice, gguf, cfg):
         return "host", f"auto: over {PLE_DEVICE_MAX / 2**30:.0f} GiB"
     if spec is None:
         return "device", "auto: a dense model"
@@ -123,13 +123,10 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
 
 def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
     """cfg with the config's rope_scaling / rope_scale / yarn_orig_ctx over the file's, logged."""
-    if config.rope_scaling is None and config.rope_scale is None and config.yarn_orig_ctx is None:
+    scaled = with_rope_scaling(cfg, config.rope_scaling, config.rope_scale, config.yarn_orig_ctx)
+    if scaled is cfg:
         return cfg
-    try:
-        cfg = with_rope_scaling(cfg, config.rope_scaling, config.rope_scale, config.yarn_orig_ctx)
-    except ValueError as e:
-        raise ConfigError(f"{e}.") from None
-    r = cfg.rope_scaling
+    cfg, r = scaled, scaled.rope_scaling
     log.info("rope scaling: %s", "none (the file's scaling off)" if r is None else
              f"{r.kind} x{r.factor:g}" + (f" of an original {r.orig_ctx:,}-token context" if r.orig_ctx else "")
              + f": the model's context is {cfg.context_length:,}")

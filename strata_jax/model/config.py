@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from strata_jax.core.errors import UnsupportedArchitectureError
+from strata_jax.core.errors import ConfigError, UnsupportedArchitectureError
 from strata_jax.gguf.reader import GGUFFile, metadata_view
 
 # arch -> (rope layout, renormalise top-k expert weights). llama.cpp hard-codes both per architecture
@@ -425,7 +425,7 @@ def with_rope_scaling(cfg: "ModelConfig", kind: str | None, factor: float | None
         return dataclasses.replace(cfg, rope_scaling=None)
     factor = factor if factor is not None else old.factor if old is not None else None
     if factor is None:
-        raise ValueError(f"rope scaling {kind!r} needs a factor (--rope-scale): the file gives none")
+        raise ConfigError(f"rope scaling {kind!r} needs a factor (--rope-scale): the file gives none.")
     base = orig_ctx or (old.orig_ctx if old is not None and old.orig_ctx else cfg.context_length)
     if old is not None and old.kind == kind == "yarn":  # the file's YaRN constants stay
         new = dataclasses.replace(old, factor=factor, orig_ctx=base)
