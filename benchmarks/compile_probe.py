@@ -99,6 +99,8 @@ def main() -> None:
     for v in a.variants.split(","):
         for n in map(int, a.layers.split(",")):
             env = dict(os.environ)
+            root = str(Path(__file__).resolve().parents[1])  # the child imports strata_jax from this tree
+            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             for k, val in VARIANTS[v].items():
                 env[k] = (env.get(k, "") + " " + val).strip() if k == "XLA_FLAGS" else val
             t0 = time.perf_counter()

@@ -8,13 +8,14 @@
 #   bash benchmarks/compile_sitting.sh wait [WAIT_S [DEADLINE_S]]   as in benchmarks/sitting_lib.sh
 #
 # Carry .whl (benchmarks/engine_sitting.md lists them). Knobs: SITTING_S (deadline, default 900 s),
-# PROBE_LAYERS (4,8), PROBE_VARIANTS (default,xla,noautotune), B30_SHAPE, SKIP_IQ=1, NO_WHEELS=1.
+# PROBE_SHAPE (qmid), PROBE_LAYERS (4,8), PROBE_VARIANTS (default,xla,noautotune), B30_SHAPE, SKIP_IQ=1, NO_WHEELS=1.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/sitting_lib.sh /tmp/csit 900
 export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 B30=${B30_SHAPE:-b30}
+RETURNED="progress phases.tsv data-*.json"  # the bench results travel as one archive (collect_more)
 COMMON=(--tokens 128 --prompt-len 32)
 WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
 from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path(sys.argv[1]))")
@@ -23,7 +24,7 @@ pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   phase write-b30 600 "$PY" "${WRITE[@]}" "$B30" &
   local writer=$!
-  phase compile-probe 330 env OUT="$S" "$PY" benchmarks/compile_probe.py --shape qmid \
+  phase compile-probe 330 env OUT="$S" "$PY" benchmarks/compile_probe.py --shape "${PROBE_SHAPE:-qmid}" \
     --layers "${PROBE_LAYERS:-4,8}" --variants "${PROBE_VARIANTS:-default,xla,noautotune}"
   wait "$writer"
   local run
@@ -37,6 +38,10 @@ pipeline() {
     --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sizes bseed --no-dense --sweep 16x2
   [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
   note "pipeline: done"
+}
+
+collect_more() {
+  (cd "$S" && ls results-*.json > /dev/null 2>&1 && tar -czf "$OUT/results.tar.gz" results-*.json)
 }
 
 prepare() {
