@@ -96,11 +96,11 @@ def main() -> None:
         print("RESULT " + json.dumps(child(a.child[0], int(a.child[1]))), flush=True)
         return
     rows = []
+    root = str(Path(__file__).resolve().parents[1])  # the child imports strata_jax from this tree
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     for v in a.variants.split(","):
         for n in map(int, a.layers.split(",")):
-            env = dict(os.environ)
-            root = str(Path(__file__).resolve().parents[1])  # the child imports strata_jax from this tree
-            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            env = dict(base)
             for k, val in VARIANTS[v].items():
                 env[k] = (env.get(k, "") + " " + val).strip() if k == "XLA_FLAGS" else val
             t0 = time.perf_counter()

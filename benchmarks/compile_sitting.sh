@@ -17,8 +17,6 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 B30=${B30_SHAPE:-b30}
 RETURNED="progress phases.tsv data-*.json"  # the bench results travel as one archive (collect_more)
 COMMON=(--tokens 128 --prompt-len 32)
-WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
-from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path(sys.argv[1]))")
 
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
@@ -34,9 +32,7 @@ pipeline() {
     phase "b30-cmdbuf-off-$run" 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$PY" -m strata_jax.cli bench \
       --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-off-$run.json"
   done
-  [ -n "${SKIP_IQ:-}" ] || phase iq-kernels 240 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts kernels \
-    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sizes bseed --no-dense --sweep 16x2
-  [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
+  iq_kernels
   note "pipeline: done"
 }
 

@@ -34,9 +34,6 @@ QSEED=${QSEED_SHAPE:-qseed} B30=${B30_SHAPE:-b30}
 LLAMA_LINK=$S/llama-bench  # made once the build is done (/bin/false if it failed); bench waits for it
 COMMON=(--tokens 128 --prompt-len 32)
 
-# the synthetic GGUF, written once into the cache (bench then takes the same file, under its lock)
-WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
-from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path(sys.argv[1]))")
 
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
@@ -44,9 +41,7 @@ pipeline() {
   build_llama 12 &
   phase write-qseed 900 "$PY" "${WRITE[@]}" "$QSEED" &
   local writer=$!
-  [ -n "${SKIP_IQ:-}" ] || phase iq-kernels 240 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts kernels \
-    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sizes bseed --no-dense --sweep 16x2
-  [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
+  iq_kernels
   wait "$writer"
   local qfile
   qfile=$(ls "$STRATA_JAX_CACHE/synthetic/$QSEED-"*.gguf 2>/dev/null | head -1)

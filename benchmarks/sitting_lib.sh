@@ -18,6 +18,11 @@ RETURNED="progress phases.tsv results-*.json data-*.json"  # copied from $S to $
 TAILED="*.log"         # files of $S whose tails travel in logs.tar.gz
 USAGE="start|wait"
 
+# "$PY" "${WRITE[@]}" SHAPE: the bench shape's synthetic GGUF, written once into the cache (bench then
+# takes the same file, under its lock)
+WRITE=(-c "import logging, sys; logging.basicConfig(level=logging.INFO)
+from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path(sys.argv[1]))")
+
 deadline() { cat "$S/deadline" 2>/dev/null || echo "$SITTING_S"; }
 note() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" >> "$S/progress"; }
 
@@ -41,6 +46,16 @@ phase() {
   note "$name: rc $rc after $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (cut at its limit)')"
   printf '%s\t%s\t%s\t%s\n' "$name" "$([ $rc = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - t0))" >> "$S/phases.tsv"
   return $rc
+}
+
+# iq_kernels: the fused IQ kernels at BSEED size, each right after its gather + dequantize + einsum
+# baseline, one launch config -> $S/data-iq.json (IQ_TYPES, default the seed's four); SKIP_IQ=1 skips it
+iq_kernels() {
+  [ -n "${SKIP_IQ:-}" ] && return 0
+  phase iq-kernels 240 env OUT="$S" "$PY" benchmarks/decode_profile.py --parts kernels \
+    --types "${IQ_TYPES:-IQ3_S,IQ3_XXS,IQ2_XS,IQ1_M}" --sizes bseed --no-dense --sweep 16x2
+  [ -f "$S/decode_profile.json" ] && mv -f "$S/decode_profile.json" "$S/data-iq.json"
+  return 0
 }
 
 install_wheels() {  # $WHEELS/*.whl (carried, ignored by git) into $SITE; NO_WHEELS=1 skips it (a local dry run)
