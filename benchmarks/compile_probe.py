@@ -95,11 +95,18 @@ def main() -> None:
     if a.child:
         print("RESULT " + json.dumps(child(a.child[0], int(a.child[1]))), flush=True)
         return
+    variants, bad = a.variants.split(","), [v for v in a.variants.split(",") if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants {','.join(bad)}: unknown; choose from {','.join(VARIANTS)}")
+    try:
+        layer_counts = [int(n) for n in a.layers.split(",")]
+    except ValueError:
+        ap.error(f"--layers {a.layers!r}: give layer counts separated by commas, e.g. 4,8")
     rows = []
     root = str(Path(__file__).resolve().parents[1])  # the child imports strata_jax from this tree
     base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    for v in a.variants.split(","):
-        for n in map(int, a.layers.split(",")):
+    for v in variants:
+        for n in layer_counts:
             env = dict(base)
             for k, val in VARIANTS[v].items():
                 env[k] = (env.get(k, "") + " " + val).strip() if k == "XLA_FLAGS" else val
