@@ -2,15 +2,18 @@
 first request's programs (prefill + decode chunk), at several layer counts and under several settings.
 
     python benchmarks/compile_probe.py [--shape qmid] [--layers 4,12] [--variants default,xla,...]
-                                       [--out FILE]
+                                       [--slots-per-layer N] [--out FILE]
 
 Each (variant, layer count) runs in a child process (XLA flags are per process) with the persistent
 compilation cache off, loads a synthetic GGUF of the shape with that many layers (written once under
 the cache), and times the first generate (every program compiled) against the second (none). JAX's
 monitoring events give the split: jaxpr trace, jaxpr -> MLIR, backend compile. The slope between
-layer counts is the cost per layer.
+layer counts is the cost per layer. --slots-per-layer offloads the experts (N slots per MoE layer, the
+default per-layer caches) so the programs carry the policy and the miss loop; each row names the
+layer plan the engine logged (which layers compiled once).
 
-Variants: default (the engine's settings), xla (STRATA_JAX_QMATVEC=0: no Pallas kernels), noautotune
+Variants: default (the engine's settings), unrolled (layer_scan off: every layer compiled, the engine
+before model/runs.py), xla (STRATA_JAX_QMATVEC=0: no Pallas kernels), noautotune
 (--xla_gpu_autotune_level=0), nocmdbuf (command buffers off).
 """
 
@@ -25,8 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+# each variant's environment, and its engine options (the child's load keywords) under "options"
 VARIANTS = {
     "default": {},
+    "unrolled": {"options": {"layer_scan": "off"}},
     "xla": {"STRATA_JAX_QMATVEC": "0"},
     "noautotune": {"XLA_FLAGS": "--xla_gpu_autotune_level=0"},
     "nocmdbuf": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
@@ -43,7 +48,7 @@ def _spec(shape: str, layers: int):
     return dataclasses.replace(base, n_layers=layers)
 
 
-def child(shape: str, layers: int) -> dict:
+def child(shape: str, layers: int, options: dict) -> dict:
     import jax
     import jax.monitoring
 
@@ -68,8 +73,12 @@ def child(shape: str, layers: int) -> dict:
         write_synthetic_gguf(path.with_suffix(".partial"), _spec(shape, layers))
         path.with_suffix(".partial").rename(path)
     t0 = time.perf_counter()
-    model = strata_jax.load(str(path), ctx=1024, compilation_cache=False)
+    model = strata_jax.load(str(path), ctx=1024, compilation_cache=False, **options)
     load_s = time.perf_counter() - t0
+    from strata_jax.model import runs
+
+    plan = runs.describe(model.layer_runs) if model.layer_runs is not None else "every layer unrolled"
+    table = model.experts.slots if model.experts is not None else None
     before, n_before = dict(events), len(backend)
     walls = []
     for _ in range(2):
@@ -81,7 +90,9 @@ def child(shape: str, layers: int) -> dict:
     return {"shape": shape, "layers": layers, "load_s": round(load_s, 2), "first_s": round(walls[0], 2),
             "second_s": round(walls[1], 2), "events_s": first, "event_counts": counts,
             "largest_backend_s": sorted((round(x, 2) for x in backend[n_before:]), reverse=True)[:4],
-            "device": str(jax.devices()[0])}
+            "device": str(jax.devices()[0]), "layer_plan": plan,
+            "expert_slots": None if table is None or table.resident else table.n_slots,
+            "expert_pools": None if table is None else len(table.pools)}
 
 
 def main() -> None:
@@ -89,11 +100,13 @@ def main() -> None:
     ap.add_argument("--shape", default="qmid")
     ap.add_argument("--layers", default="4,12")
     ap.add_argument("--variants", default="default,xla,noautotune")
+    ap.add_argument("--slots-per-layer", type=int, default=None,
+                    help="offload the experts: this many cache slots per MoE layer (default: all resident)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "data-compile.json"))
-    ap.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, metavar=("SHAPE", "LAYERS", "OPTIONS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(child(a.child[0], int(a.child[1]))), flush=True)
+        print("RESULT " + json.dumps(child(a.child[0], int(a.child[1]), json.loads(a.child[2]))), flush=True)
         return
     variants, bad = a.variants.split(","), [v for v in a.variants.split(",") if v not in VARIANTS]
     if bad:
@@ -108,11 +121,15 @@ def main() -> None:
     for v in variants:
         for n in layer_counts:
             env = dict(base)
+            options = dict(VARIANTS[v].get("options", {}))
+            if a.slots_per_layer:
+                options["expert_slots"] = a.slots_per_layer * _spec(a.shape, n).n_layers
             for k, val in VARIANTS[v].items():
-                env[k] = (env.get(k, "") + " " + val).strip() if k == "XLA_FLAGS" else val
+                if k != "options":
+                    env[k] = (env.get(k, "") + " " + val).strip() if k == "XLA_FLAGS" else val
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, __file__, "--child", a.shape, str(n)], env=env, capture_output=True,
-                               text=True)
+            p = subprocess.run([sys.executable, __file__, "--child", a.shape, str(n), json.dumps(options)], env=env,
+                               capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             row = json.loads(line[-1][7:]) if line else {"error": p.stderr[-2000:]}
             row.update(variant=v, layers=n, wall_s=round(time.perf_counter() - t0, 1))

@@ -42,7 +42,7 @@ def resolve_model(ref):
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
-    from strata_jax.engine.config import DTYPES, PLE_TABLES, POOLS, SPEC_DRAFTERS
+    from strata_jax.engine.config import DTYPES, LAYER_SCAN, PLE_TABLES, POOLS, SPEC_DRAFTERS
     from strata_jax.model.config import ROPE_SCALINGS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
@@ -66,6 +66,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (greedy and sampled, lossless): lookup drafts n-gram matches from the "
                         "prompt and output so far and verifies them in one pass (one-row sessions: --parallel 1)")
     p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
+    p.add_argument("--layer-scan", default="on", choices=LAYER_SCAN,
+                   help="compile alike layers once, scanned over their stacked weights (default on); off unrolls "
+                        "every layer: compile time then grows with the layer count")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -103,7 +106,8 @@ def engine_config(args):
                                parallel=getattr(args, "parallel", 1),
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
                                spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
-                               rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx)
+                               rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
+                               layer_scan=getattr(args, "layer_scan", "on"))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by

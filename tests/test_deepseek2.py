@@ -16,6 +16,7 @@ from reference_models import deepseek2_model, hf_greedy, hf_logits, hf_quantized
 from reference_models import load_weights as _load
 from reference_models import rewrite_gguf
 from strata_jax.gguf.reader import GGUFFile
+from strata_jax.model import runs
 
 pytestmark = pytest.mark.slow  # converter-made models (~10 s each on a cold cache)
 
@@ -322,7 +323,7 @@ def test_q8_0_logits_match_transformers_with_the_files_weights(dequantize_dense)
     tm = deepseek2_model("v3", "q8_0")
     ids = _ids(tm)
     m = _engine("v3", "q8_0", dequantize_dense=dequantize_dense)
-    assert (m.params.layers[1].attn.k_b.qtype is None) == dequantize_dense
+    assert (runs.layers_of(m.params.layers)[1].attn.k_b.qtype is None) == dequantize_dense
     ours = m.logits(ids)
     err = _rel_err(ours, hf_logits(_gguf_exact_reference(tm), ids))
     print(f"deepseek2 q8_0: max relative logit error vs transformers (same weights) {err.max():.2e}")
@@ -362,7 +363,7 @@ def test_route_matches_transformers_router():
 
 def _moe_params(params, **changes):
     layers = tuple(dataclasses.replace(lp, moe=dataclasses.replace(lp.moe, **changes)) if lp.moe else lp
-                   for lp in params.layers)
+                   for lp in runs.layers_of(params.layers))
     return dataclasses.replace(params, layers=layers)
 
 

@@ -14,6 +14,7 @@ from engine_checks import assert_offloaded_matches, resident_reference
 from reference_models import glm4moe_model, hf_greedy, hf_logits
 from reference_models import load_weights as _load
 from strata_jax.gguf.reader import GGUFFile
+from strata_jax.model import runs
 
 pytestmark = pytest.mark.slow  # converter-made models (~25 s each on a cold cache)
 
@@ -176,13 +177,13 @@ def test_offloaded_equals_resident():
 
 def _without_bias(params):
     layers = tuple(dataclasses.replace(lp, moe=dataclasses.replace(lp.moe, score_bias_E=None)) if lp.moe else lp
-                   for lp in params.layers)
+                   for lp in runs.layers_of(params.layers))
     return dataclasses.replace(params, layers=layers)
 
 
 def _without_shared(params):
     layers = tuple(dataclasses.replace(lp, moe=dataclasses.replace(lp.moe, shared=None)) if lp.moe else lp
-                   for lp in params.layers)
+                   for lp in runs.layers_of(params.layers))
     return dataclasses.replace(params, layers=layers)
 
 

@@ -21,6 +21,7 @@ from reference_models import gptoss_model, hf_greedy, hf_logits
 from reference_models import load_weights as _load
 from reference_models import rewrite_gguf
 from strata_jax.gguf.reader import GGUFFile
+from strata_jax.model import runs
 
 pytestmark = pytest.mark.slow  # converter-made models (~20 s on a cold cache)
 
@@ -228,7 +229,7 @@ def test_grouped_prefill_equals_dense():
     from strata_jax.model.moe import _experts_dense, _experts_grouped, route
 
     m = _resident()
-    cfg, p = m.config, m.params.layers[0].moe
+    cfg, p = m.config, runs.layers_of(m.params.layers)[0].moe
     x = jnp.asarray(np.random.default_rng(5).standard_normal((12, cfg.d_model)).astype(np.float32))
     w, ids = route(x, p.router_ED, cfg, logit_bias_E=p.router_bias_E)
     experts = m.experts.take()
@@ -361,7 +362,7 @@ def _layers(params, attn=None, moe=None):
         return dataclasses.replace(obj, **{k: fn(getattr(obj, k)) for k, fn in (fns or {}).items()})
 
     return dataclasses.replace(params, layers=tuple(
-        dataclasses.replace(lp, attn=change(lp.attn, attn), moe=change(lp.moe, moe)) for lp in params.layers))
+        dataclasses.replace(lp, attn=change(lp.attn, attn), moe=change(lp.moe, moe)) for lp in runs.layers_of(params.layers)))
 
 
 def _zero(x):

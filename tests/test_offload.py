@@ -15,6 +15,7 @@ from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.core.errors import ConfigError
 from strata_jax.offload.policies import POLICIES
+from strata_jax.model import runs
 
 # 4 MoE layers x 8 experts, top-2; odd layers' down projections in another type -> two slot pools
 SPEC = SyntheticSpec(arch="qwen3moe", n_layers=4, d_model=128, head_dim=32, expert_ffn_dim=64, vocab_size=512,
@@ -35,13 +36,19 @@ def reference(moe_path):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("pools,slots", [("shared", 4), ("shared", 6), ("shared", 12), ("shared", 24),
-                                         ("per-layer", 8), ("per-layer", 12), ("per-layer", 24)])
-def test_offloaded_equals_resident(moe_path, reference, policy, pools, slots):
+@pytest.mark.parametrize("pools,slots,scan", [("shared", 4, "on"), ("shared", 6, "on"), ("shared", 12, "on"),
+                                              ("shared", 24, "on"), ("per-layer", 8, "on"), ("per-layer", 12, "on"),
+                                              ("per-layer", 24, "on"), ("per-layer", 12, "off")])
+def test_offloaded_equals_resident(moe_path, reference, policy, pools, slots, scan):
+    """Every policy and pool layout decodes the resident tokens. Per-layer caches with the layer scan on
+    are blocks of one pool per expert row layout (the model's two), each layer's state stacked; off, a
+    pool of its own per layer."""
     ids, ref_logits, ref_tokens = reference
-    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, policy=policy, expert_pools=pools)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, policy=policy, expert_pools=pools, layer_scan=scan)
     assert not m.cache_plan.resident and m.cache_plan.n_slots == slots
-    assert len(m.experts.slots.pools) == (2 if pools == "shared" else 4)
+    table = m.experts.slots
+    assert len(table.pools) == (4 if (pools, scan) == ("per-layer", "off") else 2)
+    assert table.block == ((slots // 4,) * 2 if (pools, scan) == ("per-layer", "on") else (0,) * len(table.pools))
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     gen = m.generate(ids, max_tokens=24, temperature=0)
     assert gen.token_ids == ref_tokens
@@ -230,8 +237,9 @@ def test_static_policy_per_layer_pools_take_their_rows(moe_path, reference):
     prof = np.arange(32, dtype=np.float32).reshape(4, 8)
     from strata_jax.offload.policies import static_policy
     m = strata_jax.load(moe_path, ctx=128, expert_slots=12, policy=static_policy(prof))
-    for i, cache in enumerate(m.experts.slots.caches):
-        np.testing.assert_array_equal(np.asarray(cache.meta["profile_LE"]), prof[i:i + 1])
+    table = m.experts.slots
+    for i, (p, j) in enumerate(zip(table.layer_pool, table.layer_local)):  # stacked per layer: [layers, 1, E]
+        np.testing.assert_array_equal(np.asarray(table.caches[p].meta["profile_LE"][j]), prof[i:i + 1])
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
 
 
@@ -302,7 +310,7 @@ def test_grouped_prefill_equals_dense(moe_path):
         for layer in (0, 1):  # the two pools (odd layers' down projections are Q4_0)
             rng = np.random.default_rng(layer)
             x_ND = jnp.asarray(rng.normal(size=(40, cfg.d_model)), jnp.float32)
-            w_Nk, ids_Nk = moe.route(x_ND, m.params.layers[cfg.moe_layers[layer]].moe.router_ED, cfg)
+            w_Nk, ids_Nk = moe.route(x_ND, runs.layers_of(m.params.layers)[cfg.moe_layers[layer]].moe.router_ED, cfg)
             grouped = moe._experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(layer), jnp.float32, cfg.n_experts)
             dense = moe._experts_dense(x_ND, w_Nk, ids_Nk, experts, layer, jnp.float32, cfg.n_experts,
                                        cfg.expert_ffn_dim)

@@ -10,6 +10,7 @@ import torch
 import strata_jax
 from conftest import count_compiles
 from reference_models import hf_model_from_gguf
+from strata_jax.model import runs
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def test_projections_stack_by_ggml_type(qwen):
     the numbers through them."""
     cfg = qwen.config
     n_groups = set()
-    for i, layer in enumerate(qwen.params.layers):
+    for i, layer in enumerate(runs.layers_of(qwen.params.layers)):
         t = {n: qwen.gguf.tensor(f"blk.{i}.attn_{n}.weight").ggml_type for n in "qkv"}
         assert t["q"] == t["k"]
         want = ((cfg.q_dim, cfg.kv_dim, cfg.kv_dim),) if t["v"] == t["k"] else ((cfg.q_dim, cfg.kv_dim), (cfg.kv_dim,))

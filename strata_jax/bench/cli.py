@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-chunk", type=_positive, default=None,
                    help="decode steps per jitted call in every configuration (default: the engine's, load's "
                         "decode_chunk)")
+    p.add_argument("--layer-scan", choices=["on", "off"], default="on",
+                   help="alike layers compiled once as a scan (default on) or every layer unrolled")
     p.add_argument("--no-resident", dest="resident", action="store_false", help="no all-resident reference run")
     p.add_argument("--resident-process", choices=["auto", "same", "child"], default="auto",
                    help="where the resident reference runs: auto = a child process without the VRAM cap when "
@@ -132,6 +134,7 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
         argv += ["--probe-mib", str(args.probe_mib)]
     if args.decode_chunk:
         argv += ["--decode-chunk", str(args.decode_chunk)]
+    argv += ["--layer-scan", args.layer_scan]
     log.info("resident reference in a child process without the VRAM cap: %s", shlex.join(argv))
     proc = subprocess.run(argv, env=dict(machine.uncapped_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
     try:
@@ -240,7 +243,8 @@ def check_engine_options(args) -> None:
 
     for depth in args.prefetch_depth:
         EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
-                            vram_budget=args.vram_budget, policy=args.policy, prefetch=depth)
+                            vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
+                            layer_scan=args.layer_scan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,10 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
     configs = [Config("resident", "resident", {})] if resident else []
     if not args.resident_only:
         configs += _cache_configs(args, total_experts, budget)
-    if args.decode_chunk is None:  # the engine's default for the device; each row records what ran
-        return configs
-    return [dataclasses.replace(c, load_kw=dict(c.load_kw, decode_chunk=args.decode_chunk)) for c in configs]
+    shared = {"layer_scan": args.layer_scan}
+    if args.decode_chunk is not None:  # else the engine's default for the device; each row records what ran
+        shared["decode_chunk"] = args.decode_chunk
+    return [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
 
 
 def _cache_configs(args, total_experts: int, budget: int | None) -> list[Config]:
@@ -73,8 +74,11 @@ def prompts(vocab: int, prompt_len: int, prefill_lens: list[int]) -> tuple[list[
 
 
 def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
-    # compile prefill + decode first; cache_prompt off so the timed run prefills the whole prompt again
+    # compile prefill + decode first (timed: the first request's compilation); cache_prompt off so the
+    # timed run prefills the whole prompt again
+    t0 = time.perf_counter()
     model.generate(prompt, max_tokens=4, temperature=0, cache_prompt=False)
+    first_s = time.perf_counter() - t0
     model.reset_stats()
     t0 = time.perf_counter()
     gen = model.generate(prompt, max_tokens=n_tokens, temperature=0, cache_prompt=False)
@@ -87,7 +91,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
     steps = max(n - 1, 1)  # the first token comes out of prefill
     moved = int((counters[:, 1] + counters[:, 3]) @ np.asarray(mb.expert_M, np.int64)) if counters is not None else 0
     row = {
-        "decode_tok_s": tps, "n_tokens": n, "wall_s": wall, "prompt_len": len(prompt),
+        "decode_tok_s": tps, "n_tokens": n, "wall_s": wall, "prompt_len": len(prompt), "first_request_s": first_s,
         "prompt_prefill_tok_s": gen.timings["prompt_per_second"],
         "hit_rate": st.get("hit_rate", 1.0), "misses": st.get("misses", 0), "prefetched": st.get("prefetched", 0),
         "decode_MB_per_token": moved / steps / 1e6, "decode_h2d_GB_s": moved / steps * tps / 1e9,
@@ -105,12 +109,19 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
     return row
 
 
-def _prefill(model, ids) -> tuple[float, float]:
-    """Warm prefill tok/s of one prompt, and the host->device GB/s its streamed experts took."""
-    model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)  # compiles the chunk buckets and spans
+def _prefill(model, ids) -> dict[str, float]:
+    """Warm prefill tok/s of one prompt, the host->device GB/s its streamed experts took, and the wall
+    seconds of the first (compiling: the chunk buckets and spans past the decode run's) and the second
+    request of it."""
+    t0 = time.perf_counter()
+    model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)
+    first = time.perf_counter() - t0
     model.reset_stats()
+    t0 = time.perf_counter()
     g = model.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)
-    return g.timings["prompt_per_second"], model.stats().get("bytes_h2d", 0) / max(g.timings["prompt_ms"], 1e-6) / 1e6
+    return {"prefill_tok_s": g.timings["prompt_per_second"],
+            "prefill_h2d_GB_s": model.stats().get("bytes_h2d", 0) / max(g.timings["prompt_ms"], 1e-6) / 1e6,
+            "prefill_first_s": first, "prefill_s": time.perf_counter() - t0}
 
 
 def _error(stage: str, e: Exception) -> str:
@@ -122,11 +133,14 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
     """Rows for one configuration, one per routing mode. A failure is recorded in its row ('error', or
     'prefill_errors' per prompt length beside the decode figures) and the model is loaded afresh for the
     next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest."""
+    import jax
+
     import strata_jax
 
     base = {"engine": "strata-jax", "config": conf.name, "config_kind": conf.kind,
             "cache_fraction": conf.cache_fraction, "policy": conf.load_kw.get("policy"),
-            "prefetch_depth": conf.load_kw.get("prefetch", 0), "vram_budget_bytes": conf.load_kw.get("vram_budget"),
+            "prefetch_depth": conf.load_kw.get("prefetch", 0),
+            "layer_scan": conf.load_kw.get("layer_scan", "on"), "vram_budget_bytes": conf.load_kw.get("vram_budget"),
             "kv": kv}
     rows, model, first = [], None, True
     for routing in routings:
@@ -150,6 +164,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             first = False
             # like llama-bench, decode a fixed number of tokens: random weights may well pick an end-of-text id
             model.tokenizer.stop_ids = frozenset()
+        # the engine sets the on-disk compilation cache at load: with it, first_request_s can read warm
+        row["compilation_cache"] = jax.config.jax_compilation_cache_dir or None
         try:
             model.force_routing(traces.get(routing))
             row.update(_decode(model, mb, prompt, n_tokens, probes))
@@ -158,10 +174,12 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             row["error"] = _error("decode", e)
             model = None
             continue
-        row["prefill_tok_s"], row["prefill_h2d_GB_s"] = {}, {}
+        figures = ("prefill_tok_s", "prefill_h2d_GB_s", "prefill_first_s", "prefill_s")
+        row.update({k: {} for k in figures})
         for n_prompt, ids in long_prompts.items():
             try:
-                row["prefill_tok_s"][str(n_prompt)], row["prefill_h2d_GB_s"][str(n_prompt)] = _prefill(model, ids)
+                for k, v in _prefill(model, ids).items():
+                    row[k][str(n_prompt)] = v
             except Exception as e:  # noqa: BLE001 - see the docstring
                 log.exception("%s, %s routing: prefill of %d tokens failed", conf.name, routing, n_prompt)
                 row.setdefault("prefill_errors", {})[str(n_prompt)] = _error("prefill", e)

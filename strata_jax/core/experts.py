@@ -180,8 +180,9 @@ def n_distinct(ids_Nk: jax.Array) -> jax.Array:
 class ExpertProvider(Protocol):
     """Where the MoE block (strata_jax.model.moe.moe_block) gets routed experts. A pytree passed through
     the jitted forward pass and returned updated (it is donated between steps); every method is traced
-    inside jit, takes static Python ints for layer indices, and returns the updated provider where the
-    state changes. Implementations: strata_jax.offload.provider.SlotExperts (resident and offloaded
+    inside jit, takes a static Python int for the MoE layer or, inside a scanned run of alike layers
+    (model/runs.py), a core.layer_ref.LayerRef over layers with the same `layer_key`, and returns the
+    updated provider where the state changes. Implementations: strata_jax.offload.provider.SlotExperts (resident and offloaded
     slot tables); tests/test_moe_provider.py has a minimal one.
 
     Two paths per MoE layer, chosen statically by `few_path`:
@@ -222,6 +223,16 @@ class ExpertProvider(Protocol):
 
     def count(self, moe_idx: int, **values: jax.Array) -> "ExpertProvider":
         """The provider with values added to its counters of this layer (ExpertCounters.add)."""
+
+    def layer_key(self, moe_idx: int) -> Any:
+        """What MoE layers must have equal to be scanned as one body (e.g. their slot pool)."""
+
+    def detach_counts(self) -> tuple["ExpertProvider", tuple[tuple, tuple]]:
+        """(the provider without its not-yet-folded counts, (their static keys, their values)): a scan
+        carries a fixed structure, so counts leave the carry before it and each iteration."""
+
+    def attach_counts(self, keys: tuple, values: tuple) -> "ExpertProvider":
+        """Counts detached earlier put back (a scan's values stacked [repeats])."""
 
     def finish(self, routed_MNk: jax.Array) -> "ExpertProvider":
         """After the layer loop, with every MoE layer's routed ids (counting done once per step)."""

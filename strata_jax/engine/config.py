@@ -40,6 +40,8 @@ SPEC_DRAFTERS = ("lookup",)  # speculative decoding's drafters (engine/lookup.py
 def default_decode_chunk(platform: str) -> int:
     return DECODE_CHUNK_GPU if platform == "gpu" else 1
 
+LAYER_SCAN = ("on", "off")
+
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
     "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "prefill_chunk": "--prefill-chunk",
@@ -49,6 +51,7 @@ FLAGS = {
     "expert_cache_state": "--expert-cache-state",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
+    "layer_scan": "--layer-scan",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
@@ -114,6 +117,9 @@ class EngineConfig:
     kernels: Kernels = dataclasses.field(default_factory=Kernels)
     # keep compiled programs on disk so a second start skips XLA compilation
     compilation_cache: bool = True
+    # alike layers (same types, shapes, expert pool) compiled once as a scanned body over their stacked
+    # params (model/runs.py), "on"; "off" unrolls every layer (compile time grows with the layer count)
+    layer_scan: str = "on"
 
     def __post_init__(self):
         # a directly built config is checked too (keyword names in errors); create() normalized it already
@@ -404,5 +410,6 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),
+        "layer_scan": lambda v: _choice(v, n("layer_scan"), LAYER_SCAN),
     }
     return {k: checks[k](options[k]) for k in checks if k in options}

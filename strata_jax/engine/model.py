@@ -32,6 +32,7 @@ from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.memory import activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes
 from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.model import runs
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager, expert_floor_bytes, plan_model_cache
 from strata_jax.offload.sizing import ContextPlan, describe_context, device_free_bytes, plan_context
@@ -133,6 +134,24 @@ def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
     return cfg
 
 
+def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice: str) -> tuple | None:
+    """The runs of alike layers to scan (model/runs.py), or None when scanning is off. Besides the params,
+    alike layers share what the forward pass reads of them statically: the sliding window; in the hybrid
+    family the layer kind, the QSA compress ratio and the PLE; the expert pool."""
+    if choice == "off":
+        return None
+    moe = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    ratios = cfg.indexer.compress_ratios if cfg.indexer is not None else ()
+    ple_layers = cfg.ple.layers if cfg.ple is not None else ()
+
+    def static(i: int) -> tuple:
+        pool = experts.layer_key(moe[i]) if i in moe and experts is not None else None
+        ratio = ratios[i] if i < len(ratios) else 0
+        return i in cfg.swa_layers, cfg.kind(i), ratio, i in ple_layers, pool
+
+    return runs.plan_runs([runs.signature(layer, static(i)) for i, layer in enumerate(params.layers)])
+
+
 class Model:
     """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
 
@@ -175,8 +194,13 @@ class Model:
                                           expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
-                                          batch_rows=config.parallel, cache_state=config.expert_cache_state)
+                                          batch_rows=config.parallel, cache_state=config.expert_cache_state,
+                                          stacked=config.layer_scan == "on")
             loader.bytes_loaded += self.experts.device_bytes
+        self.layer_runs = _layer_runs(self.params, cfg, self.experts, config.layer_scan)
+        if self.layer_runs is not None:
+            self.params = self.params.replace(layers=runs.stack_layers(self.params.layers, self.layer_runs, free=True))
+            log.info("layers: %s", runs.describe(self.layer_runs))
         storage = config.kv if config.kv != "f16" else f"f16: {jnp.dtype(self.dtype).name}"
         log.info(describe_context(self.context_plan, config.parallel, storage, self.cache_plan))
         jax.block_until_ready(self.params)

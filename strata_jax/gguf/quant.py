@@ -485,6 +485,7 @@ def dequantize(data: jax.Array, qtype: GGMLQuantizationType, n_cols: int, dtype=
 
 def dequant(qt: QTensor, dtype=jnp.float32) -> jax.Array:
     """The logical matrix of a QTensor, in dtype (a no-op cast for an already dequantized one)."""
+    qt = qt.resolved()
     if qt.qtype is None:
         return qt.data.astype(dtype)
     return dequantize(qt.data, qt.qtype, qt.n_cols, dtype)
@@ -492,6 +493,7 @@ def dequant(qt: QTensor, dtype=jnp.float32) -> jax.Array:
 
 def take_rows(qt: QTensor, idx: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Dequantize only the rows `idx` of a QTensor (embedding lookup) instead of the whole table."""
+    qt = qt.resolved()
     rows = jnp.take(qt.data, idx, axis=-2)
     if qt.qtype is None:
         return rows.astype(dtype)

@@ -1,8 +1,8 @@
 """The whole-model forward pass: one pure function, jitted per (batch, token-bucket) shape.
 
-Every layer is unrolled into one program (no Python between layers, no host sync inside a step);
-layers are not scanned because quantized files mix GGML types across layers. The KV cache is donated
-so its update is in place.
+Every layer runs inside one program (no Python between layers, no host sync inside a step): alike
+layers as one scanned body over their stacked params (model/runs.py), the others unrolled. The KV cache
+is donated so its update is in place.
 
 Shape legend: strata_jax/core/shapes.py
 """
@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import kvquant, mla
+from strata_jax.model import kvquant, mla, runs
 from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
@@ -125,44 +126,54 @@ def forward(
     # real tokens: not bucket padding, not an idle row (which runs at a position past the cache)
     valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
     x = take_rows(params.embed, tokens_BT, dtype)
-    k_all, v_all = kv.k_LBSKDh, kv.v_LBSKDh
-    routed = []
     n_moe = len(cfg.moe_layers)
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     few = experts is not None and all(experts.few_path(m, B * T * cfg.n_experts_used) for m in range(n_moe))
     depth = experts.prefetch_depth if few else 0  # MoE layers ahead whose experts each layer prefetches
     predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
-    for i, layer in enumerate(params.layers):
-        with jax.named_scope(f"layer{i}"):
+
+    def block(carry, layer, i):
+        """Block i (an int, or a LayerRef inside a scanned run: runs.py)."""
+        x, k_all, v_all, experts = carry
+        with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{i.ids[0]}+"):
             with jax.named_scope("attn"):
                 h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
                 if cfg.mla is not None:
-                    h, k_all = mla.attention(layer.attn, h, pos_BT, k_all, i, cfg, kernels, attn_len, attn_block)
+                    h, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
+                                             attn_block)
                 else:
                     h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
                                                 attn_block)
                 x = x + h
             h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
+            ids = None
             if layer.moe is not None:
                 with jax.named_scope("moe"):
-                    mi = moe_idx[i]
+                    mi = layer_ref.mapped(i, moe_idx)
                     pf = []
-                    for ahead in range(mi + 1, min(mi + 1 + depth, n_moe)):
+                    for ahead in range(mi + 1, min(mi + 1 + depth, n_moe)) if depth else ():
                         # a later MoE layer's router on this residual stream predicts its experts
-                        nxt = params.layers[cfg.moe_layers[ahead]]
+                        nxt = runs.layer_at(params.layers, cfg.moe_layers[ahead])
                         h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
-                                    logit_bias_E=nxt.moe.router_bias_E)[1]
-                        pf.append((ahead, jnp.where(valid_N[:, None], ids, -1)))
+                        p_ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
+                                      logit_bias_E=nxt.moe.router_bias_E)[1]
+                        pf.append((ahead, jnp.where(valid_N[:, None], p_ids, -1)))
                     if pf:
                         predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
-                    h, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf), predicted.get(mi),
-                                                None if forced_MNk is None else forced_MNk[mi], valid_N)
-                    routed.append(ids)
+                    forced = None if forced_MNk is None else forced_MNk[layer_ref.value(mi)]
+                    h, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf),
+                                                predicted.get(mi) if depth else None, forced, valid_N)
             else:
                 with jax.named_scope("mlp"):
                     h = swiglu(h, layer.mlp, kernels)
             x = x + h
+        return (x, k_all, v_all, experts), ids
+
+    # prefetch reads later layers' routers by static index: its layers run one by one
+    (x, k_all, v_all, experts), outs = runs.run_layers(
+        params.layers, (x, kv.k_LBSKDh, kv.v_LBSKDh, experts), block, unroll=depth > 0,
+        detach=runs.detach_provider, attach=runs.attach_provider)
+    routed = [ids for ids in outs if ids is not None]
     with jax.named_scope("head"):
         if not all_logits:
             x = x[jnp.arange(B), n_valid_B - 1][:, None, :]

@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
-from strata_jax.model import deltanet, hyper, ple, qsa
+from strata_jax.model import deltanet, hyper, ple, qsa, runs
 from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import gated_attention, lm_head, rms_norm, swiglu
@@ -135,43 +136,60 @@ def forward(params: HybridParams, experts: ExpertProvider | None, kv, tokens_BT,
             return h, lambda xs, out: hyper.combine(xs, out, w)
         return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
 
-    routed = []
-    for i, layer in enumerate(params.layers):
-        with jax.named_scope(f"layer{i}"):
-            if i in ple_idx:
+    # each layer's own recurrent state (linear, PLE, QSA: None where it has none) travels with its params
+    own = [(lin_state[lin_idx[i]] if i in lin_idx else None, ple_state[ple_idx[i]] if i in ple_idx else None,
+            qsa_state[qsa_idx[i]] if i in qsa_idx else None) for i in range(cfg.n_layers)]
+
+    def block(carry, layer_own, i):
+        """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
+        xs, k_all, v_all, experts = carry
+        layer, (lin, ple_s, qsa_s) = layer_own
+        at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, PLE
+        ids = None
+        with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
+            if at in ple_idx:
                 with jax.named_scope("ple"):
-                    j = ple_idx[i]
-                    out, ple_state[j] = ple.apply(layer.ple, xs, tokens_BT, ple_state[j], n_valid_B=n_valid_B,
-                                                  dims=ple_dims(cfg), kernels=kernels)
+                    out, ple_s = ple.apply(layer.ple, xs, tokens_BT, ple_s, n_valid_B=n_valid_B, dims=ple_dims(cfg),
+                                           kernels=kernels)
                     xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
             h, put_back = block_input(xs, layer.hc.attn if hc else None, layer.attn_norm_D)
-            if i in kv_idx:
+            if at in kv_idx:
                 with jax.named_scope("attn"):
                     select = None
-                    if i in qsa_idx:
-                        j = qsa_idx[i]
-                        select, qsa_state[j] = qsa.apply(layer.attn.indexer, h, qsa_state[j], start_B=start_B,
-                                                         n_valid_B=n_valid_B, dims=qsa_dims(cfg, i), kernels=kernels,
-                                                         attn_len=attn_len)
-                    out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all, kv_idx[i], cfg, kernels,
+                    if at in qsa_idx:
+                        select, qsa_s = qsa.apply(layer.attn.indexer, h, qsa_s, start_B=start_B, n_valid_B=n_valid_B,
+                                                  dims=qsa_dims(cfg, at), kernels=kernels, attn_len=attn_len)
+                    out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
+                                                        layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                         attn_len, select, attn_block)
             else:
                 with jax.named_scope("linear"):
-                    j = lin_idx[i]
-                    out, lin_state[j] = deltanet.apply(layer.linear, h, lin_state[j], n_valid_B=n_valid_B,
-                                                       dims=deltanet_dims(cfg), kernels=kernels)
+                    out, lin = deltanet.apply(layer.linear, h, lin, n_valid_B=n_valid_B, dims=deltanet_dims(cfg),
+                                              kernels=kernels)
             xs = put_back(xs, out)
             h, put_back = block_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
             if layer.moe is not None:
                 with jax.named_scope("moe"):
-                    mi = moe_idx[i]
-                    out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None,
-                                                  None if forced_MNk is None else forced_MNk[mi], valid_N)
-                    routed.append(ids)
+                    mi = layer_ref.mapped(i, moe_idx)
+                    forced = None if forced_MNk is None else forced_MNk[layer_ref.value(mi)]
+                    out, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, (), None, forced, valid_N)
             else:
                 with jax.named_scope("mlp"):
                     out = swiglu(h, layer.mlp, kernels)
             xs = put_back(xs, out)
+        return (xs, k_all, v_all, experts), (ids, (lin, ple_s, qsa_s))
+
+    (xs, k_all, v_all, experts), outs = runs.run_layers(
+        runs.with_own(params.layers, own), (xs, k_all, v_all, experts), block, detach=runs.detach_provider,
+        attach=runs.attach_provider)
+    routed = [ids for ids, _ in outs if ids is not None]
+    for i, (_, (lin, ple_s, qsa_s)) in enumerate(outs):
+        if i in lin_idx:
+            lin_state[lin_idx[i]] = lin
+        if i in ple_idx:
+            ple_state[ple_idx[i]] = ple_s
+        if i in qsa_idx:
+            qsa_state[qsa_idx[i]] = qsa_s
     with jax.named_scope("head"):
         if not all_logits:
             xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]

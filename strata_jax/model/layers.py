@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.core import layer_ref
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.quant import dequant
 from strata_jax.model import kvquant, qmatvec
@@ -113,13 +114,13 @@ def attention(
     pos_BT: jax.Array,
     k_LBSKDh: jax.Array,
     v_LBSKDh: jax.Array,
-    layer: int,
+    layer: int | layer_ref.LayerRef,
     cfg: ModelConfig,
     kernels: Kernels,
     attn_len: int | None = None,
     attn_block: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal GQA attention for `layer`. The new keys/values are scattered straight into the whole
+    """Causal GQA attention for `layer` (an int, or a LayerRef in a scanned run). The new keys/values are scattered straight into the whole
     (donated) cache at `pos_BT` — one in-place update, never a copy of a layer's cache — then every
     query attends to cache positions <= its own; stale entries past a sequence's end are masked.
     attn_len (static): attend over the first attn_len cache positions only, a power-of-two bucket above
@@ -142,8 +143,8 @@ def attention(
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
-    window = cfg.sliding_window if layer in cfg.swa_layers else 0
-    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len, attn_block=attn_block,
+    window = cfg.sliding_window if layer_ref.first(layer) in cfg.swa_layers else 0  # alike in a run
+    out, k_LBSKDh, v_LBSKDh = attend(q, k, v, pos_BT, k_LBSKDh, v_LBSKDh, layer_ref.value(layer), attn_len, attn_block=attn_block,
                                      window=window, sinks_H=p.sinks_H)
     return linear(out.astype(x_BTD.dtype), p.wo, kernels, p.wo_bias_D), k_LBSKDh, v_LBSKDh
 
@@ -181,11 +182,11 @@ def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax
     return out.reshape(B, T, -1)
 
 
-def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, attn_len: int | None,
+def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len: int | None,
            select_BTS: jax.Array | None = None, attn_block: int | None = None, *, scale: float | None = None,
            v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Scatter the new keys/values into KV layer `layer` of the (donated) cache at pos_BT (quantized
+    """Scatter the new keys/values into KV layer `layer` (an int or a traced int32) of the (donated) cache at pos_BT (quantized
     where the cache is, model/kvquant.py), then causal GQA attention over its first attn_len positions
     (see `attention`; attn_block: blocked, see `attend_blocked`). select_BTS (bool): the cache positions
     each query may attend to besides causality (QSA's selected blocks). scale: of the scores (default
@@ -208,7 +209,7 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer: int, at
     return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
 
 
-def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer: int, S: int, block: int,
+def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: int,
                    select_BTS: jax.Array | None = None, *, scale: float | None = None,
                    v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written),

@@ -629,13 +629,21 @@ def experts_glu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Kernel
 
 
 def linear_ok(w, n_rows: int, kernels: Kernels) -> bool:
-    """Whether x @ W.T for n_rows token rows takes the kernel (W a 2-D QTensor)."""
-    if w.qtype is None or n_rows > MAX_T or w.data.ndim != 2 or not stack_ok(w.data):
+    """Whether x @ W.T for n_rows token rows takes the kernel (W a 2-D QTensor, or one of a stack)."""
+    ndim = w.data.ndim - (w.index is not None)
+    if w.qtype is None or n_rows > MAX_T or ndim != 2 or not stack_ok(w.data):
         return False
-    return use_kernel((dense_part(w.qtype, w.data.shape[0], w.n_cols),), 1, kernels)
+    return use_kernel((dense_part(w.qtype, w.data.shape[-2], w.n_cols),), 1, kernels)
 
 
 def linear(x_TD, w, kernels: Kernels):
-    """x @ W.T, float32 [T, F], for a QTensor W ([F, R] GGML rows) and T <= MAX_T."""
-    part = dense_part(w.qtype, w.data.shape[0], w.n_cols)
-    return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, interpret=_interpret(kernels), **block_config(part, 1))
+    """x @ W.T, float32 [T, F], for a QTensor W ([F, R] GGML rows) and T <= MAX_T; a stack's matrix
+    (W.index set) is read in place, the stack's rows being the kernel's slots."""
+    F, R = w.data.shape[-2:]
+    part = dense_part(w.qtype, F, w.n_cols)
+    if w.index is None:
+        return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, interpret=_interpret(kernels), **block_config(part, 1))
+    w_XP = w.data.reshape(-1, F * R)
+    slot_1 = jnp.reshape(w.index, (1,)).astype(jnp.int32)
+    return stacked_matvec(x_TD[None], w_XP, slot_1, parts=(part,), interpret=_interpret(kernels),
+                          **block_config(part, 1))[0]

@@ -63,12 +63,14 @@ def _min_slots(spec: ExpertSpec, batch_rows: int) -> int:
 class OffloadManager:
     """gguf: the model's GGUFFile (strata_jax.gguf.reader); spec: its experts' layout, checked against the
     file (strata_jax.model.weights.expert_spec); device: where the slot pools go; cache_state: a directory
-    whose saved cache state (offload/warm.py) warms an offloading cache at load."""
+    whose saved cache state (offload/warm.py) warms an offloading cache at load; stacked: per-layer caches
+    of alike layers in one pool of blocks (slot_table.stacked_layout), so that those layers scan as one
+    body."""
 
     def __init__(self, gguf, spec: ExpertSpec, device, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
-                 batch_rows: int = 1, cache_state: str | None = None):
+                 batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False):
         self.device = device if device is not None else jax.devices()[0]
         self.spec = spec
         self.policy = get_policy(policy)
@@ -105,7 +107,11 @@ class OffloadManager:
                          cache_state)
         else:
             store = load_expert_store(gguf, spec, self.device)
-            slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device)
+            slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
+                                     stacked=stacked and expert_pools == "per-layer")
+            if len(slots.pools) != len(self.plan.slots_per_pool):
+                log.info("expert pools: the %d per-layer caches in %d pool%s of alike layers (layer scan)",
+                         len(self.plan.slots_per_pool), len(slots.pools), "s" if len(slots.pools) > 1 else "")
             self._identity = cache_identity(gguf, spec.n_experts, slots, self.policy.name)
             if cache_state is not None:
                 slots = restore_slot_table(cache_state, slots, store, self._identity)
@@ -131,6 +137,10 @@ class OffloadManager:
         if self.store_memory_kind is None:
             return np.zeros(self._n_layers, np.int64)
         return np.array([self.spec.bytes_per_expert(i) for i in range(self._n_layers)], np.int64)
+
+    def layer_key(self, moe_idx: int):
+        """What MoE layers share to be scanned as one body (their slot pool: SlotTable.layer_key)."""
+        return self._experts.table.layer_key(moe_idx)
 
     @property
     def slots(self) -> SlotTable | None:

@@ -54,7 +54,7 @@ class CacheState:
 
     @property
     def n_experts(self) -> int:
-        return self.slot_map_LE.shape[1]
+        return self.slot_map_LE.shape[-1]  # a stack of states (SlotTable.block) has a leading axis
 
 
 @struct.dataclass

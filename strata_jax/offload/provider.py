@@ -10,13 +10,13 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
 from strata_jax.offload.policies import Policy
@@ -40,13 +40,16 @@ class SlotExperts:
     def resident(self) -> bool:
         return self.table.resident
 
-    def few_path(self, moe_idx: int, n_lookups: int) -> bool:
+    def few_path(self, moe_idx, n_lookups: int) -> bool:
         return self.table.few_path(moe_idx, n_lookups, self.table.n_experts)
 
-    def lookup(self, moe_idx: int, ids_Nk: jax.Array,
+    def layer_key(self, moe_idx: int) -> int:
+        return self.table.layer_key(moe_idx)
+
+    def lookup(self, moe_idx, ids_Nk: jax.Array,
                valid_N: jax.Array | None = None) -> tuple["SlotExperts", ExpertRows, jax.Array]:
-        if self.resident:  # expert e is in slot e of its layer's pool (resident_slot_table): no lookup
-            return self, self.table.pool(moe_idx), ids_Nk
+        if self.resident:  # expert e is in slot local * E + e of its layer's pool (resident_layout): no lookup
+            return self, self.table.pool(moe_idx), ids_Nk + self.table.local(moe_idx) * self.table.n_experts
         wanted_Nk = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
         table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(wanted_Nk, self.table.n_experts))
         me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
@@ -72,21 +75,32 @@ class SlotExperts:
             return self
         return self.count(moe_idx, streamed=self.table.n_experts)
 
-    def group(self, moe_idx: int, first_expert: jax.Array, n: int) -> ExpertRows:
+    def group(self, moe_idx, first_expert: jax.Array, n: int) -> ExpertRows:
         if self.resident:
             pool = self.table.pool(moe_idx)
-            return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, first_expert, n, axis=0), pool.parts)
-        return stream_group(self.store.layers[moe_idx], first_expert, n)
+            at = self.table.local(moe_idx) * self.table.n_experts + first_expert
+            return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, at, n, axis=0), pool.parts)
+        return stream_group(*self._store_layers(moe_idx), first_expert, n)
 
-    def layer(self, moe_idx: int) -> ExpertRows:
+    def layer(self, moe_idx) -> ExpertRows:
         if self.resident:
-            return self.table.pool(moe_idx)
-        return stream_layer(self.store.layers[moe_idx])
+            pool, E = self.table.pool(moe_idx), self.table.n_experts
+            rows = jax.lax.dynamic_slice_in_dim(pool.data, self.table.local(moe_idx) * E, E, axis=0)
+            return ExpertRows(rows, pool.parts)
+        return stream_layer(*self._store_layers(moe_idx))
 
-    def count(self, moe_idx: int, **values: jax.Array) -> "SlotExperts":
-        keys = tuple((moe_idx, k) for k in values)
+    def count(self, moe_idx, **values: jax.Array) -> "SlotExperts":
+        # a LayerRef's counts are keyed by all its candidates (scalars in a scan's body, stacked [R] after)
+        key = moe_idx.ids if isinstance(moe_idx, LayerRef) else moe_idx
+        keys = tuple((key, k) for k in values)
         vals = tuple(jnp.asarray(v).astype(jnp.int32) for v in values.values())
         return self.replace(pending_keys=self.pending_keys + keys, pending=self.pending + vals)
+
+    def detach_counts(self) -> tuple["SlotExperts", tuple[tuple, tuple]]:
+        return self.replace(pending_keys=(), pending=()), (self.pending_keys, self.pending)
+
+    def attach_counts(self, keys: tuple, values: tuple) -> "SlotExperts":
+        return self.replace(pending_keys=self.pending_keys + tuple(keys), pending=self.pending + tuple(values))
 
     def finish(self, routed_MNk: jax.Array) -> "SlotExperts":
         me = self._fold()
@@ -106,7 +120,12 @@ class SlotExperts:
         for name in dict.fromkeys(k for _, k in self.pending_keys):
             per_layer = [zero] * M
             for (mi, k), v in zip(self.pending_keys, self.pending):
-                if k == name:
+                if k != name:
+                    continue
+                if isinstance(mi, tuple):  # a scanned run's counts: v[q] is layer mi[q]'s
+                    for q, m in enumerate(mi):
+                        per_layer[m] = per_layer[m] + v[q]
+                else:
                     per_layer[mi] = per_layer[mi] + v
             updates[name] = getattr(self.counters, name) + jnp.stack(per_layer)
         return self.replace(counters=self.counters.replace(**updates), pending_keys=(), pending=())
@@ -117,14 +136,15 @@ class SlotExperts:
     def join(self, fixed: Any) -> "SlotExperts":
         return self.replace(store=fixed)
 
-    def _access_and_fetch(self, table: SlotTable, moe_idx: int, ids_U: jax.Array):
-        """Run the policy for MoE layer `moe_idx` and DMA its misses into their slots."""
-        pool_i, local = table.layer_pool[moe_idx], table.layer_local[moe_idx]
-        cache, plan = self.policy.access(table.caches[pool_i], local, ids_U)
-        pool = fetch_misses(table.pools[pool_i], self.store.layers[moe_idx], plan)
-        table = dataclasses.replace(
-            table,
-            pools=tuple(pool if i == pool_i else q for i, q in enumerate(table.pools)),
-            caches=tuple(cache if i == pool_i else c for i, c in enumerate(table.caches)),
-        )
-        return table, plan
+    def _store_layers(self, moe_idx) -> tuple[tuple[ExpertRows, ...], Any]:
+        """The store layers moe_idx can be and which one it is (fetch.read_rows' arguments)."""
+        if isinstance(moe_idx, LayerRef):
+            return tuple(self.store.layers[m] for m in moe_idx.ids), moe_idx.at
+        return (self.store.layers[moe_idx],), 0
+
+    def _access_and_fetch(self, table: SlotTable, moe_idx, ids_U: jax.Array):
+        """Run the policy for MoE layer `moe_idx` (an int or a LayerRef) and DMA its misses into their slots."""
+        cache, row = table.layer_cache(moe_idx)
+        cache, plan = self.policy.access(cache, row, ids_U)
+        pool = fetch_misses(table.pool(moe_idx), *self._store_layers(moe_idx), plan, base=table.slot_base(moe_idx))
+        return table.with_layer(moe_idx, cache, pool), plan

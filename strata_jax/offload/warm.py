@@ -29,7 +29,7 @@ from strata_jax.offload.store import ExpertStore
 
 log = logging.getLogger("strata_jax")
 
-FORMAT = 1  # of the saved record; a state of another format is ignored
+FORMAT = 2  # of the saved record (2: pools of blocks, SlotTable.block); a state of another format is ignored
 
 
 def cache_identity(gguf, n_experts: int, table: SlotTable, policy_name: str) -> dict[str, Any]:
@@ -38,6 +38,7 @@ def cache_identity(gguf, n_experts: int, table: SlotTable, policy_name: str) -> 
     return {"format": FORMAT, "model": os.path.basename(gguf.path), "file_size": int(gguf.file_size),
             "fingerprint": gguf.fingerprint(), "n_experts": int(n_experts), "moe_layers": len(table.layer_pool),
             "layer_pool": list(table.layer_pool), "slots_per_pool": [int(p.n_rows) for p in table.pools],
+            "block": [int(b) for b in table.block],
             "policy": policy_name}
 
 
@@ -59,15 +60,16 @@ def save_cache_state(path: str, caches: tuple[CacheState, ...], identity: dict[s
         caches=ocp.args.StandardSave(caches), meta=ocp.args.JsonSave({**identity, "saved": saved})))
     mgr.wait_until_finished()
     mgr.close()
-    n_slots = sum(int(c.owner_X.shape[0]) for c in caches)
+    n_slots = sum(int(c.owner_X.size) for c in caches)
     log.info("expert cache: saved the state of %s slots to %s", f"{n_slots:,}", path)
 
 
 def _mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """Why a state saved with `saved` does not fit this load (None: it does)."""
     what = {"format": "state format", "model": "model file", "file_size": "model file", "fingerprint": "model file",
-            "n_experts": "model", "moe_layers": "model", "layer_pool": "slot plan (--expert-pools)",
-            "slots_per_pool": "slot plan (--expert-slots, --vram-budget)", "policy": "policy (--policy)"}
+            "n_experts": "model", "moe_layers": "model", "layer_pool": "slot plan (--expert-pools, --layer-scan)",
+            "slots_per_pool": "slot plan (--expert-slots, --vram-budget)",
+            "block": "slot plan (--expert-pools, --layer-scan)", "policy": "policy (--policy)"}
     for key, label in what.items():
         if saved.get(key) != now[key]:
             return f"it was saved for another {label}: {key} {saved.get(key)!r}, this load {now[key]!r}"
@@ -131,7 +133,7 @@ def fill_pools(table: SlotTable, store: ExpertStore) -> SlotTable:
     """Each pool's slots loaded with their owners' rows from the store: one jitted program per pool."""
     pools = []
     for p, (pool, cache) in enumerate(zip(table.pools, table.caches)):
-        # the pool's MoE layers in layer_local order (a cache's global id is local layer * E + expert)
+        # the pool's MoE layers in layer_local order
         layers = tuple(store.layers[i] for i, q in enumerate(table.layer_pool) if q == p)
         pools.append(_fill_pool(pool, cache.owner_X, layers))
     return table.replace(pools=tuple(pools))
@@ -139,11 +141,16 @@ def fill_pools(table: SlotTable, store: ExpertStore) -> SlotTable:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _fill_pool(pool: ExpertRows, owner_X: jax.Array, layers: tuple[ExpertRows, ...]) -> ExpertRows:
-    # each layer's owned slots as the misses of one access: fetch_misses' loop, one copy per slot
+    # each layer's owned slots as the misses of one access: fetch_misses' loop, one copy per slot. A
+    # shared pool's owners are global ids (local layer * E + expert); a pool of blocks has a row of owners
+    # per layer, [layers, block], each the layer's own expert ids
     E = layers[0].n_rows
-    slot_X = jnp.arange(owner_X.shape[0], dtype=jnp.int32)
     for j, layer in enumerate(layers):
-        mine_X = (owner_X >= 0) & (owner_X // E == j)
-        pool = fetch_misses(pool, layer, Plan(jnp.where(mine_X, owner_X % E, -1), slot_X, mine_X,
-                                              jnp.full_like(slot_X, -1)))
+        if owner_X.ndim == 2:
+            own_X, base, mine_X = owner_X[j], j * owner_X.shape[1], owner_X[j] >= 0
+        else:
+            own_X, base, mine_X = owner_X, 0, (owner_X >= 0) & (owner_X // E == j)
+        slot_X = jnp.arange(own_X.shape[0], dtype=jnp.int32)
+        pool = fetch_misses(pool, (layer,), 0, Plan(jnp.where(mine_X, own_X % E, -1), slot_X, mine_X,
+                                                    jnp.full_like(slot_X, -1)), base=base)
     return pool

@@ -1,0 +1,42 @@
+"""LayerRef: one of several identical layers, picked by a traced index (a scan over a run of layers,
+model/runs.py). Functions that take a layer index (KV layer, MoE layer, state slot) accept an int or a
+LayerRef; `value` gives either as something that indexes an array, `first` the static stand-in for
+what all the candidates share (their pool, their window)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    ids: tuple[int, ...]  # the candidate indices, static
+    at: Any  # int32 scalar, traced: the candidate this iteration runs
+
+    def pick(self, values) -> jax.Array:
+        """values[at] for a static per-candidate sequence (ints)."""
+        return jnp.asarray(values, jnp.int32)[self.at]
+
+
+def value(i: int | LayerRef) -> int | jax.Array:
+    """The index itself: an int, or the traced ids[at]."""
+    return i.pick(i.ids) if isinstance(i, LayerRef) else i
+
+
+def first(i: int | LayerRef) -> int:
+    """A static index standing for all candidates (which are alike in every static property)."""
+    return i.ids[0] if isinstance(i, LayerRef) else i
+
+
+def each(i: int | LayerRef) -> tuple[int, ...]:
+    """Every index i can be."""
+    return i.ids if isinstance(i, LayerRef) else (i,)
+
+
+def mapped(i: int | LayerRef, table) -> int | LayerRef:
+    """table[i] (a static mapping, e.g. block -> MoE index) for an int or each candidate."""
+    return LayerRef(tuple(table[j] for j in i.ids), i.at) if isinstance(i, LayerRef) else table[i]

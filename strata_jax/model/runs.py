@@ -1,0 +1,242 @@
+"""Layer runs: identical layers compiled once.
+
+XLA compiles an unrolled layer in ~0.5-0.8 s per program on a GPU (docs/benchmarks.md, "Compilation per
+layer"), so a 48-layer model spends minutes compiling the same layer over and over. Layers whose params
+have the same structure, types and shapes and the same static properties (a sliding window, an expert
+pool) are alike; a quantized file mixes types by layer, often with a period (Q4_K_M's Q6_K layers every
+third layer in the middle), so a run is `period` distinct layers repeated `repeats` times. Each position
+of the period has its params stacked at load [repeats, ...]; the forward pass scans over the repeats and
+compiles the period once. Layers outside any run stay unrolled.
+
+Inside the scan a layer's quantized matrices are views (QTensor.index: the fused kernel reads the
+stack in place by slot) and its index is a core.layer_ref.LayerRef.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.core.layer_ref import LayerRef
+from strata_jax.core.qtensor import QTensor
+
+MAX_PERIOD = 8  # layers per period a plan tries
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    start: int  # first layer
+    period: int  # distinct layers per repeat
+    repeats: int  # 1: unrolled
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def position_layers(self, j: int) -> tuple[int, ...]:
+        """The layers at position j of the period, one per repeat."""
+        return tuple(self.start + q * self.period + j for q in range(self.repeats))
+
+
+def signature(layer_params: Any, static: Hashable = ()) -> Hashable:
+    """What must be equal for two layers to share one compiled body: the params' tree structure (GGML
+    types and projection splits included), every leaf's shape, dtype and memory kind, and the static
+    properties the forward pass and the expert provider read (`static`)."""
+    leaves, tree = jax.tree.flatten(layer_params)
+    kind = lambda a: getattr(getattr(a, "sharding", None), "memory_kind", None)  # noqa: E731 (a host table stays apart)
+    return tree, tuple((tuple(a.shape), str(a.dtype), kind(a)) for a in leaves), static
+
+
+def plan_runs(signatures: Sequence[Hashable], max_period: int = MAX_PERIOD) -> tuple[Run, ...]:
+    """Cover the layers with runs, greedily from the first: at each layer the period and repeat count
+    that save the most compiled layers (period x (repeats - 1)), the shorter period on a tie; a layer no
+    run starts at is a run of one."""
+    sig = list(signatures)
+    n, i, out = len(sig), 0, []
+    while i < n:
+        best = Run(i, 1, 1)
+        for p in range(1, min(max_period, (n - i) // 2) + 1):
+            r = 1
+            while i + (r + 1) * p <= n and sig[i + r * p: i + (r + 1) * p] == sig[i: i + p]:
+                r += 1
+            if r > 1 and p * (r - 1) > best.period * (best.repeats - 1):
+                best = Run(i, p, r)
+        out.append(best)
+        i = best.stop
+    return tuple(out)
+
+
+def describe(runs: Sequence[Run]) -> str:
+    """`48 layers, 5 compiled layer bodies: scanned 0-5 (6 x 1 layer), 6-41 (12 x 3 layers), ...` for the log."""
+    bodies = sum(r.period for r in runs)
+    n = runs[-1].stop if runs else 0
+    parts = [f"{r.start}-{r.stop - 1} ({r.repeats} x {r.period} layer{'s' if r.period > 1 else ''})" for r in runs
+             if r.repeats > 1]
+    return f"{n} layers, {bodies} compiled layer bodies" + (f": scanned {', '.join(parts)}" if parts else "")
+
+
+@struct.dataclass
+class LayerRun:
+    """A run's params: per position of the period, that layer's params with every leaf stacked over the
+    repeats [repeats, ...]."""
+
+    stacked: tuple[Any, ...]
+    run: Run = struct.field(pytree_node=False)
+
+
+def _stack(trees: Sequence[Any], free: bool) -> Any:
+    def one(*xs):
+        y = jnp.stack(xs)
+        if free:
+            for x in xs:
+                x.delete()
+        return y
+
+    return jax.tree.map(one, *trees)
+
+
+def stack_layers(layers: Sequence[Any], runs: Sequence[Run], free: bool = False) -> tuple[Any, ...]:
+    """The layer params as the forward pass takes them: each run of more than one repeat as a LayerRun,
+    the other layers as they are. free: delete each source array once stacked (device memory peaks at
+    one leaf's stack more, not a second copy of the model)."""
+    out: list[Any] = []
+    for run in runs:
+        if run.repeats == 1:
+            out.extend(layers[run.start: run.stop])
+            continue
+        stacked = tuple(_stack([layers[i] for i in run.position_layers(j)], free) for j in range(run.period))
+        out.append(LayerRun(stacked, run))
+    return tuple(out)
+
+
+def view(stacked: Any, r) -> Any:
+    """Layer r (traced or int) of stacked params: matrices as views of their stacks, the rest sliced."""
+    def one(a):
+        if isinstance(a, QTensor):
+            return QTensor(a.data, a.qtype, a.n_cols, r)
+        return jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+
+    return jax.tree.map(one, stacked, is_leaf=lambda a: isinstance(a, QTensor))
+
+
+def with_own(segments: Sequence[Any], own: Sequence[Any]) -> tuple[Any, ...]:
+    """The segments with each layer's params paired with what that layer alone reads and rewrites
+    (`own[i]`, e.g. its recurrent state; None where it has none): (params, own) per layer, stacked per
+    run position like the params, so a scanned body gets its layer's state as a scan input and returns
+    the new one as an output, never a traced index into a tuple."""
+    out, at = [], 0
+    for seg in segments:
+        if not isinstance(seg, LayerRun):
+            out.append((seg, own[at]))
+            at += 1
+            continue
+        run = seg.run
+        stacked = tuple((seg.stacked[j], _stack([own[i] for i in run.position_layers(j)], free=False))
+                        for j in range(run.period))
+        out.append(LayerRun(stacked, run))
+        at = run.stop
+    return tuple(out)
+
+
+def detach_provider(carry: tuple) -> tuple[tuple, tuple]:
+    """run_layers' detach for a carry whose last element is the ExpertProvider (or None)."""
+    *rest, experts = carry
+    if experts is None:
+        return carry, ((), ())
+    experts, counts = experts.detach_counts()
+    return (*rest, experts), counts
+
+
+def attach_provider(carry: tuple, keys: tuple, values: tuple) -> tuple:
+    """run_layers' attach for a carry whose last element is the ExpertProvider (or None)."""
+    *rest, experts = carry
+    return carry if experts is None else (*rest, experts.attach_counts(keys, values))
+
+
+def layers_of(segments: Sequence[Any]) -> tuple[Any, ...]:
+    """Every layer's params in order (views where they sit in a run): what the segments hold, as the
+    unstacked per-layer tuple a reader or a test that edits one field expects; forward takes either."""
+    out: list[Any] = []
+    for seg in segments:
+        if isinstance(seg, LayerRun):
+            out.extend(view(seg.stacked[j], q) for q in range(seg.run.repeats) for j in range(seg.run.period))
+        else:
+            out.append(seg)
+    return tuple(out)
+
+
+def layer_at(segments: Sequence[Any], i: int) -> Any:
+    """Block i's params from the forward pass's segments (a view where it sits in a run)."""
+    at = 0
+    for seg in segments:
+        if isinstance(seg, LayerRun):
+            if seg.run.start <= i < seg.run.stop:
+                q, j = divmod(i - seg.run.start, seg.run.period)
+                return view(seg.stacked[j], q)
+            at = seg.run.stop
+        else:
+            if at == i:
+                return seg
+            at += 1
+    raise IndexError(f"no layer {i}")
+
+
+Block = Callable[[Any, Any, "int | LayerRef"], tuple[Any, Any]]
+
+
+def run_layers(segments: Sequence[Any], carry: Any, block: Block, *, unroll: bool = False,
+               detach: Callable[[Any], tuple[Any, tuple]] | None = None,
+               attach: Callable[[Any, tuple, tuple], Any] | None = None) -> tuple[Any, list[Any]]:
+    """Thread `carry` through every layer: block(carry, params, i) -> (carry, out) with i the block index,
+    an int for an unrolled layer and a LayerRef inside a scanned run. Returns the carry and every layer's
+    out in layer order.
+
+    unroll: run the runs' layers one by one too (static views). detach(carry) -> (carry, (keys, values))
+    and attach(carry, keys, values): what the carry accumulates with a static structure that grows per
+    layer (the expert provider's pending counts) is taken out before a scan and in each iteration, the
+    iterations' values coming back stacked [repeats, ...], and put back after it."""
+    outs: list[Any] = []
+    at = 0
+    for seg in segments:
+        if not isinstance(seg, LayerRun):
+            carry, o = block(carry, seg, at)
+            outs.append(o)
+            at += 1
+            continue
+        run = seg.run
+        if unroll:
+            for q in range(run.repeats):
+                for j in range(run.period):
+                    carry, o = block(carry, view(seg.stacked[j], q), run.start + q * run.period + j)
+                    outs.append(o)
+            at = run.stop
+            continue
+        before = ((), ())
+        if detach is not None:
+            carry, before = detach(carry)
+        keys: list[tuple] = []
+
+        def body(carry, r, seg=seg, run=run, keys=keys):
+            ys = []
+            for j in range(run.period):
+                carry, o = block(carry, view(seg.stacked[j], r), LayerRef(run.position_layers(j), r))
+                ys.append(o)
+            side = ((), ())
+            if detach is not None:
+                carry, side = detach(carry)
+            keys.append(side[0])
+            return carry, (ys, side[1])
+
+        carry, (ys, values) = jax.lax.scan(body, carry, jnp.arange(run.repeats, dtype=jnp.int32))
+        if attach is not None:
+            carry = attach(carry, *before)
+            carry = attach(carry, keys[-1], values)
+        for q in range(run.repeats):
+            outs.extend(jax.tree.map(lambda y, q=q: y[q], ys[j]) for j in range(run.period))
+        at = run.stop
+    return carry, outs

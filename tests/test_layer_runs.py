@@ -1,0 +1,156 @@
+"""Layer runs (model/runs.py): alike layers are stacked and scanned as one compiled body. The scan changes
+how the program is built, never what it computes: logits, greedy tokens and expert counters equal the
+unrolled run's, resident and offloaded, on the XLA path and through the fused kernel; and the program
+stops growing with the layer count."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import strata_jax
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.model import runs
+from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.kernels import Kernels
+
+# 6 MoE layers, odd layers' down projections in another type: a period of 2 alike layers, 3 repeats
+SPEC = SyntheticSpec(arch="qwen3moe", n_layers=6, d_model=128, head_dim=32, expert_ffn_dim=64, vocab_size=512,
+                     qtype="Q8_0", expert_qtype="Q8_0", odd_down_qtype="Q4_0", seed=3)
+PROMPT = "the tea is hot and the rain is there, so she sat on the stairs to read"
+
+
+def test_plan_finds_periods_and_leaves_the_rest_unrolled():
+    # a Q4_K_M-like file: 3 leading layers of one kind, a period of 3 (two of kind a, one of b) x 4, 2 trailing
+    sigs = ["b"] * 3 + ["a", "a", "b"] * 4 + ["c", "d"]
+    plan = runs.plan_runs(sigs)
+    assert plan == (runs.Run(0, 1, 3), runs.Run(3, 3, 4), runs.Run(15, 1, 1), runs.Run(16, 1, 1))
+    assert sum(r.period for r in plan) == 6  # compiled layer bodies, of 17 layers
+    assert runs.plan_runs(list("abcd")) == tuple(runs.Run(i, 1, 1) for i in range(4))
+    assert "scanned 0-2 (3 x 1 layer), 3-14 (4 x 3 layers)" in runs.describe(plan)
+
+
+def test_stack_and_view_round_trip():
+    from strata_jax.core.qtensor import QTensor
+
+    layers = [{"w": QTensor(jnp.full((4, 6), i, jnp.uint8), "T", 8), "n": jnp.full((3,), float(i))} for i in range(6)]
+    segs = runs.stack_layers(layers, runs.plan_runs(["x", "y"] * 3))
+    assert len(segs) == 1 and segs[0].stacked[0]["w"].data.shape == (3, 4, 6)
+    for i in range(6):
+        got = runs.layer_at(segs, i)
+        assert got["w"].index is not None and got["w"].shape == (4, 8)
+        np.testing.assert_array_equal(got["w"].resolved().data, layers[i]["w"].data)
+        np.testing.assert_array_equal(got["n"], layers[i]["n"])
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("runs") / "moe.gguf", SPEC)
+
+
+def _run(path, max_tokens=12, **kw):
+    m = strata_jax.load(path, ctx=128, **kw)
+    ids = m.tokenize(PROMPT)
+    logits = m.logits(ids)
+    tokens = m.generate(ids, max_tokens=max_tokens, temperature=0).token_ids
+    return m, logits, tokens
+
+
+@pytest.mark.parametrize("cache", [{}, {"expert_slots": 8, "expert_pools": "shared"},
+                                   {"expert_slots": 24, "expert_pools": "shared", "policy": "lfu"}])
+def test_scanned_equals_unrolled(moe_path, cache):
+    off, ref_logits, ref_tokens = _run(moe_path, layer_scan="off", **cache)
+    on, logits, tokens = _run(moe_path, **cache)
+    assert off.layer_runs is None
+    assert on.layer_runs == (runs.Run(0, 2, 3),)  # the whole model: one period of two layers, 3 repeats
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert tokens == ref_tokens
+    # every layer's counters land on that layer, not on the run's first
+    np.testing.assert_array_equal(on.experts.counters(), off.experts.counters())
+    if cache:
+        assert on.stats()["misses"] > 0 and on.stats()["prefill_streamed_experts"] > 0
+
+
+def test_scanned_decode_through_the_kernel(moe_path):
+    """Decode's fused kernel reads a scanned layer's matrices from their stack by slot (QTensor.index)
+    and the resident experts from the run's stacked pool: same tokens as the unrolled kernel run."""
+    kw = dict(dequantize_dense=False, kernels=Kernels(qmatvec="on"), max_tokens=4)
+    _, ref_logits, ref_tokens = _run(moe_path, layer_scan="off", **kw)
+    on, logits, tokens = _run(moe_path, **kw)
+    assert on.layer_runs is not None
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_per_layer_caches_scan_as_blocks_of_one_pool(moe_path, policy):
+    """Per-layer caches (the default) with the scan on: one pool per expert row layout, each layer a block
+    of it with its own stacked state, the whole model one scanned run. Each layer's cache decides exactly
+    as its own pool does unrolled: same tokens, same hits and misses per layer, same slot maps."""
+    off, ref_logits, ref_tokens = _run(moe_path, layer_scan="off", expert_slots=12, policy=policy)
+    on, logits, tokens = _run(moe_path, expert_slots=12, policy=policy)
+    assert len(off.experts.slots.pools) == 6 and len(on.experts.slots.pools) == 2
+    assert on.experts.slots.block == (2, 2)
+    assert on.layer_runs == (runs.Run(0, 2, 3),)
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(on.experts.counters(), off.experts.counters())
+    assert on.stats()["misses"] > 0
+    a, b = on.experts.slots, off.experts.slots
+    for i in range(6):  # the same experts cached, at the same place within the layer's block
+        np.testing.assert_array_equal(np.asarray(a.slot_map(i)) - np.where(np.asarray(a.slot_map(i)) >= 0,
+                                      int(a.slot_base(i)), 0), np.asarray(b.slot_map(i)))
+
+
+def _program_text(path, layer_scan: str) -> int:
+    """Characters of the lowered decode step of the model at `path`."""
+    m = strata_jax.load(path, ctx=64, layer_scan=layer_scan)
+    experts = m.experts.take()
+    try:
+        kv = KVCache.zeros(m.config, 1, 64, m.dtype)
+        step = jax.jit(forward, static_argnames=("cfg", "dtype", "kernels"))
+        one = jnp.ones((1, 1), jnp.int32)
+        return len(step.lower(m.params, experts, kv, one, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32),
+                              cfg=m.config, dtype=m.dtype, kernels=m.kernels).as_text())
+    finally:
+        m.experts.put(experts)
+
+
+def test_program_does_not_grow_with_layers(tmp_path):
+    """12 alike layers lower to about the program of 4 (the scan's body is the layer); unrolled, ~3x."""
+    sizes = {}
+    for n in (4, 12):
+        spec = SyntheticSpec(arch="qwen3moe", n_layers=n, d_model=64, head_dim=16, expert_ffn_dim=32,
+                             vocab_size=320, qtype="Q8_0", expert_qtype="Q8_0", seed=1)
+        path = write_synthetic_gguf(tmp_path / f"m{n}.gguf", spec)
+        sizes[n] = {scan: _program_text(path, scan) for scan in ("on", "off")}
+    assert sizes[12]["on"] < 1.1 * sizes[4]["on"], sizes
+    assert sizes[12]["off"] > 2.5 * sizes[4]["off"], sizes
+
+
+def test_hybrid_scanned_equals_unrolled(tmp_path):
+    """qwen4exp (bench shape qtiny at 8 layers: PLE on layer 0, three DeltaNet layers per attention layer
+    with QSA): linear layers scan with their recurrent state as the scan's per-layer input and output,
+    attention layers with their KV layer picked by the traced index. Same greedy tokens and, in a
+    shared offloaded pool, the same counters as unrolled; logits equal to float rounding (XLA fuses a
+    scanned body differently on CPU), and offloaded == resident stays bit-exact with the scan on."""
+    import dataclasses
+
+    from strata_jax.bench.shapes import SHAPES
+
+    path = write_synthetic_gguf(tmp_path / "q8.gguf", dataclasses.replace(SHAPES["qtiny"], n_layers=8))
+    off, ref_logits, ref_tokens = _run(path, layer_scan="off", max_tokens=8)
+    on, logits, tokens = _run(path, max_tokens=8)
+    assert any(r.repeats > 1 for r in on.layer_runs) and on.layer_runs[0] == runs.Run(0, 1, 1)  # PLE alone
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == ref_tokens
+    shared = dict(expert_slots=40, expert_pools="shared", max_tokens=8)
+    off_c, _, off_tokens = _run(path, layer_scan="off", **shared)
+    on_c, on_logits, on_tokens = _run(path, **shared)
+    assert any(r.repeats > 1 for r in on_c.layer_runs)
+    np.testing.assert_array_equal(on_logits, logits)  # offloaded == resident, both scanned
+    assert on_tokens == off_tokens == ref_tokens
+    np.testing.assert_array_equal(on_c.experts.counters(), off_c.experts.counters())
+    assert on_c.stats()["misses"] > 0
