@@ -174,10 +174,20 @@ _QWEN4EXP_VARIANT_KWARGS = {
     "ple": dict(ple_layer_ids=[1], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=97,
                 split_ngram_parts=2, ple_conv_kernel_size=4),
 }
-for _v in QWEN4EXP_VARIANTS:
+# QSA selection sweeps (issue 31): "qsa{budget}-p{period}", budgets of 4, 8 and 12 tokens (1..3 blocks)
+# with a full-attention layer every 2 layers (4 layers, as above) or every 3 (6 layers, PLE on the
+# first full-attention layer as in the issue's model), so the selection changes many times in 64+ tokens
+QWEN4EXP_QSA_VARIANTS: tuple[str, ...] = tuple(f"qsa{b}-p{p}" for p in (2, 3) for b in (4, 8, 12))
+for _p in (2, 3):
+    for _b in (4, 8, 12):
+        _QWEN4EXP_VARIANT_KWARGS[f"qsa{_b}-p{_p}"] = dict(indexer_budget=_b, **({} if _p == 2 else dict(
+            num_hidden_layers=6, full_attention_interval=3, ple_layer_ids=[2], ple_embed_dim=64, ngram_size=3,
+            heads_per_ngram=2, ngram_vocab_size_base=397, make_ngram_vocab_size_divisible_by=64,
+            split_ngram_parts=2, ple_conv_kernel_size=3)))
+for _v in QWEN4EXP_VARIANTS + QWEN4EXP_QSA_VARIANTS:
     ARCH_SPECS[f"qwen4exp-{_v}"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", "qwen4exp", "qwen2-512",
                                    dict(_QWEN4EXP, **_QWEN4EXP_VARIANT_KWARGS[_v]))
-QWEN4EXP_ARCHS = tuple(f"qwen4exp-{v}" for v in QWEN4EXP_VARIANTS)
+QWEN4EXP_ARCHS = tuple(f"qwen4exp-{v}" for v in QWEN4EXP_VARIANTS + QWEN4EXP_QSA_VARIANTS)
 
 # qwen3next / qwen35moe / qwen35 (the seed model's relatives: the same hybrid without hyper-connections,
 # QSA or PLE; plain residual + zero-centred RMSNorms): 4 layers (linear, full, linear, full), GQA 4/2
@@ -848,9 +858,11 @@ def hybrid_model(arch: str, outtype: str = "f32") -> TinyModel:
 
 def qwen4exp_model(variant: str, outtype: str = "f32") -> TinyModel:
     """A tiny qwen4exp model of one of QWEN4EXP_VARIANTS: "dense" (no PLE, every QSA block selected),
-    "sparse" (QSA selection matters within ~16 tokens), "ple" (PLE on layer 0)."""
-    if variant not in QWEN4EXP_VARIANTS:
-        raise ValueError(f"unknown qwen4exp variant {variant!r}; choose from {QWEN4EXP_VARIANTS}")
+    "sparse" (QSA selection matters within ~16 tokens), "ple" (PLE on layer 0); or of
+    QWEN4EXP_QSA_VARIANTS (QSA budget and full-attention period sweeps)."""
+    if variant not in QWEN4EXP_VARIANTS + QWEN4EXP_QSA_VARIANTS:
+        raise ValueError(f"unknown qwen4exp variant {variant!r}; choose from "
+                         f"{QWEN4EXP_VARIANTS + QWEN4EXP_QSA_VARIANTS}")
     return tiny_model(f"qwen4exp-{variant}", outtype)
 
 
@@ -986,9 +998,10 @@ def hf_logits(hf_dir, token_ids: list[int]) -> np.ndarray:
 def qsa_ties_to_lowest_block():
     """transformers' QSA indexer with equal block scores resolved to the lowest block, as strata_jax's
     model/qsa.py does. Its relu'd scores are often exactly equal (0, every head negative: common with
-    a tiny indexer), and torch.topk picks among equals as it likes, so without this the reference's
-    selection is arbitrary wherever the budget cuts through a tie. A stable descending sort is that
-    top-k with the tie rule defined; only the indexer's top-k is replaced, and only inside the block."""
+    a tiny indexer), and torch.topk picks among equals as it likes (seen: block 2 of tied 0, 1, 2), so
+    without this the reference's selection is arbitrary wherever the budget cuts through a tie. A
+    stable descending sort is that top-k with the tie rule defined; only the indexer's top-k is
+    replaced, and only inside the block."""
     import torch
     from transformers.models.qwen4_exp import modeling_qwen4_exp as mod
 
@@ -1012,6 +1025,41 @@ def qsa_ties_to_lowest_block():
         yield
     finally:
         cls.forward = forward
+
+
+@contextlib.contextmanager
+def qsa_cuts():
+    """Records where transformers' QSA indexer cuts its ranking: per top-k call, (layer, query, the
+    complete blocks' scores, k). For one row without a cache (hf_logits): the calls are then the
+    queries from r - 1 on, in order. Composes with qsa_ties_to_lowest_block: the top-k the indexer
+    calls is recorded, whichever it is."""
+    import torch
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mod
+
+    cls, select = mod.Qwen4ExpTextQSAIndexer, mod.Qwen4ExpTextQSAIndexer._select_tokens
+    cuts: list[tuple[int, int, np.ndarray, int]] = []
+
+    def patched(self, hidden_states, *args, **kwargs):
+        assert hidden_states.shape[0] == 1, "one row: the calls are then the queries in order"
+        topk, calls = torch.Tensor.topk, [0]
+
+        def spy(scores, k, *a, **kw):
+            # queries 0 .. r-2 see no complete block and call nothing
+            cuts.append((self.layer_idx, self.compress_ratio - 1 + calls[0], scores.detach().numpy().copy(), k))
+            calls[0] += 1
+            return topk(scores, k, *a, **kw)
+
+        torch.Tensor.topk = spy
+        try:
+            return select(self, hidden_states, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = topk
+
+    cls._select_tokens = patched
+    try:
+        yield cuts
+    finally:
+        cls._select_tokens = select
 
 
 def hf_greedy(hf_dir, token_ids: list[int], n_new: int) -> list[int]:

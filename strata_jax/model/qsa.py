@@ -6,8 +6,14 @@ position; a query (Hi index heads, normed and rotated at its own position) score
 seen completely as sum over heads of relu(q_h . k_block) / sqrt(Di), and keeps the best
 budget / r of them. The query also attends to its incomplete tail block (positions from
 ((pos + 1) // r) * r to pos, itself included), which is never scored. When the budget covers every
-complete block the result is the plain causal mask. The attention layer applies the returned mask on
-top of its own KV cache; nothing here touches that cache.
+complete block the result is the plain causal mask.
+
+Equal scores go to the lower block. They are exact, not rounding: relu makes a block's score exactly 0
+whenever every index head scores it negative, which is common. transformers leaves that pick to
+torch.topk, which takes among equals whichever its partial sort leaves first (not always the lowest),
+so where the budget cuts through a tie it has no defined selection; elsewhere ours is its (issue 31).
+
+The attention layer applies the returned mask on top of its own KV cache; nothing here touches that cache.
 
 State per row, fixed shape: the finished block keys (written once, when a block's last position
 arrives, so decode scores the blocks without pooling anything) and a ring of the raw keys of the
@@ -186,7 +192,8 @@ def apply(
     n_done_BT = (pos_BT + 1) // r  # blocks the query has seen completely
     seen_BTSb = jnp.arange(n_blk)[None, None, :] < n_done_BT[:, :, None]
     score_BTSb = jnp.where(seen_BTSb, _scores(q, state.blocks_BSbDi[:, :n_blk], dims), -jnp.inf)
-    # [B, T, k_top]; equal scores go to the lower block; a query with fewer blocks picks unseen ones too
+    # [B, T, k_top]; equal scores (exact 0s: see the docstring) go to the lower block, as lax.top_k orders
+    # them; a query with fewer blocks picks unseen ones too
     _, top = jax.lax.top_k(score_BTSb, k_top)
     chosen = jnp.zeros((B, T, n_blk), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
                                                   top].set(True)
