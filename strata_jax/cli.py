@@ -120,10 +120,23 @@ def check_generate_flags(args) -> None:
     from strata_jax.model.sampling import validate_sampling
 
     validate_sampling(names=SAMPLING_FLAGS, **{k: getattr(args, k) for k in SAMPLING_FLAGS})
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens} is invalid: it must be an integer >= 1.")
     if any(not s for s in args.stop or []):
         raise ConfigError("--stop '' is invalid: each stop string must be non-empty.")
+
+
+def length_reason(model, max_tokens: int | None, final) -> str:
+    """For a generation cut off (finish "length"): which limit cut it and the flag that raises it."""
+    if final.finish_reason != "length":
+        return ""
+    used = len(final.prompt_token_ids or []) + final.timings["predicted_n"]
+    if max_tokens is not None and used < model.ctx:
+        return f" (stopped at --max-tokens {max_tokens}; raise it with --max-tokens N)"
+    trained = model.config.context_length
+    more = (f"raise it with --ctx N, up to the model's {trained:,}" if model.ctx < trained else
+            "the model's trained context; --rope-scaling yarn --rope-scale F runs past it")
+    return f" (stopped at the context limit --ctx {model.ctx}; {more})"
 
 
 def _cmd_generate(args) -> int:
@@ -141,7 +154,9 @@ def _cmd_generate(args) -> int:
     else:
         prompt = args.prompt
     final = None
-    for chunk in model.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+    # no --max-tokens: until the model stops, bounded by the context (the session caps it to what is left)
+    max_tokens = args.max_tokens if args.max_tokens is not None else model.ctx
+    for chunk in model.generate_stream(prompt, max_tokens=max_tokens, temperature=args.temperature,
                                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                        stop=args.stop or None):
         sys.stdout.write(chunk.text)
@@ -152,7 +167,7 @@ def _cmd_generate(args) -> int:
     print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
           + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
-          + f"finish: {final.finish_reason}", file=sys.stderr)
+          + f"finish: {final.finish_reason}{length_reason(model, args.max_tokens, final)}", file=sys.stderr)
     if config.expert_cache_state is not None:
         model.save_expert_cache()
     if model.config.is_moe:
@@ -228,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="raw prompt, completed as is")
     src.add_argument("--chat", "-c", help="a user message, rendered with the model's chat template")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="stop after N generated tokens (default: when the model stops, or at the context's end)")
     g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=40, help="0 = off")

@@ -283,3 +283,23 @@ def test_decode_chunk_default_follows_the_device(moe_path, caplog):
         m = strata_jax.load(moe_path, ctx=64)
     assert m.decode_chunk == default_decode_chunk(m.device.platform)
     assert f"decode {m.decode_chunk} step" in caplog.text
+
+
+def test_cli_generate_runs_until_the_model_stops_and_says_which_limit_cut_it(moe_path, capsys):
+    from strata_jax.cli import main
+
+    # no --max-tokens: the answer ends where the model stops, or at the context's end, not at a fixed count
+    assert main(["generate", "--model", str(moe_path), "--prompt", "the tea", "-t", "0", "--ctx", "64"]) == 0
+    out, err = capsys.readouterr()
+    ref = strata_jax.load(moe_path, ctx=64).generate("the tea", max_tokens=64, temperature=0)
+    assert out == ref.text + "\n"
+    if ref.finish_reason == "length":
+        assert len(ref.prompt_token_ids) + len(ref.token_ids) == 64
+        assert "finish: length (stopped at the context limit --ctx 64; raise it with --ctx N" in err
+    else:
+        assert "finish: stop\n" in err
+    assert main(["generate", "--model", str(moe_path), "--prompt", "the tea", "-t", "0", "--ctx", "64",
+                 "-n", "3"]) == 0
+    out, err = capsys.readouterr()
+    if ref.finish_reason == "length" or len(ref.token_ids) > 3:
+        assert "finish: length (stopped at --max-tokens 3; raise it with --max-tokens N)" in err
