@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from strata_jax.core.errors import StrataError
 
@@ -153,7 +154,10 @@ def _cmd_generate(args) -> int:
         prompt = messages
     else:
         prompt = args.prompt
-    final = None
+    from strata_jax.engine import compiling
+
+    final, t_first = None, None
+    compiled_before, t_start = compiling.compile_seconds(), time.perf_counter()
     # no --max-tokens: until the model stops, bounded by the context (the session caps it to what is left)
     max_tokens = args.max_tokens if args.max_tokens is not None else model.ctx
     for chunk in model.generate_stream(prompt, max_tokens=max_tokens, temperature=args.temperature,
@@ -162,11 +166,18 @@ def _cmd_generate(args) -> int:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         final = chunk
+        if t_first is None:
+            t_first, compiled_first = time.perf_counter(), compiling.compile_seconds() - compiled_before
     sys.stdout.write("\n")
     t = final.timings
-    print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
+    # tok/s leave out compilation; the time to the first token shows what a cold start costs
+    compiled = compiling.compile_seconds() - compiled_before
+    print(f"first token after {t_first - t_start:.2f} s"
+          + (f" ({compiled_first:.1f} s of it compiling)" if compiled_first else "") + "; "
+          f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
           + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
+          + (f"compiling: {compiled:.1f} s in all (first run only: {compiling.cache_where()}); " if compiled else "")
           + f"finish: {final.finish_reason}{length_reason(model, args.max_tokens, final)}", file=sys.stderr)
     if config.expert_cache_state is not None:
         model.save_expert_cache()
