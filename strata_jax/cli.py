@@ -199,7 +199,8 @@ def _cmd_inspect(args) -> int:
     if (args.path is None) == (args.model is None):
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
     print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
-                               kv=check_kv(args.kv, "--kv"), vram_reserve=reserve, parallel=args.parallel)))
+                               kv=check_kv(args.kv, "--kv"), dtype=args.dtype, vram_reserve=reserve,
+                               parallel=args.parallel)))
     return 0
 
 
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(func=_cmd_generate)
 
+    from strata_jax.engine.config import DTYPES
+
     i = sub.add_parser("inspect", help="describe a GGUF file and what fits in a VRAM budget")
     i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE")
     i.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as PATH")
@@ -271,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
                    help="context to reserve KV cache for (default: the trained length, cut to fit --vram-budget)")
     i.add_argument("--kv", default="f16", help="KV cache storage, as load's --kv: f16, q8_0, q4_0 or K,V")
+    i.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype, as load's (auto: bfloat16 on GPU; float32 on CPU, dense weights dequantized)")
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
     i.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
                    help="KV-cache rows to reserve, as serve --parallel (default 1)")

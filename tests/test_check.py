@@ -43,8 +43,9 @@ def test_cpu_machine_says_no_gpu_and_reports_cpu_figures(machine):
     assert "gpu           none" in text and "ram" in text and "disk" in text
 
 
-def _budgets(path):
-    r = report(GGUFFile(path), vram_budget=None)
+def _budgets(path, platform=None):
+    """(dense + KV + activations + reserve, every expert) as load sizes them on `platform` (default: here)."""
+    r = report(GGUFFile(path), vram_budget=None, platform=platform)
     experts = r["experts"] * r["expert_bytes"]
     base = r["fixed_bytes"] + r["reserve_bytes"]
     return base, experts
@@ -138,7 +139,7 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
 
     from strata_jax.bench import limits
 
-    base, experts = _budgets(moe_path)
+    base, experts = _budgets(moe_path, "gpu")  # bfloat16, dense weights in their blocks
     free = int(base + experts / 2)
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(width, width_max))
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGPU(free)])
@@ -152,7 +153,8 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
     assert bool(narrow) == (width < width_max) and not any("no GPU" in w for w in c["warnings"])
     # the verdict sizes the cache from the allocator's free memory, as load does
     assert c["verdict"]["mode"] == "offloaded"
-    assert c["verdict"]["expert_slots"] == report(GGUFFile(moe_path), vram_budget=free)["expert_slots"]
+    assert c["verdict"]["expert_slots"] == report(GGUFFile(moe_path), vram_budget=free,
+                                                                 platform="gpu")["expert_slots"]
     text = chk.format_check(c)
     assert f"Gen5 x{width} now, Gen5 x{width_max} max" in text and "25.0 GB/s" in text
     assert ("WARNING       the GPU's PCIe link runs at x8" in text) == (width < width_max)
