@@ -41,6 +41,16 @@ def resolve_model(ref):
     return resolve(ref)
 
 
+def model_or_default(ref):
+    """resolve_model(ref), or the embedded default model's path when no model is given (as generate and
+    serve load it), fetched into the cache on first use."""
+    if ref is not None:
+        return resolve_model(ref)
+    from strata_jax.dev.default_model import default_model_path
+
+    return str(default_model_path())
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
     from strata_jax.engine.config import DTYPES, LAYER_SCAN, PLE_TABLES, POOLS, SPEC_DRAFTERS
@@ -196,9 +206,9 @@ def _cmd_inspect(args) -> int:
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None
-    if (args.path is None) == (args.model is None):
+    if args.path is not None and args.model is not None:
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
-    print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
+    print(format_report(report(GGUFFile(model_or_default(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
                                kv=check_kv(args.kv, "--kv"), dtype=args.dtype, vram_reserve=reserve,
                                parallel=args.parallel)))
     return 0
@@ -222,7 +232,7 @@ def _cmd_check(args) -> int:
         raise StrataError("give the model once: `strata-jax check MODEL` or `--model MODEL`")
     if args.vram_budget is not None:
         parse_size(args.vram_budget, "--vram-budget")
-    model = resolve_model(args.model_pos or args.model)
+    model = model_or_default(args.model_pos or args.model)
     c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
               probe_pinned=args.pinned_probe)
     if args.json:  # the text output carries them itself
@@ -268,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     from strata_jax.engine.config import DTYPES
 
     i = sub.add_parser("inspect", help="describe a GGUF file and what fits in a VRAM budget")
-    i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE")
+    i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE (default: the "
+                                           "embedded default model, as generate loads it)")
     i.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as PATH")
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
@@ -304,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_serve)
     k = sub.add_parser("check", help="is this machine fit (GPU, PCIe link, bandwidth, RAM, pinned memory, disk), "
                                      "and does MODEL fit it")
-    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or REPO[@REV]:FILE")
+    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or "
+                                                                 "REPO[@REV]:FILE (default: the embedded default model)")
     k.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as MODEL")
     k.add_argument("--json", action="store_true", help="machine-readable output")
     k.add_argument("--ctx", type=_positive_int("--ctx"), default=None,

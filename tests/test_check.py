@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import pytest
@@ -158,3 +159,19 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
     text = chk.format_check(c)
     assert f"Gen5 x{width} now, Gen5 x{width_max} max" in text and "25.0 GB/s" in text
     assert ("WARNING       the GPU's PCIe link runs at x8" in text) == (width < width_max)
+
+
+@pytest.mark.parametrize("command", ["inspect", "check"])
+def test_cli_without_a_model_uses_the_default_model(moe_path, monkeypatch, capsys, command):
+    """As generate does: no path means the embedded default model (here a stand-in, no download)."""
+    from strata_jax.dev import default_model
+
+    asked = []
+    monkeypatch.setattr(default_model, "default_model_path", lambda *a, **k: asked.append(1) or Path(moe_path))
+    assert main([command] + (["--json", "--no-pinned-probe"] if command == "check" else [])) == 0
+    out = capsys.readouterr().out
+    assert asked == [1]
+    if command == "check":
+        assert json.loads(out)["model"]["path"] == str(moe_path)
+    else:
+        assert out.startswith(f"file          {moe_path} ")
