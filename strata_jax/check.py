@@ -169,11 +169,13 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
 
         gguf = GGUFFile(model)
         budget = vram_budget if vram_budget is not None else out["jax"]["free_bytes"]
-        report = model_report(gguf, vram_budget=budget, ctx=ctx, parallel=parallel)
+        report = model_report(gguf, vram_budget=budget, ctx=ctx, parallel=parallel, platform=dev.platform)
         out["model"] = {"path": str(model), "file_bytes": report["file_bytes"], "shards": report["shards"],
                         "arch": report["config"].arch, "experts": report["experts"],
                         "expert_bytes_total": int(report["experts"] * report["expert_bytes"]),
                         "fixed_device_bytes": report["fixed_bytes"], "reserve_bytes": report["reserve_bytes"],
+                        "dense_bytes": report["dense_bytes"], "kv_bytes": report["kv_bytes"],
+                        "kv_storage": report["kv_label"], "activation_bytes": report["activation_bytes"],
                         "ctx": report["ctx"], "parallel": parallel}
     folder = Path(model).expanduser().resolve().parent if model else Path.cwd()
     du = shutil.disk_usage(folder)
@@ -198,10 +200,14 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
     ram = out["ram"].get("available")
     v: dict[str, Any] = {}
     if "vram_budget" not in r:  # CPU: no device memory limit
-        need = r["file_bytes"]
+        # what load allocates there: every expert resident, the dense weights dequantized (inspect's figures)
+        need = r["fixed_bytes"] + experts_total
         v["fits"] = ram is None or need <= ram
         v["mode"] = "cpu"
-        v["text"] = (f"no GPU: the model runs on the CPU from RAM; it needs about {fmt_bytes(need)} "
+        v["text"] = (f"no GPU: the model runs on the CPU from RAM; it needs about {fmt_bytes(need)}: dense weights "
+                     f"{fmt_bytes(r['dense_bytes'])}, KV cache {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,} "
+                     f"({r['kv_label']})" + (f", experts {fmt_bytes(experts_total)}" if experts_total else "")
+                     + f", activations {fmt_bytes(r['activation_bytes'])} "
                      f"({'fits' if v['fits'] else 'more than'} the {fmt_bytes(ram or 0)} available)")
         return v
     budget = fmt_bytes(r["vram_budget"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from strata_jax.core.errors import StrataError
 
@@ -38,6 +39,16 @@ def resolve_model(ref):
     from strata_jax.hub import resolve_model as resolve
 
     return resolve(ref)
+
+
+def model_or_default(ref):
+    """resolve_model(ref), or the embedded default model's path when no model is given (as generate and
+    serve load it), fetched into the cache on first use."""
+    if ref is not None:
+        return resolve_model(ref)
+    from strata_jax.dev.default_model import default_model_path
+
+    return str(default_model_path())
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -120,10 +131,23 @@ def check_generate_flags(args) -> None:
     from strata_jax.model.sampling import validate_sampling
 
     validate_sampling(names=SAMPLING_FLAGS, **{k: getattr(args, k) for k in SAMPLING_FLAGS})
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens} is invalid: it must be an integer >= 1.")
     if any(not s for s in args.stop or []):
         raise ConfigError("--stop '' is invalid: each stop string must be non-empty.")
+
+
+def length_reason(model, max_tokens: int | None, final) -> str:
+    """For a generation cut off (finish "length"): which limit cut it and the flag that raises it."""
+    if final.finish_reason != "length":
+        return ""
+    used = len(final.prompt_token_ids or []) + final.timings["predicted_n"]
+    if max_tokens is not None and used < model.ctx:
+        return f" (stopped at --max-tokens {max_tokens}; raise it with --max-tokens N)"
+    trained = model.config.context_length
+    more = (f"raise it with --ctx N, up to the model's {trained:,}" if model.ctx < trained else
+            "the model's trained context; --rope-scaling yarn --rope-scale F runs past it")
+    return f" (stopped at the context limit --ctx {model.ctx}; {more})"
 
 
 def _cmd_generate(args) -> int:
@@ -140,19 +164,31 @@ def _cmd_generate(args) -> int:
         prompt = messages
     else:
         prompt = args.prompt
-    final = None
-    for chunk in model.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+    from strata_jax.engine import compiling
+
+    final, t_first = None, None
+    compiled_before, t_start = compiling.compile_seconds(), time.perf_counter()
+    # no --max-tokens: until the model stops, bounded by the context (the session caps it to what is left)
+    max_tokens = args.max_tokens if args.max_tokens is not None else model.ctx
+    for chunk in model.generate_stream(prompt, max_tokens=max_tokens, temperature=args.temperature,
                                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                        stop=args.stop or None):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         final = chunk
+        if t_first is None:
+            t_first, compiled_first = time.perf_counter(), compiling.compile_seconds() - compiled_before
     sys.stdout.write("\n")
     t = final.timings
-    print(f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
+    # tok/s leave out compilation; the time to the first token shows what a cold start costs
+    compiled = compiling.compile_seconds() - compiled_before
+    print(f"first token after {t_first - t_start:.2f} s"
+          + (f" ({compiled_first:.1f} s of it compiling)" if compiled_first else "") + "; "
+          f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
           + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
-          + f"finish: {final.finish_reason}", file=sys.stderr)
+          + (f"compiling: {compiled:.1f} s in all (first run only: {compiling.cache_where()}); " if compiled else "")
+          + f"finish: {final.finish_reason}{length_reason(model, args.max_tokens, final)}", file=sys.stderr)
     if config.expert_cache_state is not None:
         model.save_expert_cache()
     if model.config.is_moe:
@@ -170,10 +206,11 @@ def _cmd_inspect(args) -> int:
 
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     reserve = parse_size(args.vram_reserve, "--vram-reserve") if args.vram_reserve else None
-    if (args.path is None) == (args.model is None):
+    if args.path is not None and args.model is not None:
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
-    print(format_report(report(GGUFFile(resolve_model(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
-                               kv=check_kv(args.kv, "--kv"), vram_reserve=reserve, parallel=args.parallel)))
+    print(format_report(report(GGUFFile(model_or_default(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
+                               kv=check_kv(args.kv, "--kv"), dtype=args.dtype, vram_reserve=reserve,
+                               parallel=args.parallel)))
     return 0
 
 
@@ -195,7 +232,7 @@ def _cmd_check(args) -> int:
         raise StrataError("give the model once: `strata-jax check MODEL` or `--model MODEL`")
     if args.vram_budget is not None:
         parse_size(args.vram_budget, "--vram-budget")
-    model = resolve_model(args.model_pos or args.model)
+    model = model_or_default(args.model_pos or args.model)
     c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
               probe_pinned=args.pinned_probe)
     if args.json:  # the text output carries them itself
@@ -228,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="raw prompt, completed as is")
     src.add_argument("--chat", "-c", help="a user message, rendered with the model's chat template")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="stop after N generated tokens (default: when the model stops, or at the context's end)")
     g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=40, help="0 = off")
@@ -237,13 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(func=_cmd_generate)
 
+    from strata_jax.engine.config import DTYPES
+
     i = sub.add_parser("inspect", help="describe a GGUF file and what fits in a VRAM budget")
-    i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE")
+    i.add_argument("path", nargs="?", help="GGUF file (a split set's first shard) or REPO[@REV]:FILE (default: the "
+                                           "embedded default model, as generate loads it)")
     i.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as PATH")
     i.add_argument("--vram-budget", help="e.g. 32GiB: how many expert slots would fit")
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
                    help="context to reserve KV cache for (default: the trained length, cut to fit --vram-budget)")
     i.add_argument("--kv", default="f16", help="KV cache storage, as load's --kv: f16, q8_0, q4_0 or K,V")
+    i.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype, as load's (auto: bfloat16 on GPU; float32 on CPU, dense weights dequantized)")
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
     i.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
                    help="KV-cache rows to reserve, as serve --parallel (default 1)")
@@ -272,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_serve)
     k = sub.add_parser("check", help="is this machine fit (GPU, PCIe link, bandwidth, RAM, pinned memory, disk), "
                                      "and does MODEL fit it")
-    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or REPO[@REV]:FILE")
+    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF file, a split set's first shard, or "
+                                                                 "REPO[@REV]:FILE (default: the embedded default model)")
     k.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help="the same as MODEL")
     k.add_argument("--json", action="store_true", help="machine-readable output")
     k.add_argument("--ctx", type=_positive_int("--ctx"), default=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import pytest
@@ -43,8 +44,9 @@ def test_cpu_machine_says_no_gpu_and_reports_cpu_figures(machine):
     assert "gpu           none" in text and "ram" in text and "disk" in text
 
 
-def _budgets(path):
-    r = report(GGUFFile(path), vram_budget=None)
+def _budgets(path, platform=None):
+    """(dense + KV + activations + reserve, every expert) as load sizes them on `platform` (default: here)."""
+    r = report(GGUFFile(path), vram_budget=None, platform=platform)
     experts = r["experts"] * r["expert_bytes"]
     base = r["fixed_bytes"] + r["reserve_bytes"]
     return base, experts
@@ -138,7 +140,7 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
 
     from strata_jax.bench import limits
 
-    base, experts = _budgets(moe_path)
+    base, experts = _budgets(moe_path, "gpu")  # bfloat16, dense weights in their blocks
     free = int(base + experts / 2)
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(width, width_max))
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGPU(free)])
@@ -152,7 +154,24 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
     assert bool(narrow) == (width < width_max) and not any("no GPU" in w for w in c["warnings"])
     # the verdict sizes the cache from the allocator's free memory, as load does
     assert c["verdict"]["mode"] == "offloaded"
-    assert c["verdict"]["expert_slots"] == report(GGUFFile(moe_path), vram_budget=free)["expert_slots"]
+    assert c["verdict"]["expert_slots"] == report(GGUFFile(moe_path), vram_budget=free,
+                                                                 platform="gpu")["expert_slots"]
     text = chk.format_check(c)
     assert f"Gen5 x{width} now, Gen5 x{width_max} max" in text and "25.0 GB/s" in text
     assert ("WARNING       the GPU's PCIe link runs at x8" in text) == (width < width_max)
+
+
+@pytest.mark.parametrize("command", ["inspect", "check"])
+def test_cli_without_a_model_uses_the_default_model(moe_path, monkeypatch, capsys, command):
+    """As generate does: no path means the embedded default model (here a stand-in, no download)."""
+    from strata_jax.dev import default_model
+
+    asked = []
+    monkeypatch.setattr(default_model, "default_model_path", lambda *a, **k: asked.append(1) or Path(moe_path))
+    assert main([command] + (["--json", "--no-pinned-probe"] if command == "check" else [])) == 0
+    out = capsys.readouterr().out
+    assert asked == [1]
+    if command == "check":
+        assert json.loads(out)["model"]["path"] == str(moe_path)
+    else:
+        assert out.startswith(f"file          {moe_path} ")

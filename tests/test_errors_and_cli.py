@@ -4,6 +4,7 @@ exit code 2, never a traceback. Uses small synthetic GGUFs (random weights, real
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -283,3 +284,39 @@ def test_decode_chunk_default_follows_the_device(moe_path, caplog):
         m = strata_jax.load(moe_path, ctx=64)
     assert m.decode_chunk == default_decode_chunk(m.device.platform)
     assert f"decode {m.decode_chunk} step" in caplog.text
+
+
+def test_cli_generate_runs_until_the_model_stops_and_says_which_limit_cut_it(moe_path, capsys):
+    from strata_jax.cli import main
+
+    # no --max-tokens: the answer ends where the model stops, or at the context's end, not at a fixed count
+    assert main(["generate", "--model", str(moe_path), "--prompt", "the tea", "-t", "0", "--ctx", "64"]) == 0
+    out, err = capsys.readouterr()
+    ref = strata_jax.load(moe_path, ctx=64).generate("the tea", max_tokens=64, temperature=0)
+    assert out == ref.text + "\n"
+    if ref.finish_reason == "length":
+        assert len(ref.prompt_token_ids) + len(ref.token_ids) == 64
+        assert "finish: length (stopped at the context limit --ctx 64; raise it with --ctx N" in err
+    else:
+        assert "finish: stop\n" in err
+    assert main(["generate", "--model", str(moe_path), "--prompt", "the tea", "-t", "0", "--ctx", "64",
+                 "-n", "3"]) == 0
+    out, err = capsys.readouterr()
+    if ref.finish_reason == "length" or len(ref.token_ids) > 3:
+        assert "finish: length (stopped at --max-tokens 3; raise it with --max-tokens N)" in err
+
+
+def test_cli_generate_says_when_it_compiles_and_the_time_to_first_token(moe_path):
+    r = _cli("generate", "--model", str(moe_path), "--prompt", "the tea", "-n", "5", "-t", "0", "--ctx", "64")
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    # announced before the wait (after the "loaded" line), then timed once done
+    loaded = err.index("strata-jax: loaded ")
+    for program in ("prefill", "decode"):
+        announced = err.index(f"compiling the {program} program (first run only; ")
+        assert announced > loaded
+        assert re.search(rf"(compiled|read from the compilation cache) the {program} program \(attention over "
+                         rf"[\d,]+ positions\) in \d+\.\d s", err[announced:]), err
+    summary = err.splitlines()[-2] if "experts:" in err.splitlines()[-1] else err.splitlines()[-1]
+    assert re.search(r"first token after \d+\.\d\d s \(\d+\.\d s of it compiling\); prefill:", summary), summary
+    assert "compiling: " in summary and "in all (first run only: " in summary

@@ -205,7 +205,8 @@ def _budget_for(path, kv, ctx, itemsize=4, rows=1, prefill_chunk=512, expert_slo
     """The vram_budget (reserve 0) that holds exactly `ctx` KV positions beside the rest load counts."""
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf(g)
-    other = memory.dense_weight_bytes(g) + memory.activation_bytes(cfg, prefill_chunk)
+    # on this CPU load dequantizes the dense matrices to the compute dtype (itemsize bytes a value)
+    other = memory.dense_weight_bytes(g, dense_itemsize=itemsize) + memory.activation_bytes(cfg, prefill_chunk)
     floor = 0
     if cfg.is_moe:
         from strata_jax.model.weights import WeightLoader, expert_spec
@@ -241,7 +242,7 @@ def test_ctx_none_takes_the_trained_context_cut_to_fit(tmp_path, caplog):
     path = write_synthetic_gguf(tmp_path / "moe.gguf", spec)
     with caplog.at_level("INFO", logger="strata_jax"):
         assert strata_jax.load(path, prefill_chunk=16).ctx == 8192  # CPU, no budget: the trained context
-    assert ("KV 8.00 MiB for 8,192 cells x 1 row (f16: float32) leaves 16 expert slots of 16; the trained context "
+    assert ("KV 8.00 MiB for 8,192 cells x 1 row (float32, the compute dtype) leaves 16 expert slots of 16; the trained context "
             "8,192; no memory limit known (no vram_budget, and the device reports none)") in caplog.text, caplog.text
     budget, _ = _budget_for(path, "q8_0", 3000, rows=2, prefill_chunk=16)
     caplog.clear()
@@ -256,6 +257,6 @@ def test_ctx_none_takes_the_trained_context_cut_to_fit(tmp_path, caplog):
     assert m.cache_plan.n_slots >= 8  # 2 pools x 2 rows x top-2
     # `strata-jax inspect` plans the same context from the header (float32: 4-byte values, as on this CPU)
     r = report(GGUFFile(path), vram_budget=budget, vram_reserve=0, kv="q8_0", parallel=2, prefill_chunk=16,
-               kv_bytes_per_elem=4)
+               dtype="float32")
     assert (r["ctx"], r["kv_bytes"], r["expert_slots"]) == (2816, kv_bytes, m.cache_plan.n_slots)
     assert "kv cache      " + f"{kv_bytes / 2**20:.2f} MiB at ctx 2,816 x 2 rows (q8_0); the trained" in format_report(r)

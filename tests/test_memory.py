@@ -24,6 +24,8 @@ from strata_jax.offload.sizing import DEFAULT_RESERVE, plan_cache
 # Q4_K down projections in odd layers (as Q4_K_M mixes types): experts differ in size by layer, and
 # "shared" pools group layers 0 and 2 while "per-layer" gives each layer its own.
 SPEC = dataclasses.replace(SHAPES["tiny"], n_layers=3, odd_down_qtype="Q4_K", expert_ffn_dim=256)
+# load as on a GPU (bfloat16, dense weights in their GGML blocks), so fixed_device_bytes(itemsize=2) is what it plans
+GPU_LIKE = dict(dtype="bfloat16", dequantize_dense=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_activation_and_fixed_bytes(moe):
 
 def test_load_plans_with_the_fixed_bytes(moe):
     path, gguf, cfg = moe
-    m = strata_jax.load(path, ctx=128, dtype="bfloat16", parallel=2, prefill_chunk=64, expert_slots=12)
+    m = strata_jax.load(path, ctx=128, **GPU_LIKE, parallel=2, prefill_chunk=64, expert_slots=12)
     assert m.cache_plan.fixed_bytes == memory.fixed_device_bytes(gguf, cfg, ctx=128, itemsize=2, rows=2,
                                                                  prefill_chunk=64)
 
@@ -96,7 +98,7 @@ def test_inspect_slots_are_the_planners(moe, pools, extra_experts):
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
     budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)
                  + extra_experts * per_expert)
-    r = report(gguf, vram_budget=budget, ctx=256, expert_pools=pools)
+    r = report(gguf, vram_budget=budget, ctx=256, expert_pools=pools, **GPU_LIKE)
     plan = _planned(gguf, cfg, budget, pools)
     assert r["expert_slots"] == plan.n_slots and r["plan"] == plan
     assert plan.resident == (extra_experts >= cfg.n_experts * len(cfg.moe_layers))
@@ -107,8 +109,8 @@ def test_inspect_agrees_with_load(moe):
     path, gguf, cfg = moe
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
     budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + 9.5 * per_expert)
-    r = report(gguf, vram_budget=budget, ctx=256)
-    m = strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+    r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
+    m = strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
     assert not m.cache_plan.resident
     assert m.cache_plan == r["plan"] and m.stats()["expert_slots"] == r["expert_slots"]
 
@@ -116,10 +118,10 @@ def test_inspect_agrees_with_load(moe):
 def test_inspect_refuses_what_load_refuses(moe):
     path, gguf, cfg = moe
     budget = DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)  # no room for an expert
-    r = report(gguf, vram_budget=budget, ctx=256)
+    r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
     assert not r["fits_dense"] and "too small" in r["too_small"]
     with pytest.raises(ConfigError, match="too small"):
-        strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+        strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
 
 
 @pytest.mark.parametrize("extra_experts", [1000, 30])  # every expert fits beside the table / offloaded
@@ -131,7 +133,40 @@ def test_inspect_places_the_ple_table_as_load_does(tmp_path, extra_experts):
     cfg = ModelConfig.from_gguf(gguf)
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
     budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + extra_experts * per_expert)
-    r = report(gguf, vram_budget=budget, ctx=256)
-    m = strata_jax.load(path, ctx=256, dtype="bfloat16", vram_budget=budget)
+    r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
+    m = strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
     assert r["ple_table"] == m.ple_table == ("device" if extra_experts > 100 else "host")
     assert m.cache_plan == r["plan"] and m.stats()["expert_slots"] == r["expert_slots"]
+
+
+@pytest.mark.parametrize("options", [{}, GPU_LIKE, dict(dtype="bfloat16")], ids=["cpu-default", "gpu-like", "bf16"])
+def test_every_report_gives_the_bytes_load_allocates(moe, options, caplog):
+    """One estimate behind `inspect`, `check`, the load log and the server's memory figures (the web UI's
+    source: Model.device_memory), each equal to what load really allocates with the same options."""
+    from strata_jax import check as chk
+    from strata_jax.core.units import fmt_bytes
+    from strata_jax.engine.inspect import format_report
+
+    path, gguf, cfg = moe
+    r = report(gguf, ctx=128, **options)
+    with caplog.at_level("INFO", logger="strata_jax"):
+        m = strata_jax.load(path, ctx=128, **options)
+    m.generate("the tea", max_tokens=2, temperature=0)  # the one-row session allocates its KV cache
+    dtype = jnp.dtype(m.dtype).name
+    assert r["dtype"] == dtype
+    used = m.device_memory()
+    assert (used["dense"], used["kv"]) == (r["dense_bytes"], r["kv_bytes"])
+    assert used["experts"] == memory.routed_expert_bytes(gguf, cfg)  # CPU: every expert resident
+    # the same figures, named the same way, in inspect's text and the load log
+    label = memory.kv_label("f16", dtype)
+    text = format_report(r)
+    assert f"dense weights {fmt_bytes(used['dense'])} on the device" in text
+    assert f"kv cache      {fmt_bytes(used['kv'])} at ctx 128 ({label})" in text
+    assert f"KV {fmt_bytes(used['kv'])} for 128 cells x 1 row ({label})" in caplog.text
+    assert f"dense weights {fmt_bytes(used['dense'])} " in caplog.text
+    if not options:  # check sizes what this machine's load does: the CPU default
+        c = chk.check(str(path), ctx=128, probe_pinned=False)
+        assert (c["model"]["dense_bytes"], c["model"]["kv_bytes"]) == (used["dense"], used["kv"])
+        need = r["fixed_bytes"] + used["experts"]
+        assert f"needs about {fmt_bytes(need)}: dense weights {fmt_bytes(used['dense'])}, KV cache " \
+               f"{fmt_bytes(used['kv'])} at ctx 128 ({label})" in c["verdict"]["text"]

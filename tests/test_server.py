@@ -696,7 +696,7 @@ def test_responses_match_chat_and_stream(client):
     r = o.responses.create(model="m", instructions="Be brief.", input="hello there", max_output_tokens=4,
                            temperature=0)
     same = chat(client, max_tokens=4, temperature=0).json()  # MSGS: the same system and user turns
-    assert r.object == "response" and r.id.startswith("resp_") and r.model == "m"
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "moe"  # the served id, not the name asked
     assert r.output_text == same["choices"][0]["message"]["content"] and r.output[0].role == "assistant"
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (same["usage"]["prompt_tokens"], 4)

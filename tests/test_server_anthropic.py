@@ -119,7 +119,7 @@ def test_create_matches_model_generate_with_anthropic_usage(client, model):
     r = client.messages.create(model="claude-x", max_tokens=8, system="Be brief.", messages=USER, **T0)
     msgs = [{"role": "system", "content": "Be brief."}, *USER]
     ref = model.generate(msgs, max_tokens=8, temperature=0)
-    assert r.type == "message" and r.role == "assistant" and r.model == "claude-x" and r.id.startswith("msg_")
+    assert r.type == "message" and r.role == "assistant" and r.model == "moe" and r.id.startswith("msg_")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == ref.text
     assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.finish_reason]
     assert r.stop_sequence is None
@@ -163,7 +163,7 @@ def test_stream_text_and_final_message(client, url):
         final = s.get_final_message()
     assert text == final.content[0].text == want.content[0].text
     assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens
-    assert final.id.startswith("msg_") and final.model == "m"
+    assert final.id.startswith("msg_") and final.model == "moe"  # the served id
     r = raw(url, "/v1/messages", {"model": "m", "max_tokens": 10, "messages": USER, "temperature": 0, "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     evs = events(r.text)

@@ -107,14 +107,25 @@ def client(server):
 
 
 def test_sync_chat_completions_and_models(client):
+    # a name the server does not serve is answered by the model it does, and the response says which
     r = client.chat.completions.create(model="whatever", messages=MSGS, max_tokens=8, temperature=0)
-    assert r.object == "chat.completion" and r.model == "whatever"
+    served = [m.id for m in client.models.list().data]
+    assert r.object == "chat.completion" and [r.model] == served
     assert r.choices[0].finish_reason == "length" and isinstance(r.choices[0].message.content, str)
     assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
     c = client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5
     models = client.models.list()
     assert [m.id for m in models.data] == ["moe"]
+
+
+def test_an_unknown_model_name_is_served_under_the_real_name(client):
+    served = client.models.list().data[0].id
+    assert served != "gpt-4o"  # the name asked for below is not the one served
+    c = client.completions.create(model="gpt-4o", prompt="Once upon a time", max_tokens=3, temperature=0)
+    stream = client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=3, temperature=0, stream=True)
+    r = client.responses.create(model="gpt-4o", input="hello", max_output_tokens=3, temperature=0)
+    assert c.model == r.model == served and {ch.model for ch in stream} == {served}
 
 
 def test_streaming(client):

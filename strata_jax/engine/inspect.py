@@ -9,7 +9,11 @@ import collections
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from strata_jax.core.errors import ConfigError
+from strata_jax.engine.config import EngineConfig
 from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
@@ -40,15 +44,21 @@ def tensor_kind(name: str) -> str:
     return "other"
 
 
-def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, kv_bytes_per_elem: int = 2,
-           *, kv: str = "f16", vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
+def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, *, kv: str = "f16",
+           dtype: str = "auto", dequantize_dense: bool | None = None, platform: str | None = None,
+           vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
            expert_pools: str = "per-layer") -> dict[str, Any]:
     """The file's tensors by kind and, given a VRAM budget, the context and expert slots `load` would make
     of it with the same options (offload's planners over model/memory.py's estimates). ctx None: the
-    trained length, cut to fit the budget; kv: the KV cache's storage (EngineConfig.kv), kv_bytes_per_elem
-    the compute dtype's bytes (what f16 stores)."""
+    trained length, cut to fit the budget; kv: the KV cache's storage (EngineConfig.kv); dtype and
+    dequantize_dense as EngineConfig's, resolved for `platform` (default: JAX's backend here) as load
+    resolves them: on a CPU float32, with the dense matrices dequantized at load."""
     cfg = ModelConfig.from_gguf(gguf)
     kv = check_kv(kv)
+    resolved = EngineConfig.create(dtype=dtype, dequantize_dense=dequantize_dense).resolved(
+        platform or jax.default_backend())
+    kv_bytes_per_elem = jnp.dtype(resolved.dtype).itemsize
+    dense_itemsize = kv_bytes_per_elem if resolved.dequantize_dense else None
     by_kind: dict[str, int] = collections.Counter()
     types_by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for t in gguf.tensors.values():
@@ -65,7 +75,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
     try:
         cplan = plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
                                    prefill_chunk=prefill_chunk, expert_pools=expert_pools, vram_budget=vram_budget,
-                                   vram_reserve=vram_reserve,
+                                   vram_reserve=vram_reserve, dense_itemsize=dense_itemsize,
                                    off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else ())
         ctx, ctx_reason = cplan.ctx, cplan.reason
     except ConfigError as e:  # what load would refuse with
@@ -73,7 +83,8 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         ctx = ctx or cfg.context_length
     def fixed(off_device: tuple[str, ...] = ()) -> int:
         return memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
-                                         prefill_chunk=prefill_chunk, kv=kv, off_device=off_device)
+                                         prefill_chunk=prefill_chunk, kv=kv, off_device=off_device,
+                                         dense_itemsize=dense_itemsize)
 
     out: dict[str, Any] = {
         "path": gguf.path,
@@ -83,7 +94,10 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         "bytes_by_kind": dict(by_kind),
         "types_by_kind": {k: dict(v) for k, v in types_by_kind.items()},
         "total_tensor_bytes": total,
-        "dense_bytes": memory.dense_weight_bytes(gguf),
+        "dense_bytes": memory.dense_weight_bytes(gguf, dense_itemsize=dense_itemsize),
+        "dense_file_bytes": memory.dense_weight_bytes(gguf),
+        "dtype": resolved.dtype,
+        "dequantize_dense": resolved.dequantize_dense,
         "experts": n_experts_all,
         "expert_bytes": expert_bytes,
         "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem, kv),
@@ -94,7 +108,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         "ctx_reason": ctx_reason,
         "rows": rows,
         "kv": kv,
-        "kv_bits": 8 * kv_bytes_per_elem,
+        "kv_label": memory.kv_label(kv, resolved.dtype),
     }
     if vram_budget is None:
         return out
@@ -151,10 +165,12 @@ def format_report(r: dict[str, Any]) -> str:
     for kind, n in sorted(r["bytes_by_kind"].items(), key=lambda kv: -kv[1]):
         types = ", ".join(f"{t} x{c}" for t, c in sorted(r["types_by_kind"][kind].items()))
         lines.append(f"  {kind:<15} {fmt_bytes(n):>12}  {100 * n / r['total_tensor_bytes']:5.1f}%  [{types}]")
-    lines.append(f"dense weights {fmt_bytes(r['dense_bytes'])} (everything but routed experts)")
+    lines.append(f"dense weights {fmt_bytes(r['dense_bytes'])} on the device (everything but routed experts; "
+                 + (f"dequantized at load to {r['dtype']}, {fmt_bytes(r['dense_file_bytes'])} in the file)"
+                    if r["dequantize_dense"] else "in the file's blocks)"))
     rows = f" x {r['rows']} rows" if r["rows"] > 1 else ""
-    storage = f"f16: {r['kv_bits']}-bit" if r["kv"] == "f16" else r["kv"]
-    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({storage}); {r['ctx_reason']}")
+    lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({r['kv_label']}); "
+                 f"{r['ctx_reason']}")
     lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk, bound)")
     if r.get("ple_table"):
         lines.append(f"ple table     {fmt_bytes(r['ple_bytes'])} in {r['ple_table']} memory ({r['ple_reason']})")

@@ -30,7 +30,9 @@ from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertSpec
 from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.model.memory import activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes
+from strata_jax.core.units import fmt_bytes
+from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
+                                     kv_label)
 from strata_jax.model.tokenizer import GGUFTokenizer
 from strata_jax.model import runs
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
@@ -99,16 +101,19 @@ def _device_bytes(tree: Any) -> int:
 def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, kv: str, itemsize: int, rows: int,
                        prefill_chunk: int, expert_pools: str = "per-layer", expert_slots: int | None = None,
                        vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
-                       free_bytes: int | None = None, off_device: tuple[str, ...] = ()) -> ContextPlan:
+                       free_bytes: int | None = None, off_device: tuple[str, ...] = (),
+                       dense_itemsize: int | None = None) -> ContextPlan:
     """The context load allocates for a model (ctx, or the trained length), checked against the budget
-    beside its dense weights (but off_device), activations and the fewest expert slots a step needs (spec:
-    its experts' layout, None for a dense model): what load and `strata-jax inspect` both use."""
+    beside its dense weights (but off_device; dequantized to dense_itemsize bytes a value, or None: in
+    their blocks), activations and the fewest expert slots a step needs (spec: its experts' layout, None
+    for a dense model): what load and `strata-jax inspect` both use."""
     floor = 0.0
     if spec is not None:
         floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
     return plan_context(
         requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_cache_bytes(cfg, 1, rows, itemsize, kv),
-        other_bytes=dense_weight_bytes(gguf, off_device) + activation_bytes(cfg, prefill_chunk), expert_bytes=floor,
+        other_bytes=dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk),
+        expert_bytes=floor,
         vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
 
 
@@ -119,7 +124,8 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
                               prefill_chunk=config.prefill_chunk, expert_pools=config.expert_pools,
                               expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                               vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
-                              off_device=(PLE_TABLE_NAME,) if ple_host else ())
+                              off_device=(PLE_TABLE_NAME,) if ple_host else (),
+                              dense_itemsize=itemsize if config.dequantize_dense else None)
 
 
 def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
@@ -182,7 +188,8 @@ class Model:
         def fixed(off_device: tuple[str, ...] = ()) -> int:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
             return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=itemsize, rows=config.parallel,
-                                      prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv)
+                                      prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv,
+                                      dense_itemsize=itemsize if dequantize_dense else None)
 
         self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
@@ -201,17 +208,17 @@ class Model:
         if self.layer_runs is not None:
             self.params = self.params.replace(layers=runs.stack_layers(self.params.layers, self.layer_runs, free=True))
             log.info("layers: %s", runs.describe(self.layer_runs))
-        storage = config.kv if config.kv != "f16" else f"f16: {jnp.dtype(self.dtype).name}"
-        log.info(describe_context(self.context_plan, config.parallel, storage, self.cache_plan))
+        log.info(describe_context(self.context_plan, config.parallel, kv_label(config.kv, jnp.dtype(self.dtype).name),
+                                  self.cache_plan))
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "
-                 "compute %s, context %d, decode %s per jitted call, dense weights %s",
+                 "compute %s, context %d, decode %s per jitted call, dense weights %s %s",
                  os.path.basename(gguf.path), cfg.arch, cfg.n_layers,
                  f", {cfg.n_experts} experts top-{cfg.n_experts_used}" if cfg.is_moe else "",
                  dt, loader.bytes_loaded / 2**30, self.device, loader.bytes_loaded / 2**30 / max(dt, 1e-9),
                  jnp.dtype(self.dtype).name, self.ctx,
-                 f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step",
+                 f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step", fmt_bytes(self.dense_bytes),
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
                  else "in GGML blocks, dequantized in each step")
         self.routing: list[np.ndarray] | None = [] if config.record_routing else None  # [tokens, M, k] per call

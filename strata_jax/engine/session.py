@@ -58,6 +58,7 @@ from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                       SamplingParams, allowed_mask, validate_sampling)
+from strata_jax.engine import compiling
 from strata_jax.engine.config import MIN_PREFILL_CHUNK
 from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.lookup import Acceptance, lookup_draft
@@ -582,10 +583,13 @@ class Session:
             rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
         provider = e.take() if e is not None else None
         experts, fixed = split_provider(provider)  # only the changing part is donated
+        span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
+        shape = f"attention over {span['attn_len']:,} positions"
         try:
-            out, kv_out, experts_out, routed, rows_out = fn(
-                m.params, experts, fixed, kv, rows, *args, cfg=m.config, dtype=m.dtype, kernels=m.kernels,
-                **attn_span(end, m.ctx, prefill, not m.config.has_qsa), **static)
+            with compiling.watch(fn.__name__, shape):
+                out, kv_out, experts_out, routed, rows_out = fn(
+                    m.params, experts, fixed, kv, rows, *args, cfg=m.config, dtype=m.dtype, kernels=m.kernels,
+                    **span, **static)
         except BaseException:
             # a call that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:

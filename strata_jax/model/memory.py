@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from strata_jax.model import kvquant
 from strata_jax.model.config import ModelConfig
 
@@ -37,10 +39,32 @@ def kv_cache_bytes(cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2,
     return cfg.n_kv_layers * rows * ctx * per_position
 
 
-def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = ()) -> int:
+def kv_label(kv: str, dtype: str) -> str:
+    """How the KV cache stores its values, named the same in every report: --kv f16 keeps the compute
+    dtype (float32 on a CPU), so that is what it is called; q8_0 / q4_0 by their own names."""
+    return f"{dtype}, the compute dtype" if kv == "f16" else kv
+
+
+def _float32_at_load(name: str, shape: tuple[int, ...]) -> bool:
+    # model/weights.py's WeightLoader.f32: vectors, a short convolution's taps and the routers
+    return len(shape) == 1 or "conv1d" in name or "ffn_gate_inp" in name
+
+
+def dense_tensor_bytes(name: str, shape: tuple[int, ...], nbytes: int, dense_itemsize: int | None = None) -> int:
+    """One dense tensor's device bytes as the loader places it: float32 for the small ones it converts;
+    a matrix in its GGML blocks (nbytes), or dequantized at load to dense_itemsize bytes a value."""
+    if _float32_at_load(name, shape):
+        return 4 * int(np.prod(shape))
+    return nbytes if dense_itemsize is None else dense_itemsize * int(np.prod(shape))
+
+
+def dense_weight_bytes(gguf: GGUFFile, off_device: tuple[str, ...] = (), dense_itemsize: int | None = None) -> int:
     """Every tensor but the routed experts (and those named in off_device, e.g. a PLE table kept in host
-    memory): what sits on the device whatever the expert cache holds."""
-    return sum(t.nbytes for t in gguf.tensors.values() if not is_routed_expert(t.name) and t.name not in off_device)
+    memory): what sits on the device whatever the expert cache holds. dense_itemsize: the matrices are
+    dequantized at load to values of this many bytes (EngineConfig.dequantize_dense, the CPU default:
+    float32 takes ~4x the file's bytes); None keeps the file's blocks."""
+    return sum(dense_tensor_bytes(t.name, tuple(t.shape), t.nbytes, dense_itemsize) for t in gguf.tensors.values()
+               if not is_routed_expert(t.name) and t.name not in off_device)
 
 
 def _block(name: str) -> int | None:
@@ -64,8 +88,10 @@ def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
 
 
 def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,
-                       prefill_chunk: int = 512, off_device: tuple[str, ...] = (), kv: str = "f16") -> int:
-    """What the device holds before any expert slot: dense weights (but off_device) + KV cache rows +
-    activations (the expert-cache planner's fixed_bytes; its reserve comes on top)."""
-    return (dense_weight_bytes(gguf, off_device) + kv_cache_bytes(cfg, ctx, rows, itemsize, kv)
+                       prefill_chunk: int = 512, off_device: tuple[str, ...] = (), kv: str = "f16",
+                       dense_itemsize: int | None = None) -> int:
+    """What the device holds before any expert slot: dense weights (but off_device; dense_itemsize as
+    for dense_weight_bytes) + KV cache rows + activations (the expert-cache planner's fixed_bytes; its
+    reserve comes on top)."""
+    return (dense_weight_bytes(gguf, off_device, dense_itemsize) + kv_cache_bytes(cfg, ctx, rows, itemsize, kv)
             + activation_bytes(cfg, prefill_chunk))

@@ -305,7 +305,9 @@ class Routes:
         if isinstance(started, Response):
             return started
         req, job, parser, first = started
-        env = Envelope(endpoint, req.model or self.model_id)
+        # any requested name is served by the one model, as llama.cpp's server does; the response names the
+        # model that really answered (docs/design.md, "Model names"), never an echo of a name it does not serve
+        env = Envelope(endpoint, self.model_id)
         if req.stream:
             return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -324,7 +326,7 @@ class Routes:
         if isinstance(started, Response):
             return started
         req, job, parser, first = started
-        rb = ResponseBuilder(req.model or self.model_id, echo)
+        rb = ResponseBuilder(self.model_id, echo)  # the served model's name, whatever was asked (_generate)
         if req.stream:
             return StreamingResponse(self._responses_stream(job, rb, first, t0, parser),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -553,7 +555,7 @@ class AnthropicRoutes:
         if isinstance(started, Response):
             return started
         req, job, parser, first = started
-        env = Envelope("messages", req.model or self.r.model_id, id=anthropic.new_id())
+        env = Envelope("messages", self.r.model_id, id=anthropic.new_id())  # the served name, as _generate
         if req.stream:
             return StreamingResponse(self._stream(job, req, env, first, t0, parser), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
