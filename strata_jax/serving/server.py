@@ -113,10 +113,9 @@ def serve(args: Any, config: "EngineConfig") -> int:
         only after that. A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if engine.draining:
+            if engine.draining:  # a second signal: end the running requests now; a third SIGINT forces the exit
                 engine.end_running()
-                if not self.should_exit:
-                    super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
                 return
             engine.begin_drain(grace)
             log.info("shutting down: running requests have %g s to finish; new ones get 503", grace)
