@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-size", type=_positive_int("--queue-size"), default=64,
                    help="requests that may wait for the engine; more get 429 (default 64)")
     s.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float, default=10.0,
-                   help="seconds running requests get to finish on SIGTERM/SIGINT; then each stream ends with an "
-                        "error event (default 10)")
+                   help="seconds running requests get to finish on SIGTERM/SIGINT, while new ones get 503 with "
+                        "Retry-After; then each stream ends with an error event; a second signal ends them at once "
+                        "(default 10)")
     s.add_argument("--max-body", default="4MiB",
                    help="largest request body, e.g. 4MiB or 1000000 bytes; larger ones get 413 (default 4MiB)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",

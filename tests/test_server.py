@@ -631,8 +631,10 @@ def test_cancel_stops_generation_between_tokens(model):
 
 def test_draining_refuses_new_work(model):
     with serving(model) as c:
-        c.app.state.engine.begin_drain()  # what SIGTERM does before uvicorn's graceful shutdown
-        assert assert_error(chat(c, max_tokens=2), 503)["code"] == "shutting_down"
+        c.app.state.engine.begin_drain(30)  # what SIGTERM does before uvicorn's graceful shutdown
+        r = chat(c, max_tokens=2)
+        assert assert_error(r, 503)["code"] == "shutting_down"
+        assert 1 <= int(r.headers["retry-after"]) <= 30  # the grace period left, at least a second
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "shutting_down"
 

@@ -548,7 +548,8 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path, op
     """Two streams longer than the grace period (one of OpenAI's endpoints and Anthropic's) and a short
     one that fits in it: SIGTERM lets the short one finish, then ends the long ones with an error event
     (chat and completions: then [DONE]; responses: then response.failed, its terminal event) and the
-    process exits 0 without a traceback."""
+    process exits 0 without a traceback. Meanwhile the server still listens: a new request gets 503 with
+    Retry-After, not a refused connection."""
     grace = 2.0
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-grace", str(grace), "--parallel", "3",
                         "--ctx", "16384", "--expert-pools", "shared", "--expert-slots", "16", "--no-warmup")
@@ -584,6 +585,12 @@ def test_sigterm_ends_open_streams_after_the_grace_period(moe_path, tmp_path, op
         print(f"streaming after {time.monotonic() - t0:.1f} s")
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
+        # during the grace period the server still listens: a new request gets 503 with Retry-After
+        while httpx.get(srv.url + "/health", timeout=5).status_code == 200 and time.monotonic() - t_sig < 5:
+            time.sleep(0.05)
+        late = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        assert 1 <= int(late.headers["retry-after"]) <= grace + 1
         assert srv.proc.wait(30) == 0, srv.output()
         for t in threads.values():
             t.join(10)

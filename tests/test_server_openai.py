@@ -297,6 +297,40 @@ def test_sigterm_exits_cleanly(moe_path, tmp_path, parallel):
         srv.stop()
 
 
+def test_second_sigterm_ends_the_grace_period_at_once(moe_path, tmp_path):
+    """The first SIGTERM leaves a long grace period for a running stream (the server still answers, 503);
+    a second one ends the stream with its error event and the process exits 0, long before the grace
+    period would have."""
+    grace = 120
+    srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-grace", str(grace), "--ctx", "16384")
+    try:
+        srv.wait_ready()
+
+        def stream():  # ~15 s of greedy tokens alone on the 2-core CPU: still running at the second signal
+            body = {"prompt": "hello", "max_tokens": 12000, "temperature": 0, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                yield from r.iter_lines()
+
+        t, started, seen, errors = consume_in_thread(stream)
+        assert started.wait(30)
+        t_sig = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(srv.url + "/health", timeout=5).json()["status"] == "shutting_down"
+        assert srv.proc.poll() is None  # draining, the stream still running
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.output()
+        assert time.monotonic() - t_sig < grace / 2
+        t.join(10)
+        assert not t.is_alive() and not errors, errors
+        lines = [x for x in seen if x]
+        assert lines[-1] == "data: [DONE]" and '"shutting_down"' in lines[-2], lines[-3:]
+    finally:
+        srv.stop()
+
+
 def test_parallel_server_concurrent_clients_match_one_at_a_time(server, parallel_server):
     """8 requests from 4 concurrent clients against --parallel 4: every text equals what the --parallel 1
     server gives the same request alone (greedy and seeded), and the batch really ran them together."""

@@ -292,5 +292,51 @@ def test_markdown_renderer_escapes_html(server, browser):
     assert "<ul><li>a</li><li>b</li></ul>" in html
     assert '<pre><code class="language-python">if a &lt; b: print(&#39;&lt;script&gt;&#39;)</code></pre>' in html
     # a fence still streaming (not closed yet) is code up to the end
-    assert page.evaluate(render, "x\n```\ncode *not italic*") == "<p>x</p><pre><code>code *not italic*</code></pre>"
+    html = page.evaluate(render, "x\n```\ncode *not italic*")
+    assert html.startswith("<p>x</p>") and html.endswith("<pre><code>code *not italic*</code></pre></div>")
+    # ... and one just opened, with no code yet, draws no empty box
+    for src in ("x\n```", "x\n```python\n", "x\n```\n\n"):
+        assert page.evaluate(render, src) == "<p>x</p>", src
+    assert 'class="copy"' in page.evaluate(render, "```\n```")  # a closed block is a block, even empty
     page.close()
+
+
+DEFAULT_MODEL_ID = "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M"  # the longest name the header usually shows
+
+
+def test_empty_chat_hint_code_copy_button_and_narrow_header(server, browser):
+    """The empty chat says what to do and hides once there is a message (Clear brings it back); a code
+    block's Copy button puts exactly its code on the clipboard; at 400 px the header stays one line."""
+    context = browser.new_context(viewport={"width": 400, "height": 800}, color_scheme="light")
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('model').textContent !== '-'")
+    assert page.is_visible("#hint") and "Enter sends" in text(page, "#hint")
+
+    code = "def f(xs):\n    return [x for x in xs if x < 3]  # <not html>"
+    page.evaluate("(s) => window.strataUI.addMessage('assistant', s)", f"Here:\n\n```python\n{code}\n```\n\nDone.")
+    assert not page.is_visible("#hint")
+    button = page.locator(".msg.assistant .code button.copy")
+    assert button.count() == 1 and button.is_visible()
+    button.click()
+    page.wait_for_function("document.querySelector('button.copy').textContent === 'Copied'")
+    assert page.evaluate("navigator.clipboard.readText()") == code
+
+    # the header: brand, model and status on one line, a long model name cut short with its full name as title
+    page.evaluate("(name) => { const m = document.getElementById('model'); m.textContent = name; m.title = name; }",
+                  DEFAULT_MODEL_ID * 2)
+    tops = page.evaluate("[...document.querySelector('header').children].map(e => e.getBoundingClientRect().top)")
+    assert max(tops) - min(tops) < 4, tops
+    assert page.evaluate("(() => { const h = document.querySelector('header'); return h.scrollWidth <= h.clientWidth; })()")
+    assert page.evaluate("(() => { const m = document.getElementById('model'); return m.scrollWidth > m.clientWidth; })()")
+    if shot := os.environ.get("STRATA_JAX_SCREENSHOT_NARROW"):
+        page.screenshot(path=shot)
+
+    page.evaluate("document.getElementById('settings').open = true")  # open already when a key is needed
+    page.click("#clear")
+    assert page.is_visible("#hint") and page.locator(".msg").count() == 0
+    assert not errors, errors
+    context.close()

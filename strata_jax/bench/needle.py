@@ -24,7 +24,7 @@ NEEDLE = "The secret passphrase is indigo-falcon-4417. Remember it."
 QUESTION = "What is the secret passphrase mentioned in the text above? Answer with the passphrase only."
 KEYS = ("indigo", "falcon", "4417")
 ANSWER_TOKENS = 24
-_DOCS = ("README.md", "docs/design.md", "docs/benchmarks.md", "docs/routing.md")
+_DOCS = ("README.md", "docs/design.md", "docs/benchmarks.md", "docs/routing.md", "docs/serving.md")
 
 
 def haystack_text() -> str:

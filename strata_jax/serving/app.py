@@ -50,6 +50,7 @@ UI_PREFIX = "/ui/"  # the page's scripts and styles, public like the page (the A
 DISCONNECT_POLL_S = 0.5
 MONITOR_INTERVAL_S = (1.0, 0.25, 60.0)  # /v1/monitor/events: default, least and most seconds between events
 MONITOR_MAX_COUNT = 1_000_000
+MONITOR_PATH = "/v1/monitor/events"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -73,12 +74,20 @@ def sse(obj: Any, event: str | None = None) -> str:
     return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class OpenRequests:
+    """HTTP requests being answered now, the monitor stream aside (it ends by itself on shutdown): a
+    SIGTERM lets the server stop once this is 0 rather than wait out the whole grace period."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class Gate:
     """Pure ASGI middleware (so streaming is untouched): the API key check (OpenAI's Bearer header or
-    Anthropic's x-api-key) and per-request metrics."""
+    Anthropic's x-api-key), per-request metrics and the count of open requests."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics, open_requests: OpenRequests):
+        self.app, self.metrics, self.open = app, metrics, open_requests
         self.key = api_key.encode() if api_key else None
 
     def _authorized(self, scope: Scope) -> bool:
@@ -95,6 +104,8 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint, t0, status = endpoint_label(scope["path"]), time.perf_counter(), 500
+        counted = scope["path"] != MONITOR_PATH
+        self.open.n += counted
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -113,6 +124,7 @@ class Gate:
                 return
             await self.app(scope, receive, send_status)
         finally:
+            self.open.n -= counted
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
@@ -635,7 +647,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
 
     routes = [Route("/health", r.health), Route("/metrics", r.metrics_text), Route("/metrics.json", r.metrics_text),
               Route("/", r.ui), Mount(UI_PREFIX.rstrip("/"), StaticFiles(directory=UI_DIR)),
-              Route("/v1/monitor/events", r.monitor)]
+              Route(MONITOR_PATH, r.monitor)]
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
@@ -643,8 +655,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
                    Route(prefix + "/responses", r.responses, methods=["POST"]),
                    Route(prefix + "/messages", a.messages, methods=["POST"]),
                    Route(prefix + "/messages/count_tokens", a.count_tokens, methods=["POST"])]
+    open_requests = OpenRequests()
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(Gate, api_key=api_key, metrics=metrics)],
+                    middleware=[Middleware(Gate, api_key=api_key, metrics=metrics, open_requests=open_requests)],
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.open_requests = engine, metrics, open_requests
     return app

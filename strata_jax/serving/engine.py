@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import queue
 import threading
@@ -97,6 +98,7 @@ class Engine:
         self.model: Any = None
         self.load_error: str | None = None
         self.draining = False
+        self.drain_until = 0.0  # time.monotonic() when the shutdown grace period ends
         self._stop = threading.Event()
         self._end_running = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,8 +121,10 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
             self._thread.start()
 
-    def begin_drain(self) -> None:
-        """Refuse new work (503) while what is queued or running finishes."""
+    def begin_drain(self, grace: float = 0.0) -> None:
+        """Refuse new work (503 with Retry-After) while what is queued or running finishes, for up to
+        `grace` seconds."""
+        self.drain_until = time.monotonic() + grace
         self.draining = True
 
     def end_running(self) -> None:
@@ -163,7 +167,11 @@ class Engine:
 
     def check_accepting(self) -> None:
         if self.draining or self._stop.is_set():
-            raise APIError(503, "the server is shutting down and accepts no new requests.", code="shutting_down")
+            # by then this process has stopped: a restarted server (or another replica) takes the retry
+            retry = max(1, math.ceil(self.drain_until - time.monotonic()))
+            raise APIError(503, f"the server is shutting down and accepts no new requests; retry in {retry} s "
+                           "(on a restarted server or another replica).", code="shutting_down",
+                           headers={"Retry-After": str(retry)})
         if self.state in ("idle", "loading"):
             raise APIError(503, "the model is still loading; retry in a few seconds (GET /health says when it is "
                            "ready).", code="model_loading", headers={"Retry-After": "2"})

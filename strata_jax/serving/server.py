@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ log = logging.getLogger("strata_jax")
 
 API_KEY_ENV = "STRATA_JAX_API_KEY"
 SHUTDOWN_MARGIN_S = 5.0  # uvicorn waits this much past the grace period for streams to send their last events
+DRAIN_POLL_S = 0.05
 
 
 def is_loopback(host: str) -> bool:
@@ -106,14 +108,27 @@ def serve(args: Any, config: "EngineConfig") -> int:
     grace = float(args.shutdown_timeout)
 
     class Server(uvicorn.Server):
+        """On the first SIGTERM/SIGINT it keeps listening, answering new requests 503 with Retry-After
+        while the running ones get `grace` seconds; uvicorn's own shutdown (which closes the socket) starts
+        only after that. A second signal stops at once."""
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not engine.draining:  # the first signal: new requests get 503, running ones get `grace` seconds
-                engine.begin_drain()
-                log.info("shutting down: running requests have %g s to finish", grace)
-                timer = threading.Timer(grace, engine.end_running)
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
+            if engine.draining:  # a second signal: end the running requests now; a third SIGINT forces the exit
+                engine.end_running()
+                super().handle_exit(sig, frame)
+                return
+            engine.begin_drain(grace)
+            log.info("shutting down: running requests have %g s to finish; new ones get 503", grace)
+            threading.Thread(target=self._drain, args=(sig, frame), name="strata-drain", daemon=True).start()
+
+        def _drain(self, sig: int, frame: Any) -> None:
+            t_end = time.monotonic() + grace
+            while app.state.open_requests.n and time.monotonic() < t_end and not self.should_exit:
+                time.sleep(DRAIN_POLL_S)
+            if app.state.open_requests.n:
+                engine.end_running()  # each open stream gets its error event within SHUTDOWN_MARGIN_S
+            if not self.should_exit:
+                super().handle_exit(sig, frame)
 
     def on_load_error(e: BaseException) -> None:
         failure.append(e)
@@ -124,7 +139,7 @@ def serve(args: Any, config: "EngineConfig") -> int:
     app = create_app(engine, model_id=model_id(args), api_key=api_key,
                      max_body=parse_size(args.max_body, "--max-body"))
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                               access_log=not args.quiet, timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_S,
+                               access_log=not args.quiet, timeout_graceful_shutdown=SHUTDOWN_MARGIN_S,
                                lifespan="on")
     server = Server(uv_config)
     log.info("serving %s on http://%s:%d (OpenAI and Anthropic APIs under /v1%s); the model loads in the background",

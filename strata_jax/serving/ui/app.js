@@ -66,9 +66,13 @@ function renderMarkdown(src) {
       flush();
       const code = [];
       for (i++; i < lines.length && !/^\s*```\s*$/.test(lines[i]); i++) code.push(lines[i]);
+      const closed = i < lines.length;
       i++;
+      // a fence just opened while streaming has no code yet: no empty box until its first line arrives
+      if (!closed && !code.join("").trim()) continue;
       const cls = fence[1] ? ` class="language-${fence[1]}"` : "";
-      out.push(`<pre><code${cls}>${code.join("\n")}</code></pre>`);
+      out.push(`<div class="code"><button type="button" class="copy" title="Copy the code">Copy</button>` +
+               `<pre><code${cls}>${code.join("\n")}</code></pre></div>`);
       continue;
     }
     const heading = line.match(/^(#{1,6})\s+(.*)$/);
@@ -222,6 +226,32 @@ function stop() {
   if (controller) controller.abort();
 }
 
+// the clipboard API needs a secure context (http://127.0.0.1 is one, another host over http is not):
+// there the older selection + execCommand("copy") still works
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = document.createElement("textarea");
+  area.value = text;
+  area.style.position = "fixed";
+  area.style.opacity = "0";
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("the browser refused to copy");
+}
+
+async function copyCode(button) {
+  const code = button.parentElement.querySelector("code").textContent;
+  try {
+    await copyText(code);
+    button.textContent = "Copied";
+  } catch (e) {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
 // -- monitor ---------------------------------------------------------------------------------------------
 const spark = [];
 let monitorController = null;
@@ -367,13 +397,19 @@ function start() {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
   });
   $("stop").addEventListener("click", stop);
-  $("clear").addEventListener("click", () => { history = []; $("messages").replaceChildren(); });
+  $("clear").addEventListener("click", () => { history = []; $("messages").replaceChildren($("hint")); });
+  // one listener for every code block's Copy button, present and future (a streamed answer is re-rendered)
+  $("messages").addEventListener("click", (e) => {
+    const button = e.target.closest("button.copy");
+    if (button) copyCode(button);
+  });
   fetch("/health").then((r) => r.json()).then((h) => {
     $("model").textContent = h.model || "-";
+    $("model").title = h.model || "";  // the header cuts a long name short
     if (h.api_key && !settings.api_key) $("settings").open = true;
   }).catch(() => {});
   monitorLoop();
 }
 
-window.strataUI = { renderMarkdown, escapeHtml };
+window.strataUI = { renderMarkdown, escapeHtml, addMessage };
 start();
