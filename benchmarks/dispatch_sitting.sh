@@ -18,7 +18,7 @@ B30=${B30_SHAPE:-b30}
 COMMON=(--tokens 128 --prompt-len 32)
 CB=--xla_gpu_enable_command_buffer
 NODSF=--xla_gpu_enable_dynamic_slice_fusion=false
-RETURNED="progress phases.tsv results-*.json data-*.json hlo-summary.txt variants.tsv"
+RETURNED="progress phases.tsv results-*.json data-*.json hlo-summary.txt"
 
 bench_b30() {  # bench_b30 NAME XLA_FLAGS [BENCH ARGS...]
   local name=$1 flags=$2
@@ -60,7 +60,7 @@ pipeline() {
   bench_b30 b30-nodsf-off "$CB=+WHILE,+CONDITIONAL $NODSF" --layer-scan off
   phase b30-vlog 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 \
     XLA_FLAGS="$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" \
-    --resident-only --out "$S/results-b30-vlog.json"
+    --resident-only --out "$S/vlog-b30.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/b30-vlog.log" | sed 's/^[^]]*] //' \
     | sort | uniq -c | sort -rn | head -40 > "$S/hlo-summary.txt"
   rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
