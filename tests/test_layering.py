@@ -88,3 +88,45 @@ def test_imports_go_downwards(path):
 def test_every_layer_exists():
     for pkg in ("core", "gguf", "model", "offload", "engine", "serving", "dev", "hub"):
         assert (ROOT / pkg / "__init__.py").exists()
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """module -> the strata_jax modules it imports, inside functions too. `from P import N` is module P.N
+    where there is one (a submodule), else P (a name P defines)."""
+    mods = {_module(f) for f in FILES}
+    edges = {}
+    for f in FILES:
+        mod = _module(f)
+        package = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                src = ".".join(base + ([node.module] if node.module else []))
+                out |= {f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names}
+        edges[mod] = {n for n in out if n in mods} - {mod}
+    return edges
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports, inside a package too (model/weights once imported the layer
+    modules that imported it back)."""
+    edges = _module_edges()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles

@@ -25,7 +25,23 @@ from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
 from strata_jax.model.moe import finish_routing, moe_block, route
-from strata_jax.model.weights import Params
+
+
+@struct.dataclass
+class LayerParams:
+    attn: AttnParams | MLAParams
+    ffn_norm_D: jax.Array
+    mlp: MLPParams | None  # dense layers
+    moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
+
+
+@struct.dataclass
+class Params:
+    embed: QTensor  # [V, D]
+    layers: tuple[LayerParams, ...]
+    out_norm_D: jax.Array
+    lm_head: QTensor  # [V, D]; the embedding when tied
+    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
 
 
 @struct.dataclass

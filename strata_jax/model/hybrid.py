@@ -39,7 +39,32 @@ from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import gated_attention, lm_head, rms_norm, swiglu
 from strata_jax.model.moe import finish_routing, moe_block
-from strata_jax.model.weights import HybridParams
+
+
+@struct.dataclass
+class HybridLayerParams:
+    """One block of the hybrid family (model/hybrid.py): attention (full, gated) or linear (gated
+    DeltaNet), then the MoE block or (qwen35) a dense MLP. qwen4exp: optional PLE before it and the
+    hyper-connections around both sub-blocks; the others: the two pre-norms of a plain residual."""
+
+    attn: GatedAttnParams | None
+    linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
+    ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
+    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
+    moe: MoEParams | None
+    mlp: MLPParams | None = None  # qwen35's dense SwiGLU
+    attn_norm_D: jax.Array | None = None  # attn_norm (no hyper-connections)
+    ffn_norm_D: jax.Array | None = None  # post_attention_norm: before the MoE block / MLP
+
+
+@struct.dataclass
+class HybridParams:
+    embed: QTensor  # [V, D]
+    layers: tuple[HybridLayerParams, ...]
+    hc_head: Any  # qwen4exp: the final hyper-connection mixer (output_hc_*), in place of the output norm
+    lm_head: QTensor  # [V, D]; the embedding when tied
+    out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
+    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
 
 
 def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:

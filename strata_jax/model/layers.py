@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 import numpy as np
 
 from strata_jax.core import layer_ref
@@ -18,7 +19,50 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model import kvquant, qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.weights import AttnParams, GatedAttnParams, MLPParams, Projections
+
+
+@struct.dataclass
+class Projections:
+    """Several projections of one input. Matrices of one GGML type that follow each other are stacked
+    row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
+    decode then runs one product per type, not one per matrix (q, k, v of the B30 shape: one fused
+    kernel instead of three products; Qwen2.5's Q4_K_M file: one, or two where v is Q8_0 and q, k Q5_0). Biases are stacked
+    the same way (None for a group without any). sizes: per group, the output rows of its matrices."""
+
+    mats: tuple[QTensor, ...]
+    biases: tuple[jax.Array | None, ...]
+    sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class AttnParams:
+    norm_D: jax.Array
+    qkv: Projections  # q [H*Dh, D], k [K*Dh, D], v [K*Dh, D]
+    wo: QTensor  # [D, H*Dh]
+    q_norm: jax.Array | None  # [Dh] per head (qwen3) or [H*Dh] over all heads (olmoe)
+    k_norm: jax.Array | None
+    sinks_H: jax.Array | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
+    wo_bias_D: jax.Array | None = None  # gpt-oss: the output projection's bias
+
+
+@struct.dataclass
+class MLPParams:
+    """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
+
+    gate_up: Projections  # gate [F, D], up [F, D]
+    w_down: QTensor  # [D, F]
+
+
+@struct.dataclass
+class GatedAttnParams:
+    """qwen4exp's full attention: attn_q holds per head Dh query rows then Dh gate rows (HF's q_proj
+    viewed as [H, 2 * Dh], which the converter keeps), so `qkv`'s first output is [H * 2 * Dh]."""
+
+    qkv: Projections  # q+gate [H*2*Dh, D], k [K*Dh, D], v [K*Dh, D]
+    wo: QTensor  # [D, H*Dh]
+    q_norm: jax.Array  # [Dh], (1 + w) folded in by the converter
+    k_norm: jax.Array
+    indexer: Any  # model/qsa.py's QSAParams, or None where the layer's compress ratio is 0
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

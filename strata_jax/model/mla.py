@@ -20,13 +20,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from strata_jax.gguf.quant import dequant
 from strata_jax.model.config import MLADims, ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model import kvquant
 from strata_jax.model.layers import attend, attend_keys, attn_mscale, linear, project, rms_norm, rope
-from strata_jax.model.weights import MLAParams
+
+
+@struct.dataclass
+class MLAParams:
+    """deepseek2's multi-head latent attention (model/mla.py; dims: ModelConfig.mla). `qkv_a` is the two
+    products of the normed input: the query latent attn_q_a [Rq, D] (or, without one, the whole query
+    attn_q [H*(Dn+Dr), D]) and attn_kv_a_mqa [Rk+Dr, D] (the kv latent, then the shared rope key)."""
+
+    norm_D: jax.Array
+    qkv_a: Projections
+    q_a_norm_Rq: jax.Array | None  # None: no query latent (attn_q)
+    q_b: QTensor | None  # [H*(Dn+Dr), Rq]
+    kv_a_norm_Rk: jax.Array
+    k_b: QTensor  # attn_k_b [H, Rk, Dn]: a head's no-rope key is k_b[h] @ latent
+    v_b: QTensor  # attn_v_b [H, Do, Rk]: its value v_b[h] @ latent
+    wo: QTensor  # [D, H*Do]
 
 
 def form(kernels: Kernels, d: MLADims, n_tokens: int, blocked: bool) -> str:

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from strata_jax.core.experts import ExpertProvider, ExpertRows, unique_ids
 from strata_jax.gguf.quant import dequant
@@ -27,7 +28,19 @@ from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import swiglu
-from strata_jax.model.weights import MoEParams
+
+
+@struct.dataclass
+class MoEParams:
+    router_ED: jax.Array  # float32
+    shared: MLPParams | None
+    shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
+    score_bias_E: jax.Array | None = None  # exp_probs_b: added to the router's scores to choose experts
+    router_bias_E: jax.Array | None = None  # ffn_gate_inp.bias (gpt-oss): added to the router's logits
+    # gpt-oss: the routed experts' biases, kept on the device beside the router and read by expert id
+    # (never by slot), so they are the same whatever the expert cache holds: gate [E, F], up [E, F],
+    # down [E, D]
+    expert_bias: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,

@@ -1,4 +1,4 @@
-"""Parameter pytrees and their loading from a GGUF file.
+"""Loading the parameter pytrees from a GGUF file (each layer kind's Params live in its own module).
 
 Matrices stay in their GGML block bytes (`QTensor`) on the device and are dequantized inside jit;
 small vectors (norms, biases) and routers are made float32 at load. Routed experts are not in the
@@ -26,114 +26,14 @@ from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf import quant
 from strata_jax.gguf.reader import GGUFFile, TensorInfo
 from strata_jax.model.config import ATTENTION, ModelConfig
+from strata_jax.model.forward import LayerParams, Params
+from strata_jax.model import deltanet, hybrid, hyper, ple, qsa
+from strata_jax.model.hybrid import HybridLayerParams, HybridParams
+from strata_jax.model.layers import AttnParams, GatedAttnParams, MLPParams, Projections
+from strata_jax.model.mla import MLAParams
+from strata_jax.model.moe import MoEParams
 
 log = logging.getLogger("strata_jax")
-
-
-@struct.dataclass
-class Projections:
-    """Several projections of one input. Matrices of one GGML type that follow each other are stacked
-    row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
-    decode then runs one product per type, not one per matrix (q, k, v of the B30 shape: one fused
-    kernel instead of three products; Qwen2.5's Q4_K_M file: one, or two where v is Q8_0 and q, k Q5_0). Biases are stacked
-    the same way (None for a group without any). sizes: per group, the output rows of its matrices."""
-
-    mats: tuple[QTensor, ...]
-    biases: tuple[jax.Array | None, ...]
-    sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
-
-
-@struct.dataclass
-class AttnParams:
-    norm_D: jax.Array
-    qkv: Projections  # q [H*Dh, D], k [K*Dh, D], v [K*Dh, D]
-    wo: QTensor  # [D, H*Dh]
-    q_norm: jax.Array | None  # [Dh] per head (qwen3) or [H*Dh] over all heads (olmoe)
-    k_norm: jax.Array | None
-    sinks_H: jax.Array | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
-    wo_bias_D: jax.Array | None = None  # gpt-oss: the output projection's bias
-
-
-@struct.dataclass
-class MLAParams:
-    """deepseek2's multi-head latent attention (model/mla.py; dims: ModelConfig.mla). `qkv_a` is the two
-    products of the normed input: the query latent attn_q_a [Rq, D] (or, without one, the whole query
-    attn_q [H*(Dn+Dr), D]) and attn_kv_a_mqa [Rk+Dr, D] (the kv latent, then the shared rope key)."""
-
-    norm_D: jax.Array
-    qkv_a: Projections
-    q_a_norm_Rq: jax.Array | None  # None: no query latent (attn_q)
-    q_b: QTensor | None  # [H*(Dn+Dr), Rq]
-    kv_a_norm_Rk: jax.Array
-    k_b: QTensor  # attn_k_b [H, Rk, Dn]: a head's no-rope key is k_b[h] @ latent
-    v_b: QTensor  # attn_v_b [H, Do, Rk]: its value v_b[h] @ latent
-    wo: QTensor  # [D, H*Do]
-
-
-@struct.dataclass
-class MLPParams:
-    """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
-
-    gate_up: Projections  # gate [F, D], up [F, D]
-    w_down: QTensor  # [D, F]
-
-
-@struct.dataclass
-class MoEParams:
-    router_ED: jax.Array  # float32
-    shared: MLPParams | None
-    shared_gate_D: jax.Array | None  # qwen2moe: sigmoid(x @ g) scales the shared expert
-    score_bias_E: jax.Array | None = None  # exp_probs_b: added to the router's scores to choose experts
-    router_bias_E: jax.Array | None = None  # ffn_gate_inp.bias (gpt-oss): added to the router's logits
-    # gpt-oss: the routed experts' biases, kept on the device beside the router and read by expert id
-    # (never by slot), so they are the same whatever the expert cache holds: gate [E, F], up [E, F],
-    # down [E, D]
-    expert_bias: tuple[jax.Array, jax.Array, jax.Array] | None = None
-
-
-@struct.dataclass
-class LayerParams:
-    attn: AttnParams | MLAParams
-    ffn_norm_D: jax.Array
-    mlp: MLPParams | None  # dense layers
-    moe: MoEParams | None  # MoE layers (experts themselves are in the SlotTable)
-
-
-@struct.dataclass
-class Params:
-    embed: QTensor  # [V, D]
-    layers: tuple[LayerParams, ...]
-    out_norm_D: jax.Array
-    lm_head: QTensor  # [V, D]; the embedding when tied
-    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
-
-
-@struct.dataclass
-class GatedAttnParams:
-    """qwen4exp's full attention: attn_q holds per head Dh query rows then Dh gate rows (HF's q_proj
-    viewed as [H, 2 * Dh], which the converter keeps), so `qkv`'s first output is [H * 2 * Dh]."""
-
-    qkv: Projections  # q+gate [H*2*Dh, D], k [K*Dh, D], v [K*Dh, D]
-    wo: QTensor  # [D, H*Dh]
-    q_norm: jax.Array  # [Dh], (1 + w) folded in by the converter
-    k_norm: jax.Array
-    indexer: Any  # model/qsa.py's QSAParams, or None where the layer's compress ratio is 0
-
-
-@struct.dataclass
-class HybridLayerParams:
-    """One block of the hybrid family (model/hybrid.py): attention (full, gated) or linear (gated
-    DeltaNet), then the MoE block or (qwen35) a dense MLP. qwen4exp: optional PLE before it and the
-    hyper-connections around both sub-blocks; the others: the two pre-norms of a plain residual."""
-
-    attn: GatedAttnParams | None
-    linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
-    ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
-    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
-    moe: MoEParams | None
-    mlp: MLPParams | None = None  # qwen35's dense SwiGLU
-    attn_norm_D: jax.Array | None = None  # attn_norm (no hyper-connections)
-    ffn_norm_D: jax.Array | None = None  # post_attention_norm: before the MoE block / MLP
 
 
 @struct.dataclass
@@ -152,16 +52,6 @@ class NextNParams:
     shared_head: QTensor | None  # [V, D]; None: the model's lm_head
     embed: QTensor | None  # [V, D]; None: the model's embedding
     expert_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
-
-
-@struct.dataclass
-class HybridParams:
-    embed: QTensor  # [V, D]
-    layers: tuple[HybridLayerParams, ...]
-    hc_head: Any  # qwen4exp: the final hyper-connection mixer (output_hc_*), in place of the output norm
-    lm_head: QTensor  # [V, D]; the embedding when tied
-    out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
-    nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -369,14 +259,10 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
     """The hybrid family's params (model/hybrid.py); the layer modules build their own (model/deltanet.py,
     qsa.py, ple.py, hyper.py). ple_table_memory: where qwen4exp's per_layer_token_embd lives ("device",
     or "pinned_host": gathered on the host)."""
-    # noqa below: these modules import layers, which imports this module
-    from strata_jax.model import deltanet, hybrid  # noqa: PLC0415
 
     cfg = loader.cfg
     hc = cfg.hc_count > 0
     if hc:
-        from strata_jax.model import hyper, ple, qsa  # noqa: PLC0415
-
         hd = hybrid.hyper_dims(cfg)
     D, V = cfg.d_model, cfg.vocab_size
     dn = hybrid.deltanet_dims(cfg)
