@@ -163,14 +163,14 @@ def test_monitor_stream_ends_on_sigterm(moe_path, tmp_path):
     srv = ServerProcess(moe_path, tmp_path / "server.log", "--shutdown-timeout", "5")
     try:
         srv.wait_ready()
-        t, started, seen, _ = consume_in_thread(lambda: monitor_events(srv.url, headers={}, interval=0.25))
+        t, started, seen, errors = consume_in_thread(lambda: monitor_events(srv.url, headers={}, interval=0.25))
         assert started.wait(30)
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         t.join(10)
         assert not t.is_alive()
         # it ends on its own, with an event saying why, well before uvicorn's graceful-shutdown limit (10 s)
-        assert seen[-1]["status"] == "shutting_down"
+        assert seen[-1]["status"] == "shutting_down", (seen[-2:], errors, srv.output()[-3000:])
         assert srv.proc.wait(20) == 0, srv.output()
         assert time.monotonic() - t_sig < 8  # the process too, with margin for a loaded machine
     finally:

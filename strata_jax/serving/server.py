@@ -123,7 +123,10 @@ def serve(args: Any, config: "EngineConfig") -> int:
 
         def _drain(self, sig: int, frame: Any) -> None:
             t_end = time.monotonic() + grace
-            while app.state.open_requests.n and time.monotonic() < t_end and not self.should_exit:
+            # monitor streams end by themselves once draining, with an event saying why: wait for that too,
+            # or uvicorn's shutdown can cut them before their last event
+            while ((app.state.open_requests.n or engine.watchers) and time.monotonic() < t_end
+                   and not self.should_exit):
                 time.sleep(DRAIN_POLL_S)
             if app.state.open_requests.n:
                 engine.end_running()  # each open stream gets its error event within SHUTDOWN_MARGIN_S
