@@ -74,9 +74,4 @@ pipeline() {
   note "pipeline: done"
 }
 
-prepare() {
-  machine_info
-  snapshot "$S/repo"
-}
-
 sitting_main "$@"

@@ -21,7 +21,7 @@ source benchmarks/sitting_lib.sh /tmp/ssit 1200
 export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 B30=${B30_SHAPE:-b30} QSEED=${QSEED_SHAPE:-qseed}
-RETURNED="progress phases.tsv data-*.json"  # the bench results travel as one archive (collect_more)
+RETURNED="progress phases.tsv data-*.json" RESULTS_ARCHIVE=1  # the bench results travel as one archive
 COMMON=(--tokens 128 --prompt-len 32)
 
 probe() {  # probe NAME LIMIT SHAPE LAYERS [ARGS...]
@@ -54,15 +54,6 @@ pipeline() {
     done
   done
   note "pipeline: done"
-}
-
-collect_more() {
-  (cd "$S" && ls results-*.json > /dev/null 2>&1 && tar -czf "$OUT/results.tar.gz" results-*.json)
-}
-
-prepare() {
-  machine_info
-  snapshot "$S/repo"
 }
 
 sitting_main "$@"

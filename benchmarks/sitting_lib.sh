@@ -3,9 +3,10 @@
 # wait loop, the start and the command line.
 # A script sources it from the repo root as `source benchmarks/sitting_lib.sh DIR DEADLINE_S` (its folder
 # on the device and its pipeline's deadline, unless SITTING_DIR / SITTING_S say otherwise) and defines
-# pipeline() and prepare() (its checks, machine_info and snapshots, run by sitting_start after the
-# wheels; nonzero stops the sitting). Settings it may change after sourcing: WHEELS, RUN_TREE, RETURNED,
-# TAILED, USAGE; it may define collect_more() (more files to $OUT).
+# pipeline() and may define prepare() (its checks, machine_info and snapshots, run by sitting_start after
+# the wheels; nonzero stops the sitting; by default machine_info and a snapshot). Settings it may change
+# after sourcing: WHEELS, RUN_TREE, RETURNED, TAILED, USAGE, RESULTS_ARCHIVE (1: results-*.json go back
+# as results.tar.gz); it may define collect_more() (more files to $OUT).
 
 S=${SITTING_DIR:-$1}
 SITTING_S=${SITTING_S:-$2}
@@ -109,6 +110,9 @@ collect() {
   [ -n "${OUT:-}" ] || return 0
   local f
   (cd "$S" && cp -f $RETURNED "$OUT"/ 2>/dev/null)
+  if [ -n "${RESULTS_ARCHIVE:-}" ]; then  # many bench results travel as one file
+    (cd "$S" && ls results-*.json > /dev/null 2>&1 && tar -czf "$OUT/results.tar.gz" results-*.json)
+  fi
   declare -F collect_more > /dev/null && collect_more
   rm -rf "$S/tails" && mkdir -p "$S/tails"
   for f in $(cd "$S" && echo $TAILED); do [ -f "$S/$f" ] && tail -n 400 "$S/$f" > "$S/tails/$f.tail"; done
@@ -132,6 +136,11 @@ wait_for() {
   else
     echo "STILL RUNNING: send 'bash $SCRIPT wait N' now (the machine goes back 30 s after a call)"
   fi
+}
+
+prepare() {  # the default; a script redefines it after sourcing this file
+  machine_info
+  snapshot "$S/$RUN_TREE"
 }
 
 # sitting_start WAIT_S: the wheels, prepare, then the pipeline in its own session from $S/$RUN_TREE (it
