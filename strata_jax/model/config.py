@@ -37,7 +37,7 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     # expert_weights_norm comes from the file (llama.cpp's default: off)
     "deepseek2": ("normal", False),
 }
-# gated DeltaNet + gated full attention layers: model/hybrid.py's forward
+# gated DeltaNet + gated full attention layers (model/hybrid.py: their params, dims and state)
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
 # the architectures whose MTP ("nextn") blocks are loaded (ModelConfig.n_nextn_layers); any other
 # file with nextn_predict_layers is refused by name (qwen4exp: convert without the MTP block)
@@ -256,7 +256,7 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """model/hybrid.py's forward (per-layer kinds, gated attention) rather than model/forward.py's."""
+        """Per-layer kinds (gated DeltaNet or gated attention) and the family's params (model/hybrid.py)."""
         return bool(self.layer_kinds)
 
     @property

@@ -1,4 +1,7 @@
-"""The whole-model forward pass: one pure function, jitted per (batch, token-bucket) shape.
+"""The whole-model forward pass of every architecture: one pure function, jitted per (batch, token-bucket)
+shape. embed (+ hyper-connection streams) -> blocks -> head, a block being PLE where the layer has it, a
+token mixer (attention, MLA, gated attention with QSA, or gated DeltaNet) and a MoE block or MLP, each
+behind a pre-norm residual or a hyper-connection mix.
 
 Every layer runs inside one program (no Python between layers, no host sync inside a step): alike
 layers as one scanned body over their stacked params (model/runs.py), the others unrolled. The KV cache
@@ -20,10 +23,10 @@ from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import kvquant, mla, runs
+from strata_jax.model import deltanet, hybrid, hyper, kvquant, mla, ple, qsa, runs
 from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import attention, lm_head, rms_norm, swiglu
+from strata_jax.model.layers import attention, gated_attention, lm_head, rms_norm, swiglu
 from strata_jax.model.moe import finish_routing, moe_block, route
 
 
@@ -66,8 +69,6 @@ class KVCache:
         make = lambda dims, kind: kvquant.zeros((cfg.n_kv_layers, batch, length, *dims), kind, dtype)  # noqa: E731
         rec = None
         if cfg.has_recurrent_state:
-            from strata_jax.model import hybrid  # noqa: PLC0415 - the one family with recurrent state
-
             rec = hybrid.state_zeros(cfg, batch, length)
         kv = cls(make(k_dims, k_kind), None if v_dims is None else make(v_dims, v_kind), rec)
         return jax.device_put(kv, device) if device is not None else kv
@@ -131,71 +132,117 @@ def forward(
     Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
     """
-    if cfg.is_hybrid:
-        from strata_jax.model import hybrid  # noqa: PLC0415 - its layer modules load only for it
-
-        return hybrid.forward(params, experts, kv, tokens_BT, start_B, n_valid_B, cfg=cfg, dtype=dtype,
-                              kernels=kernels, all_logits=all_logits, attn_len=attn_len, attn_block=attn_block,
-                              forced_MNk=forced_MNk)
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     # real tokens: not bucket padding, not an idle row (which runs at a position past the cache)
     valid_N = ((jnp.arange(T)[None, :] < n_valid_B[:, None]) & (pos_BT < kv.length)).reshape(B * T)
-    x = take_rows(params.embed, tokens_BT, dtype)
+    hc = cfg.hc_count > 0  # qwen4exp: hyper-connection streams; the others: a plain residual
+    hd = hybrid.hyper_dims(cfg) if hc else None
     n_moe = len(cfg.moe_layers)
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    kv_idx = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+    qsa_idx = set(hybrid.qsa_layers(cfg))
+    ple_idx = set(cfg.ple.layers if cfg.ple else ())
     few = experts is not None and all(experts.few_path(m, B * T * cfg.n_experts_used) for m in range(n_moe))
-    depth = experts.prefetch_depth if few else 0  # MoE layers ahead whose experts each layer prefetches
+    # MoE layers ahead whose experts each layer prefetches (none in the hybrid family: see model/hybrid.py)
+    depth = experts.prefetch_depth if few and not cfg.is_hybrid else 0
     predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
 
-    def block(carry, layer, i):
-        """Block i (an int, or a LayerRef inside a scanned run: runs.py)."""
-        x, k_all, v_all, experts = carry
-        with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{i.ids[0]}+"):
-            with jax.named_scope("attn"):
-                h = rms_norm(x, layer.attn.norm_D, cfg.rms_eps)
-                if cfg.mla is not None:
-                    h, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
-                                             attn_block)
-                else:
-                    h, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
-                                                attn_block)
-                x = x + h
-            h = rms_norm(x, layer.ffn_norm_D, cfg.rms_eps)
-            ids = None
-            if layer.moe is not None:
-                with jax.named_scope("moe"):
-                    mi = layer_ref.mapped(i, moe_idx)
-                    pf = []
-                    for ahead in range(mi + 1, min(mi + 1 + depth, n_moe)) if depth else ():
-                        # a later MoE layer's router on this residual stream predicts its experts
-                        nxt = runs.layer_at(params.layers, cfg.moe_layers[ahead])
-                        h_next = rms_norm(x, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
-                        p_ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
-                                      logit_bias_E=nxt.moe.router_bias_E)[1]
-                        pf.append((ahead, jnp.where(valid_N[:, None], p_ids, -1)))
-                    if pf:
-                        predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
-                    forced = None if forced_MNk is None else forced_MNk[layer_ref.value(mi)]
-                    h, ids, experts = moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf),
-                                                predicted.get(mi) if depth else None, forced, valid_N)
-            else:
-                with jax.named_scope("mlp"):
-                    h = swiglu(h, layer.mlp, kernels)
-            x = x + h
-        return (x, k_all, v_all, experts), ids
+    x = take_rows(params.embed, tokens_BT, dtype)  # [B, T, D]
+    xs = hyper.streams(x, hd) if hc else x  # qwen4exp: [B, T, Hc, D]
 
+    def sub_input(xs, hyper_p, norm_D):
+        """A sub-block's input and what puts its output back: the hyper-connection mix, or a pre-norm."""
+        if hc:
+            h, w = hyper.mix(hyper_p, xs, hd, kernels)
+            return h, lambda xs, out: hyper.combine(xs, out, w)
+        return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
+
+    def mixer(layer, h, own, k_all, v_all, i, at):
+        """The token mixer of block i (at: its static stand-in): attention of the layer's kind, or gated
+        DeltaNet. Returns its output, the KV cache and the layer's own state."""
+        lin, ple_s, qsa_s = own
+        if at not in kv_idx:
+            with jax.named_scope("linear"):
+                out, lin = deltanet.apply(layer.linear, h, lin, n_valid_B=n_valid_B, dims=hybrid.deltanet_dims(cfg),
+                                          kernels=kernels)
+            return out, k_all, v_all, (lin, ple_s, qsa_s)
+        with jax.named_scope("attn"):
+            if cfg.mla is not None:
+                out, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
+                                           attn_block)
+            elif cfg.is_hybrid:
+                select = None
+                if at in qsa_idx:
+                    select, qsa_s = qsa.apply(layer.attn.indexer, h, qsa_s, start_B=start_B, n_valid_B=n_valid_B,
+                                              dims=hybrid.qsa_dims(cfg, at), kernels=kernels, attn_len=attn_len)
+                out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
+                                                    layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
+                                                    attn_len, select, attn_block)
+            else:
+                out, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
+                                              attn_block)
+        return out, k_all, v_all, (lin, ple_s, qsa_s)
+
+    def ffn(layer, h, xs, experts, i):
+        """Block i's MoE block or dense MLP on h; xs: the residual it reads for prefetch."""
+        if layer.moe is None:
+            with jax.named_scope("mlp"):
+                return swiglu(h, layer.mlp, kernels), None, experts
+        with jax.named_scope("moe"):
+            mi = layer_ref.mapped(i, moe_idx)
+            pf = []
+            for ahead in range(mi + 1, min(mi + 1 + depth, n_moe)) if depth else ():
+                # a later MoE layer's router on this residual stream predicts its experts
+                nxt = runs.layer_at(params.layers, cfg.moe_layers[ahead])
+                h_next = rms_norm(xs, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
+                p_ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
+                              logit_bias_E=nxt.moe.router_bias_E)[1]
+                pf.append((ahead, jnp.where(valid_N[:, None], p_ids, -1)))
+            if pf:
+                predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
+            forced = None if forced_MNk is None else forced_MNk[layer_ref.value(mi)]
+            return moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf),
+                             predicted.get(mi) if depth else None, forced, valid_N)
+
+    def block(carry, layer_own, i):
+        """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
+        xs, k_all, v_all, experts = carry
+        layer, own = layer_own
+        at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, PLE, window
+        with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
+            if at in ple_idx:
+                with jax.named_scope("ple"):
+                    out, ple_s = ple.apply(layer.ple, xs, tokens_BT, own[1], n_valid_B=n_valid_B,
+                                           dims=hybrid.ple_dims(cfg), kernels=kernels)
+                    own = (own[0], ple_s, own[2])
+                    xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
+            norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
+            h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
+            out, k_all, v_all, own = mixer(layer, h, own, k_all, v_all, i, at)
+            xs = put_back(xs, out)
+            h, put_back = sub_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
+            out, ids, experts = ffn(layer, h, xs, experts, i)
+            xs = put_back(xs, out)
+        return (xs, k_all, v_all, experts), (ids, own)
+
+    # each layer's own recurrent state (hybrid family) travels with its params through a scanned run;
     # prefetch reads later layers' routers by static index: its layers run one by one
-    (x, k_all, v_all, experts), outs = runs.run_layers(
-        params.layers, (x, kv.k_LBSKDh, kv.v_LBSKDh, experts), block, unroll=depth > 0,
+    own = hybrid.layer_states(cfg, kv, start_B) if cfg.is_hybrid else [(None, None, None)] * cfg.n_layers
+    (xs, k_all, v_all, experts), outs = runs.run_layers(
+        runs.with_own(params.layers, own), (xs, kv.k_LBSKDh, kv.v_LBSKDh, experts), block, unroll=depth > 0,
         detach=runs.detach_provider, attach=runs.attach_provider)
-    routed = [ids for ids in outs if ids is not None]
+    routed = [ids for ids, _ in outs if ids is not None]
+    rec = hybrid.gather_states(cfg, [o for _, o in outs]) if cfg.is_hybrid else None
     with jax.named_scope("head"):
         if not all_logits:
-            x = x[jnp.arange(B), n_valid_B - 1][:, None, :]
-        x = rms_norm(x, params.out_norm_D, cfg.rms_eps)
+            xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]
+        if hc:
+            x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
+        else:
+            x = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
         logits = lm_head(x, params.lm_head, dtype, kernels)
         if not all_logits:
             logits = logits[:, 0]
     routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
-    return logits, KVCache(k_all, v_all), experts, routed_MNk
+    return logits, KVCache(k_all, v_all, rec), experts, routed_MNk
