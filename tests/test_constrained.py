@@ -323,7 +323,7 @@ def test_llguidance_reads_our_sentencepiece_vocabulary(gemma_gguf_path):
     """The bridge (our GGUF tokenizer's JSON into llguidance): any allowed path decodes, by our own
     tokenizer, to text the grammar matches (bytes, multi-byte characters, newlines)."""
     from strata_jax.gguf.reader import GGUFFile
-    from strata_jax.model.tokenizer import GGUFTokenizer
+    from strata_jax.gguf.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer.from_metadata(GGUFFile(gemma_gguf_path).metadata)
     grammar = request_grammar(grammar='root ::= "Hello, w\u00f6rld!\\n  ok" [0-9] [ \u00e9]{1,3}')
@@ -408,7 +408,7 @@ def test_forced_call_grammar_yields_calls_the_familys_parser_reads(qwen_gguf_pat
     jsonschema = pytest.importorskip("jsonschema")
     from strata_jax.engine.constrained import lark_grammar
     from strata_jax.gguf.reader import GGUFFile
-    from strata_jax.model.tokenizer import GGUFTokenizer
+    from strata_jax.gguf.tokenizer import GGUFTokenizer
     from strata_jax.serving.tools import ToolParser, call_grammar, detect_family, marker_ids
 
     fam = detect_family(FAMILY_TEMPLATES[family])

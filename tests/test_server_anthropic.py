@@ -251,7 +251,7 @@ class Scripted:
 def qwen_tokenizer():
     from strata_jax.dev.default_model import default_model_path
     from strata_jax.gguf.reader import GGUFFile
-    from strata_jax.model.tokenizer import GGUFTokenizer
+    from strata_jax.gguf.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer.from_metadata(GGUFFile(default_model_path()).metadata)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from strata_jax.core.errors import ConfigError, StrataError
-from strata_jax.model import tokenizer as tkz
+from strata_jax.gguf import tokenizer as tkz
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.gguf.tokenizer import GGUFTokenizer
 
 CORPUS = [
     "",

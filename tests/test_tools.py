@@ -15,7 +15,7 @@ import pytest
 import reference_models
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.gguf.tokenizer import GGUFTokenizer
 from strata_jax.serving.engine import Engine
 from strata_jax.serving.protocol import APIError, parse_chat
 from strata_jax.serving.tools import ToolCallStream, ToolParser, call_deltas, detect_family

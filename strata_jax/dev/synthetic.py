@@ -180,7 +180,7 @@ def _is_prime(n: int) -> bool:
 def _byte_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     """A working byte-level BPE vocabulary: the 256 byte symbols, chat specials, merges of common
     letter pairs, and unused filler up to vocab_size (so shapes match real models)."""
-    from strata_jax.model.tokenizer import _bytes_to_unicode
+    from strata_jax.gguf.tokenizer import _bytes_to_unicode
 
     spell = _bytes_to_unicode()
     tokens = [spell[b] for b in range(256)]

@@ -33,7 +33,7 @@ from strata_jax.gguf.reader import GGUFFile
 from strata_jax.core.units import fmt_bytes
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
                                      kv_label)
-from strata_jax.model.tokenizer import GGUFTokenizer
+from strata_jax.gguf.tokenizer import GGUFTokenizer
 from strata_jax.model import runs
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager, expert_floor_bytes, plan_model_cache
