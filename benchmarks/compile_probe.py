@@ -117,6 +117,7 @@ def main() -> None:
         ap.error(f"--layers {a.layers!r}: give layer counts separated by commas, e.g. 4,8")
     rows = []
     root = str(Path(__file__).resolve().parents[1])  # the child imports strata_jax from this tree
+    sys.path.insert(0, root)  # and so does this process (_spec reads the bench shapes)
     base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     for v in variants:
         for n in layer_counts:
