@@ -17,7 +17,6 @@ import strata_jax
 from strata_jax.bench.shapes import SHAPES, synthetic_model_path
 from strata_jax.dev.synthetic import write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.model import runs
 
 QTINY = SHAPES["qtiny"]
 
@@ -149,7 +148,7 @@ def test_qtiny_decodes_and_offloaded_equals_resident(caplog):
     with caplog.at_level(logging.INFO, logger="strata_jax"):
         off = _load(expert_slots=QTINY.n_layers * 8)
     assert off.ple_table == "host" and "pinned host memory" in caplog.text and "experts are offloaded" in caplog.text
-    table = next(layer.ple.table for layer in runs.layers_of(off.params.layers) if layer.ple is not None)
+    table = off.params.ple[0].table
     assert table.memory_kind == "pinned_host" and table.rows.data.sharding.memory_kind == "pinned_host"
     assert not off.stats()["resident"]
     assert np.array_equal(np.asarray(off.logits(ids)), ref)

@@ -143,7 +143,8 @@ def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
 def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice: str) -> tuple | None:
     """The runs of alike layers to scan (model/runs.py), or None when scanning is off. Besides the params,
     alike layers share what the forward pass reads of them statically: the sliding window; in the hybrid
-    family the layer kind, the QSA compress ratio and the PLE; the expert pool."""
+    family the layer kind and the QSA compress ratio; the expert pool. A PLE layer starts a run: the
+    forward pass runs its PLE before the run (no scanned body has it)."""
     if choice == "off":
         return None
     moe = {layer: i for i, layer in enumerate(cfg.moe_layers)}
@@ -153,9 +154,9 @@ def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice
     def static(i: int) -> tuple:
         pool = experts.layer_key(moe[i]) if i in moe and experts is not None else None
         ratio = ratios[i] if i < len(ratios) else 0
-        return i in cfg.swa_layers, cfg.kind(i), ratio, i in ple_layers, pool
+        return i in cfg.swa_layers, cfg.kind(i), ratio, pool
 
-    return runs.plan_runs([runs.signature(layer, static(i)) for i, layer in enumerate(params.layers)])
+    return runs.plan_runs([runs.signature(layer, static(i)) for i, layer in enumerate(params.layers)], starts=ple_layers)
 
 
 class Model:

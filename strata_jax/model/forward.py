@@ -142,7 +142,7 @@ def forward(
     moe_idx = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     kv_idx = {layer: j for j, layer in enumerate(cfg.attention_layers)}
     qsa_idx = set(hybrid.qsa_layers(cfg))
-    ple_idx = set(cfg.ple.layers if cfg.ple else ())
+    ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
     few = experts is not None and all(experts.few_path(m, B * T * cfg.n_experts_used) for m in range(n_moe))
     # MoE layers ahead whose experts each layer prefetches (none in the hybrid family: see model/hybrid.py)
     depth = experts.prefetch_depth if few and not cfg.is_hybrid else 0
@@ -205,18 +205,23 @@ def forward(
             return moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf),
                              predicted.get(mi) if depth else None, forced, valid_N)
 
+    def enter(carry, i):
+        """Before block i when it starts a segment (model/runs.py: a PLE layer always does): its PLE."""
+        if i not in ple_idx:
+            return carry
+        xs, *rest = carry
+        with jax.named_scope(f"layer{i}/ple"):
+            out, ple_state[i] = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, ple_state[i], n_valid_B=n_valid_B,
+                                          dims=hybrid.ple_dims(cfg), kernels=kernels)
+            xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
+        return (xs, *rest)
+
     def block(carry, layer_own, i):
         """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
         xs, k_all, v_all, experts = carry
         layer, own = layer_own
-        at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, PLE, window
+        at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, window
         with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
-            if at in ple_idx:
-                with jax.named_scope("ple"):
-                    out, ple_s = ple.apply(layer.ple, xs, tokens_BT, own[1], n_valid_B=n_valid_B,
-                                           dims=hybrid.ple_dims(cfg), kernels=kernels)
-                    own = (own[0], ple_s, own[2])
-                    xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
             norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
             h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
             out, k_all, v_all, own = mixer(layer, h, own, k_all, v_all, i, at)
@@ -229,11 +234,15 @@ def forward(
     # each layer's own recurrent state (hybrid family) travels with its params through a scanned run;
     # prefetch reads later layers' routers by static index: its layers run one by one
     own = hybrid.layer_states(cfg, kv, start_B) if cfg.is_hybrid else [(None, None, None)] * cfg.n_layers
+    ple_state = {i: own[i][1] for i in ple_idx}  # PLE runs outside the scans (enter), its state too
+    own = [(lin, None, qs) for lin, _, qs in own]
     (xs, k_all, v_all, experts), outs = runs.run_layers(
         runs.with_own(params.layers, own), (xs, kv.k_LBSKDh, kv.v_LBSKDh, experts), block, unroll=depth > 0,
-        detach=runs.detach_provider, attach=runs.attach_provider)
+        detach=runs.detach_provider, attach=runs.attach_provider, enter=enter)
     routed = [ids for ids, _ in outs if ids is not None]
-    rec = hybrid.gather_states(cfg, [o for _, o in outs]) if cfg.is_hybrid else None
+    rec = None
+    if cfg.is_hybrid:
+        rec = hybrid.gather_states(cfg, [(lin, ple_state.get(i), qs) for i, (_, (lin, _, qs)) in enumerate(outs)])
     with jax.named_scope("head"):
         if not all_logits:
             xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]

@@ -39,12 +39,11 @@ from strata_jax.model.config import ATTENTION, ModelConfig
 @struct.dataclass
 class HybridLayerParams:
     """One block of the hybrid family (model/hybrid.py): attention (full, gated) or linear (gated
-    DeltaNet), then the MoE block or (qwen35) a dense MLP. qwen4exp: optional PLE before it and the
-    hyper-connections around both sub-blocks; the others: the two pre-norms of a plain residual."""
+    DeltaNet), then the MoE block or (qwen35) a dense MLP. qwen4exp: the hyper-connections around both
+    sub-blocks (and PLE before a few: HybridParams.ple); the others: the two pre-norms of a plain residual."""
 
     attn: GatedAttnParams | None
     linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
-    ple: Any  # model/ple.py's PLEParams (the n-gram table included) on the PLE layer, else None
     hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
     moe: MoEParams | None
     mlp: MLPParams | None = None  # qwen35's dense SwiGLU
@@ -60,6 +59,9 @@ class HybridParams:
     lm_head: QTensor  # [V, D]; the embedding when tied
     out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
     nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
+    # qwen4exp: model/ple.py's PLEParams (the n-gram table included) per PLE layer (cfg.ple.layers order),
+    # kept out of the layers so a PLE layer stacks with its alike layers (the forward runs PLE before it)
+    ple: tuple[Any, ...] = ()
 
 
 def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:

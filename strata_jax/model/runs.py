@@ -6,7 +6,9 @@ have the same structure, types and shapes and the same static properties (a slid
 pool) are alike; a quantized file mixes types by layer, often with a period (Q4_K_M's Q6_K layers every
 third layer in the middle), so a run is `period` distinct layers repeated `repeats` times. Each position
 of the period has its params stacked at load [repeats, ...]; the forward pass scans over the repeats and
-compiles the period once. Layers outside any run stay unrolled.
+compiles the period once. Consecutive alike positions of a period (qwen4exp: three DeltaNet layers, then
+attention) form a group, stacked [repeats * count, ...] and scanned inside the period's scan, so the
+period compiles each distinct layer once. Layers outside any run stay unrolled.
 
 Inside the scan a layer's quantized matrices are views (QTensor.index: the fused kernel reads the
 stack in place by slot) and its index is a core.layer_ref.LayerRef.
@@ -31,16 +33,24 @@ MAX_PERIOD = 8  # layers per period a plan tries
 @dataclasses.dataclass(frozen=True)
 class Run:
     start: int  # first layer
-    period: int  # distinct layers per repeat
+    period: int  # layers per repeat
     repeats: int  # 1: unrolled
+    groups: tuple[int, ...] = ()  # the period's positions as runs of alike ones (sum: period); () = all 1
 
     @property
     def stop(self) -> int:
         return self.start + self.period * self.repeats
 
-    def position_layers(self, j: int) -> tuple[int, ...]:
-        """The layers at position j of the period, one per repeat."""
-        return tuple(self.start + q * self.period + j for q in range(self.repeats))
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return self.groups or (1,) * self.period
+
+    def group_layers(self, g: int) -> tuple[int, ...]:
+        """The layers of group g over every repeat, in stacking order (repeat-major): the candidates of
+        the traced index r * count + s, s the layer's place in the group."""
+        sizes = self.group_sizes
+        j0 = sum(sizes[:g])
+        return tuple(self.start + q * self.period + j0 + s for q in range(self.repeats) for s in range(sizes[g]))
 
 
 def signature(layer_params: Any, static: Hashable = ()) -> Hashable:
@@ -52,28 +62,43 @@ def signature(layer_params: Any, static: Hashable = ()) -> Hashable:
     return tree, tuple((tuple(a.shape), str(a.dtype), kind(a)) for a in leaves), static
 
 
-def plan_runs(signatures: Sequence[Hashable], max_period: int = MAX_PERIOD) -> tuple[Run, ...]:
+def plan_runs(signatures: Sequence[Hashable], max_period: int = MAX_PERIOD,
+              starts: Sequence[int] = ()) -> tuple[Run, ...]:
     """Cover the layers with runs, greedily from the first: at each layer the period and repeat count
     that save the most compiled layers (period x (repeats - 1)), the shorter period on a tie; a layer no
-    run starts at is a run of one."""
+    run starts at is a run of one. starts: layers a run must begin at (what the forward pass runs
+    before a segment, e.g. qwen4exp's PLE: no run spans them)."""
     sig = list(signatures)
     n, i, out = len(sig), 0, []
+    cuts = sorted(set(starts) | {n})
     while i < n:
+        end = next(c for c in cuts if c > i)
         best = Run(i, 1, 1)
-        for p in range(1, min(max_period, (n - i) // 2) + 1):
+        for p in range(1, min(max_period, (end - i) // 2) + 1):
             r = 1
-            while i + (r + 1) * p <= n and sig[i + r * p: i + (r + 1) * p] == sig[i: i + p]:
+            while i + (r + 1) * p <= end and sig[i + r * p: i + (r + 1) * p] == sig[i: i + p]:
                 r += 1
             if r > 1 and p * (r - 1) > best.period * (best.repeats - 1):
-                best = Run(i, p, r)
+                best = Run(i, p, r, _groups(sig[i: i + p]))
         out.append(best)
         i = best.stop
     return tuple(out)
 
 
+def _groups(period_sigs: Sequence[Hashable]) -> tuple[int, ...]:
+    """A period's positions as counts of consecutive alike ones; () when none repeats."""
+    sizes = [1]
+    for a, b in zip(period_sigs, period_sigs[1:]):
+        if a == b:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return tuple(sizes) if len(sizes) < len(period_sigs) else ()
+
+
 def describe(runs: Sequence[Run]) -> str:
     """`48 layers, 5 compiled layer bodies: scanned 0-5 (6 x 1 layer), 6-41 (12 x 3 layers), ...` for the log."""
-    bodies = sum(r.period for r in runs)
+    bodies = sum(len(r.group_sizes) for r in runs)
     n = runs[-1].stop if runs else 0
     parts = [f"{r.start}-{r.stop - 1} ({r.repeats} x {r.period} layer{'s' if r.period > 1 else ''})" for r in runs
              if r.repeats > 1]
@@ -82,8 +107,8 @@ def describe(runs: Sequence[Run]) -> str:
 
 @struct.dataclass
 class LayerRun:
-    """A run's params: per position of the period, that layer's params with every leaf stacked over the
-    repeats [repeats, ...]."""
+    """A run's params: per group of the period (Run.group_layers), its layers' params with every leaf
+    stacked [repeats * count, ...]."""
 
     stacked: tuple[Any, ...]
     run: Run = struct.field(pytree_node=False)
@@ -109,7 +134,7 @@ def stack_layers(layers: Sequence[Any], runs: Sequence[Run], free: bool = False)
         if run.repeats == 1:
             out.extend(layers[run.start: run.stop])
             continue
-        stacked = tuple(_stack([layers[i] for i in run.position_layers(j)], free) for j in range(run.period))
+        stacked = tuple(_stack([layers[i] for i in run.group_layers(g)], free) for g in range(len(run.group_sizes)))
         out.append(LayerRun(stacked, run))
     return tuple(out)
 
@@ -136,8 +161,8 @@ def with_own(segments: Sequence[Any], own: Sequence[Any]) -> tuple[Any, ...]:
             at += 1
             continue
         run = seg.run
-        stacked = tuple((seg.stacked[j], _stack([own[i] for i in run.position_layers(j)], free=False))
-                        for j in range(run.period))
+        stacked = tuple((seg.stacked[g], _stack([own[i] for i in run.group_layers(g)], free=False))
+                        for g in range(len(run.group_sizes)))
         out.append(LayerRun(stacked, run))
         at = run.stop
     return tuple(out)
@@ -158,13 +183,24 @@ def attach_provider(carry: tuple, keys: tuple, values: tuple) -> tuple:
     return carry if experts is None else (*rest, experts.attach_counts(keys, values))
 
 
+def _where(run: Run, i: int) -> tuple[int, int]:
+    """(group, index in its stack) of layer i of the run."""
+    q, j = divmod(i - run.start, run.period)
+    for g, c in enumerate(run.group_sizes):
+        if j < c:
+            return g, q * c + j
+        j -= c
+    raise AssertionError("unreachable")
+
+
 def layers_of(segments: Sequence[Any]) -> tuple[Any, ...]:
     """Every layer's params in order (views where they sit in a run): what the segments hold, as the
     unstacked per-layer tuple a reader or a test that edits one field expects; forward takes either."""
     out: list[Any] = []
     for seg in segments:
         if isinstance(seg, LayerRun):
-            out.extend(view(seg.stacked[j], q) for q in range(seg.run.repeats) for j in range(seg.run.period))
+            out.extend(view(seg.stacked[g], k) for g, k in map(lambda i: _where(seg.run, i),
+                                                                 range(seg.run.start, seg.run.stop)))
         else:
             out.append(seg)
     return tuple(out)
@@ -176,8 +212,8 @@ def layer_at(segments: Sequence[Any], i: int) -> Any:
     for seg in segments:
         if isinstance(seg, LayerRun):
             if seg.run.start <= i < seg.run.stop:
-                q, j = divmod(i - seg.run.start, seg.run.period)
-                return view(seg.stacked[j], q)
+                g, k = _where(seg.run, i)
+                return view(seg.stacked[g], k)
             at = seg.run.stop
         else:
             if at == i:
@@ -191,52 +227,78 @@ Block = Callable[[Any, Any, "int | LayerRef"], tuple[Any, Any]]
 
 def run_layers(segments: Sequence[Any], carry: Any, block: Block, *, unroll: bool = False,
                detach: Callable[[Any], tuple[Any, tuple]] | None = None,
-               attach: Callable[[Any, tuple, tuple], Any] | None = None) -> tuple[Any, list[Any]]:
+               attach: Callable[[Any, tuple, tuple], Any] | None = None,
+               enter: Callable[[Any, int], Any] | None = None) -> tuple[Any, list[Any]]:
     """Thread `carry` through every layer: block(carry, params, i) -> (carry, out) with i the block index,
     an int for an unrolled layer and a LayerRef inside a scanned run. Returns the carry and every layer's
     out in layer order.
 
     unroll: run the runs' layers one by one too (static views). detach(carry) -> (carry, (keys, values))
     and attach(carry, keys, values): what the carry accumulates with a static structure that grows per
-    layer (the expert provider's pending counts) is taken out before a scan and in each iteration, the
-    iterations' values coming back stacked [repeats, ...], and put back after it."""
+    layer (the expert provider's pending counts) is taken out before a scan and after each layer in it,
+    the values coming back stacked in the group's stacking order, and put back after it. enter(carry, i):
+    run before each segment (before each layer when unrolled), i its first layer."""
     outs: list[Any] = []
     at = 0
     for seg in segments:
         if not isinstance(seg, LayerRun):
+            if enter is not None:
+                carry = enter(carry, at)
             carry, o = block(carry, seg, at)
             outs.append(o)
             at += 1
             continue
         run = seg.run
         if unroll:
-            for q in range(run.repeats):
-                for j in range(run.period):
-                    carry, o = block(carry, view(seg.stacked[j], q), run.start + q * run.period + j)
-                    outs.append(o)
+            for i in range(run.start, run.stop):
+                if enter is not None:
+                    carry = enter(carry, i)
+                g, k = _where(run, i)
+                carry, o = block(carry, view(seg.stacked[g], k), i)
+                outs.append(o)
             at = run.stop
             continue
+        if enter is not None:
+            carry = enter(carry, run.start)
         before = ((), ())
         if detach is not None:
             carry, before = detach(carry)
-        keys: list[tuple] = []
+        keys: dict[int, tuple] = {}  # per group: the counts' static keys, as the last trace made them
 
-        def body(carry, r, seg=seg, run=run, keys=keys):
-            ys = []
-            for j in range(run.period):
-                carry, o = block(carry, view(seg.stacked[j], r), LayerRef(run.position_layers(j), r))
-                ys.append(o)
+        def one(carry, params, ref, g):
+            carry, o = block(carry, params, ref)
             side = ((), ())
             if detach is not None:
                 carry, side = detach(carry)
-            keys.append(side[0])
-            return carry, (ys, side[1])
+            keys[g] = side[0]
+            return carry, (o, side[1])
+
+        def body(carry, r, seg=seg, run=run):
+            ys, values = [], []
+            for g, c in enumerate(run.group_sizes):
+                ids = run.group_layers(g)
+                if c == 1:
+                    carry, (o, v) = one(carry, view(seg.stacked[g], r), LayerRef(ids, r), g)
+                else:  # the group's layers: a scan inside the period's, index r * c + s into its stack
+                    inner = lambda carry, s, g=g, c=c, ids=ids: one(  # noqa: E731
+                        carry, view(seg.stacked[g], r * c + s), LayerRef(ids, r * c + s), g)
+                    carry, (o, v) = jax.lax.scan(inner, carry, jnp.arange(c, dtype=jnp.int32))
+                ys.append(o)
+                values.append(v)
+            return carry, (ys, values)
 
         carry, (ys, values) = jax.lax.scan(body, carry, jnp.arange(run.repeats, dtype=jnp.int32))
+        # a group's outputs and counts come back [repeats, count, ...] (count > 1) or [repeats, ...]:
+        # flat in its stacking order
+        flat = lambda y, c: y.reshape((run.repeats * c,) + y.shape[2:]) if c > 1 else y  # noqa: E731
+        ys = [jax.tree.map(lambda y, c=c: flat(y, c), y) for y, c in zip(ys, run.group_sizes)]
+        values = [jax.tree.map(lambda v, c=c: flat(v, c), v) for v, c in zip(values, run.group_sizes)]
         if attach is not None:
             carry = attach(carry, *before)
-            carry = attach(carry, keys[-1], values)
-        for q in range(run.repeats):
-            outs.extend(jax.tree.map(lambda y, q=q: y[q], ys[j]) for j in range(run.period))
+            for g, v in enumerate(values):
+                carry = attach(carry, keys[g], v)
+        for i in range(run.start, run.stop):
+            g, k = _where(run, i)
+            outs.append(jax.tree.map(lambda y, k=k: y[k], ys[g]))
         at = run.stop
     return carry, outs

@@ -250,7 +250,7 @@ def _hybrid_nextn_block(loader: WeightLoader, p: str) -> HybridLayerParams:
     """A qwen3next / qwen35* MTP block's layer: full gated attention with the plain residual's two norms."""
     D = loader.cfg.d_model
     moe, mlp = _ffn_params(loader, p)
-    return HybridLayerParams(attn=_gated_attn_params(loader, p), linear=None, ple=None, hc=None, moe=moe, mlp=mlp,
+    return HybridLayerParams(attn=_gated_attn_params(loader, p), linear=None, hc=None, moe=moe, mlp=mlp,
                              attn_norm_D=loader.f32(p + "attn_norm.weight", (D,)),
                              ffn_norm_D=loader.f32(p + "post_attention_norm.weight", (D,)))
 
@@ -269,7 +269,7 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        attn = linear = ple_p = hc_p = attn_norm = ffn_norm = None
+        attn = linear = hc_p = attn_norm = ffn_norm = None
         if cfg.kind(i) == ATTENTION:
             indexer = None
             if cfg.indexer is not None and cfg.indexer.compress_ratios[i]:
@@ -277,26 +277,26 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
             attn = _gated_attn_params(loader, p, indexer)
         else:
             linear = deltanet.load_params(_beta_alpha_split(loader, i, dn), loader.f32, i, dn)
-        if cfg.ple is not None and i in cfg.ple.layers:
-            ple_p = ple.PLEParams.from_gguf(ple.loader_get(loader), i, hybrid.ple_dims(cfg),
-                                            table_memory_kind=ple_table_memory, device=loader.device)
         if hc:
             hc_p = hyper.LayerHyper.from_gguf(loader.get, i, hd)
         else:
             attn_norm = loader.f32(p + "attn_norm.weight", (D,))
             ffn_norm = loader.f32(p + "post_attention_norm.weight", (D,))
         moe, mlp = _ffn_params(loader, p)
-        layers.append(HybridLayerParams(attn=attn, linear=linear, ple=ple_p, hc=hc_p, moe=moe, mlp=mlp,
+        layers.append(HybridLayerParams(attn=attn, linear=linear, hc=hc_p, moe=moe, mlp=mlp,
                                         attn_norm_D=attn_norm, ffn_norm_D=ffn_norm))
+    ple_p = tuple(ple.PLEParams.from_gguf(ple.loader_get(loader), i, hybrid.ple_dims(cfg),
+                                          table_memory_kind=ple_table_memory, device=loader.device)
+                  for i in (cfg.ple.layers if cfg.ple is not None else ()))
     embed = loader.qtensor("token_embd.weight", (V, D))
     if hc:
         if not loader.gguf.has("output.weight"):
             raise TensorShapeError(f"{loader.gguf.path}: qwen4exp without output.weight (tied head) is not supported")
         return HybridParams(embed=embed, layers=tuple(layers), hc_head=hyper.head_mixer_from_gguf(loader.get, hd),
-                            lm_head=loader.qtensor("output.weight", (V, D)))
+                            lm_head=loader.qtensor("output.weight", (V, D)), ple=ple_p)
     lm_head = embed if cfg.tied_embeddings else loader.qtensor("output.weight", (V, D))
     return HybridParams(embed=embed, layers=tuple(layers), hc_head=None, lm_head=lm_head,
-                        out_norm_D=loader.f32("output_norm.weight", (D,)), nextn=_nextn_params(loader))
+                        out_norm_D=loader.f32("output_norm.weight", (D,)), nextn=_nextn_params(loader), ple=ple_p)
 
 
 def load_params(loader: WeightLoader, ple_table_memory: str = "device") -> Params | HybridParams:
