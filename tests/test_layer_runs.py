@@ -136,8 +136,8 @@ def test_program_does_not_grow_with_layers(tmp_path):
 def test_hybrid_scanned_equals_unrolled(tmp_path):
     """qwen4exp (bench shape qtiny at 8 layers: PLE on layer 0, three DeltaNet layers per attention layer
     with QSA): the 8 layers are one run of 2 periods, the three DeltaNet layers a group scanned inside it
-    (PLE runs before the run); linear layers scan with their recurrent state as the scan's per-layer input
-    and output, attention layers with their KV layer picked by the traced index. Same greedy tokens and, in a
+    (PLE runs before the run); every layer reads and writes its slice of the stacked recurrent state and its
+    KV layer by the traced index. Same greedy tokens and, in a
     shared offloaded pool, the same counters as unrolled; logits equal to float rounding (XLA fuses a
     scanned body differently on CPU), and offloaded == resident stays bit-exact with the scan on."""
     import dataclasses
@@ -177,3 +177,35 @@ def test_seed_architecture_program_is_bounded_by_its_distinct_layers(tmp_path):
         assert on[48] < 1.6 * on[4], (T, on)
     off = {n: _program_text(p, "off") for n, p in paths.items()}
     assert off[48] > 8 * off[4], off
+
+
+def test_kv_cache_leaves_do_not_grow_with_layers(tmp_path):
+    """qtiny at 48 layers against 4: the KV cache, recurrent state included (each kind's layers stacked
+    [L, B, ...], as K and V), has as many leaves, and so the decode program as many donated kv arguments
+    (per-layer state had 12 at 4 layers and 100 at 48)."""
+    import dataclasses
+
+    from strata_jax.bench.shapes import SHAPES
+    from strata_jax.core.experts import split_provider
+    from strata_jax.model import decode as programs
+    from strata_jax.model.sampling import GREEDY, REPEAT_WINDOW
+
+    leaves, args = {}, {}
+    for n in (4, 48):
+        m = strata_jax.load(write_synthetic_gguf(tmp_path / f"q{n}.gguf",
+                                                 dataclasses.replace(SHAPES["qtiny"], n_layers=n)), ctx=64)
+        kv = KVCache.zeros(m.config, 2, 64, m.dtype)
+        leaves[n] = len(jax.tree.leaves(kv))
+        provider = m.experts.take()
+        try:
+            experts, fixed = split_provider(provider)
+            rows = programs.RowState.zeros(2, m.config.vocab_size, REPEAT_WINDOW)
+            lowered = programs.decode.lower(m.params, experts, fixed, kv, rows, jnp.ones((2,), bool),
+                                            programs.stop_array([0]), jnp.int32(1), cfg=m.config, dtype=m.dtype,
+                                            kernels=m.kernels, attn_len=64, mode=GREEDY, n_max=1)
+        finally:
+            m.experts.put(provider)
+        kv_info = jax.tree.leaves(lowered.args_info[0][3])
+        assert all(a.donated for a in kv_info)
+        args[n] = len(kv_info)
+    assert leaves[48] == leaves[4] and args[48] == args[4] == leaves[4], (leaves, args)

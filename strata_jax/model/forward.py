@@ -51,9 +51,10 @@ class Params:
 class KVCache:
     """Every row's sequence state: K and V of the attention layers (L: KV layers, cfg.attention_layers;
     heads and dims: cfg.kv_cache_dims) and, for a model with recurrent layers (the hybrid family), `rec`:
-    their per-row state, a pytree whose every leaf has the batch axis first (None otherwise, so other
-    models' programs are what they were). K and V are each a plain array (kv type f16: the compute
-    dtype) or a kvquant.QuantKV (q8_0, q4_0: quantized on write, dequantized where attention reads).
+    their per-row state (hybrid.HybridState), every leaf [L, B, ...] as K and V over the layers of its
+    kind (None otherwise, so other models' programs are what they were). K and V are each a plain array
+    (kv type f16: the compute dtype) or a kvquant.QuantKV (q8_0, q4_0: quantized on write, dequantized
+    where attention reads).
     v_LBSKDh is None where the keys carry the values (deepseek2's latent cache, model/mla.py). All are
     donated and updated in place by the two programs."""
 
@@ -79,18 +80,13 @@ class KVCache:
 
     def take_row(self, row) -> "KVCache":
         """Row `row` (traced) as a batch-1 cache."""
-        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1)
-        rec = jax.tree.map(lambda a: take(a, axis=0), self.rec)
-        k, v = jax.tree.map(lambda a: take(a, axis=1), (self.k_LBSKDh, self.v_LBSKDh))
-        return KVCache(k, v, rec)
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
+        return jax.tree.map(take, self)
 
     def put_row(self, row, one: "KVCache") -> "KVCache":
         """This cache with row `row` replaced by the batch-1 cache `one` (in place when donated)."""
-        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row)
-        rec = jax.tree.map(lambda a, v: put(a, v.astype(a.dtype), axis=0), self.rec, one.rec)
-        k, v = jax.tree.map(lambda a, b: put(a, b, axis=1), (self.k_LBSKDh, self.v_LBSKDh),
-                            (one.k_LBSKDh, one.v_LBSKDh))
-        return KVCache(k, v, rec)
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
+        return jax.tree.map(lambda a, b: put(a, b.astype(a.dtype)), self, one)
 
 
 def forward(
@@ -143,6 +139,7 @@ def forward(
     kv_idx = {layer: j for j, layer in enumerate(cfg.attention_layers)}
     qsa_idx = set(hybrid.qsa_layers(cfg))
     ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
+    fresh_B = start_B == 0  # rows starting a sequence: their recurrent state starts from zeros
     few = experts is not None and all(experts.few_path(m, B * T * cfg.n_experts_used) for m in range(n_moe))
     # MoE layers ahead whose experts each layer prefetches (none in the hybrid family: see model/hybrid.py)
     depth = experts.prefetch_depth if few and not cfg.is_hybrid else 0
@@ -158,15 +155,14 @@ def forward(
             return h, lambda xs, out: hyper.combine(xs, out, w)
         return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
 
-    def mixer(layer, h, own, k_all, v_all, i, at):
+    def mixer(layer, h, k_all, v_all, rec, i, at):
         """The token mixer of block i (at: its static stand-in): attention of the layer's kind, or gated
-        DeltaNet. Returns its output, the KV cache and the layer's own state."""
-        lin, ple_s, qsa_s = own
+        DeltaNet. Returns its output, the KV cache and the recurrent state."""
         if at not in kv_idx:
             with jax.named_scope("linear"):
-                out, lin = deltanet.apply(layer.linear, h, lin, n_valid_B=n_valid_B, dims=hybrid.deltanet_dims(cfg),
-                                          kernels=kernels)
-            return out, k_all, v_all, (lin, ple_s, qsa_s)
+                out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B),
+                                          n_valid_B=n_valid_B, dims=hybrid.deltanet_dims(cfg), kernels=kernels)
+            return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin)
         with jax.named_scope("attn"):
             if cfg.mla is not None:
                 out, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
@@ -174,15 +170,17 @@ def forward(
             elif cfg.is_hybrid:
                 select = None
                 if at in qsa_idx:
-                    select, qsa_s = qsa.apply(layer.attn.indexer, h, qsa_s, start_B=start_B, n_valid_B=n_valid_B,
-                                              dims=hybrid.qsa_dims(cfg, at), kernels=kernels, attn_len=attn_len)
+                    select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B),
+                                              start_B=start_B, n_valid_B=n_valid_B, dims=hybrid.qsa_dims(cfg, at),
+                                              kernels=kernels, attn_len=attn_len)
+                    rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s)
                 out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
                                                     layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                     attn_len, select, attn_block)
             else:
                 out, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
                                               attn_block)
-        return out, k_all, v_all, (lin, ple_s, qsa_s)
+        return out, k_all, v_all, rec
 
     def ffn(layer, h, xs, experts, i):
         """Block i's MoE block or dense MLP on h; xs: the residual it reads for prefetch."""
@@ -209,40 +207,34 @@ def forward(
         """Before block i when it starts a segment (model/runs.py: a PLE layer always does): its PLE."""
         if i not in ple_idx:
             return carry
-        xs, *rest = carry
+        xs, k_all, v_all, rec, experts = carry
         with jax.named_scope(f"layer{i}/ple"):
-            out, ple_state[i] = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, ple_state[i], n_valid_B=n_valid_B,
-                                          dims=hybrid.ple_dims(cfg), kernels=kernels)
+            out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B),
+                                   n_valid_B=n_valid_B, dims=hybrid.ple_dims(cfg), kernels=kernels)
+            rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
-        return (xs, *rest)
+        return xs, k_all, v_all, rec, experts
 
-    def block(carry, layer_own, i):
+    def block(carry, layer, i):
         """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
-        xs, k_all, v_all, experts = carry
-        layer, own = layer_own
+        xs, k_all, v_all, rec, experts = carry
         at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, window
         with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
             norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
             h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
-            out, k_all, v_all, own = mixer(layer, h, own, k_all, v_all, i, at)
+            out, k_all, v_all, rec = mixer(layer, h, k_all, v_all, rec, i, at)
             xs = put_back(xs, out)
             h, put_back = sub_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
             out, ids, experts = ffn(layer, h, xs, experts, i)
             xs = put_back(xs, out)
-        return (xs, k_all, v_all, experts), (ids, own)
+        return (xs, k_all, v_all, rec, experts), ids
 
-    # each layer's own recurrent state (hybrid family) travels with its params through a scanned run;
-    # prefetch reads later layers' routers by static index: its layers run one by one
-    own = hybrid.layer_states(cfg, kv, start_B) if cfg.is_hybrid else [(None, None, None)] * cfg.n_layers
-    ple_state = {i: own[i][1] for i in ple_idx}  # PLE runs outside the scans (enter), its state too
-    own = [(lin, None, qs) for lin, _, qs in own]
-    (xs, k_all, v_all, experts), outs = runs.run_layers(
-        runs.with_own(params.layers, own), (xs, kv.k_LBSKDh, kv.v_LBSKDh, experts), block, unroll=depth > 0,
+    # the recurrent state (hybrid family) travels whole in the carry, as K and V, each block updating its
+    # layer's slice in place; prefetch reads later layers' routers by static index: its layers run one by one
+    (xs, k_all, v_all, rec, experts), outs = runs.run_layers(
+        params.layers, (xs, kv.k_LBSKDh, kv.v_LBSKDh, kv.rec, experts), block, unroll=depth > 0,
         detach=runs.detach_provider, attach=runs.attach_provider, enter=enter)
-    routed = [ids for ids, _ in outs if ids is not None]
-    rec = None
-    if cfg.is_hybrid:
-        rec = hybrid.gather_states(cfg, [(lin, ple_state.get(i), qs) for i, (_, (lin, _, qs)) in enumerate(outs)])
+    routed = [ids for ids in outs if ids is not None]
     with jax.named_scope("head"):
         if not all_logits:
             xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]

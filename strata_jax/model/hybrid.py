@@ -12,10 +12,10 @@ The others (hc_count == 0: transformers' Qwen3NextDecoderLayer, Qwen3_5(Moe)Deco
 pre-norm residual, attn_norm before the mixer and post_attention_norm before the MoE block (or, qwen35,
 the dense MLP), output_norm before the head. Their MTP blocks are loaded (params.nextn), not run.
 
-State (`HybridState`, every leaf batch-first, float32 or int32, fixed shape): per linear layer the
-DeltaNet conv + delta state, per PLE layer its n-gram context and conv state, per QSA layer its
-compressed block keys. Rows starting a sequence (start_B == 0) start from fresh state; a token past
-n_valid_B (bucket padding, a dead row in decode) changes no state.
+State (`HybridState`, float32 or int32, fixed shape): per linear layer the DeltaNet conv + delta state,
+per PLE layer its n-gram context and conv state, per QSA layer its compressed block keys, each kind
+stacked over its layers [L, B, ...]. Rows starting a sequence (start_B == 0) start from fresh state; a
+token past n_valid_B (bucket padding, a dead row in decode) changes no state.
 
 Routed-expert prefetch is not done for the family (qwen4exp: each layer's router input is its own
 hyper-connection mix, known only there): EngineConfig refuses prefetch > 0, and the forward pass
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from strata_jax.core import layer_ref
 from strata_jax.model import deltanet, hyper, ple, qsa
 from strata_jax.model.config import ATTENTION, ModelConfig
 
@@ -79,21 +80,40 @@ def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.n_layers) if cfg.kind(i) != ATTENTION)
 
 
+def qsa_ratios(cfg: ModelConfig) -> tuple[int, ...]:
+    """The distinct compress ratios of the QSA layers: their state is stacked per ratio (its shapes follow it)."""
+    return tuple(sorted({cfg.indexer.compress_ratios[i] for i in qsa_layers(cfg)}))
+
+
+def _of_ratio(cfg: ModelConfig, r: int) -> tuple[int, ...]:
+    return tuple(i for i in qsa_layers(cfg) if cfg.indexer.compress_ratios[i] == r)
+
+
 @struct.dataclass
 class HybridState:
-    linear: tuple[Any, ...]  # DeltaNet state per linear layer (linear_layers order)
-    ple: tuple[Any, ...]  # PLE state per PLE layer (cfg.ple.layers order)
-    qsa: tuple[Any, ...]  # QSA indexer state per QSA layer (qsa_layers order)
+    """Every row's recurrent state, one stack per kind of layer: each field is that kind's per-layer
+    state (DeltaNetState, PLEState, QSAState) with every leaf stacked over its layers [L, B, ...], as K
+    and V are, so the cache's leaves do not grow with depth. A block reads and writes its own slice
+    (`layer_state`, `put_layer_state`) by its index within its kind, traced inside a scanned run."""
+
+    linear: Any  # DeltaNet state of the linear layers (linear_layers order); None without any
+    ple: Any  # PLE state of the PLE layers (cfg.ple.layers order); None without any
+    qsa: tuple[Any, ...]  # per compress ratio (qsa_ratios order), the QSA state of its layers (qsa_layers order)
+
+
+def _stack(make, n: int):
+    """n layers' state as one stack (None for none): zeros shaped as `make`'s one layer."""
+    return jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), jax.eval_shape(make)) if n else None
 
 
 def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
-    lin = linear_layers(cfg)
-    dn = deltanet_dims(cfg) if lin else None
+    lin, ples = linear_layers(cfg), cfg.ple.layers if cfg.ple else ()
     return HybridState(
-        linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in lin),
-        ple=tuple(ple.PLEState.zeros(batch, ple_dims(cfg)) for _ in (cfg.ple.layers if cfg.ple else ())),
-        qsa=tuple(qsa.QSAState.zeros(batch, length, qsa_dims(cfg, i)) for i in qsa_layers(cfg)),
+        linear=_stack(lambda: deltanet.DeltaNetState.zeros(batch, deltanet_dims(cfg)), len(lin)),
+        ple=_stack(lambda: ple.PLEState.zeros(batch, ple_dims(cfg)), len(ples)),
+        qsa=tuple(_stack(lambda: qsa.QSAState.zeros(batch, length, qsa_dims(cfg, _of_ratio(cfg, r)[0])),
+                         len(_of_ratio(cfg, r))) for r in qsa_ratios(cfg)),
     )
 
 
@@ -120,23 +140,37 @@ def ple_dims(cfg: ModelConfig):
                        head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps, layers=p.layers)
 
 
-def _fresh(state, fresh_B: jax.Array, zeros):
-    """state with the rows where fresh_B holds replaced by `zeros`' (a sequence that restarts)."""
-    return jax.tree.map(lambda a, z: jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), z, a), state, zeros)
+def _slot(cfg: ModelConfig, rec: HybridState, kind: str, i) -> tuple[Any, Any, Any]:
+    """Where block i's (an int or a LayerRef) state of `kind` ("linear", "ple", "qsa") sits in rec: its
+    stack, the stack's index within its field (QSA: the ratio's; else None) and the block's index in the
+    stack (traced for a LayerRef; a run's layers share kind and ratio, so one stack holds them all)."""
+    at = layer_ref.first(i)
+    if kind == "qsa":
+        r = cfg.indexer.compress_ratios[at]
+        g, layers = qsa_ratios(cfg).index(r), _of_ratio(cfg, r)
+        stack = rec.qsa[g]
+    else:
+        g, layers = None, linear_layers(cfg) if kind == "linear" else cfg.ple.layers
+        stack = getattr(rec, kind)
+    return stack, g, layer_ref.value(layer_ref.mapped(i, {layer: j for j, layer in enumerate(layers)}))
 
 
-def layer_states(cfg: ModelConfig, kv, start_B: jax.Array) -> list[tuple[Any, Any, Any]]:
-    """Per layer, its own recurrent state (DeltaNet, PLE, QSA; None where it has none) from kv.rec, rows
-    starting a sequence (start_B == 0) reset: what model/forward.py threads through each layer."""
-    rec = _fresh(kv.rec, start_B == 0, state_zeros(cfg, start_B.shape[0], kv.length))
-    lin = dict(zip(linear_layers(cfg), rec.linear))
-    pl = dict(zip(cfg.ple.layers if cfg.ple else (), rec.ple))
-    qs = dict(zip(qsa_layers(cfg), rec.qsa))
-    return [(lin.get(i), pl.get(i), qs.get(i)) for i in range(cfg.n_layers)]
+def layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, fresh_B: jax.Array) -> Any:
+    """Block i's state of `kind` (see _slot), the rows where fresh_B holds (a sequence that restarts)
+    zeroed: all zeros is every kind's fresh state."""
+    stack, _, j = _slot(cfg, rec, kind, i)
+
+    def one(a):
+        a = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
+        return jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a)
+
+    return jax.tree.map(one, stack)
 
 
-def gather_states(cfg: ModelConfig, per_layer: list[tuple[Any, Any, Any]]) -> HybridState:
-    """layer_states' inverse: the per-layer states back in HybridState's order."""
-    return HybridState(tuple(per_layer[i][0] for i in linear_layers(cfg)),
-                       tuple(per_layer[i][1] for i in (cfg.ple.layers if cfg.ple else ())),
-                       tuple(per_layer[i][2] for i in qsa_layers(cfg)))
+def put_layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, state) -> HybridState:
+    """rec with block i's slice of `kind` replaced by `state` (in place in a donated cache or a scan's carry)."""
+    stack, g, j = _slot(cfg, rec, kind, i)
+    stack = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), j, 0), stack, state)
+    if g is not None:
+        stack = tuple(stack if h == g else s for h, s in enumerate(rec.qsa))
+    return rec.replace(**{kind: stack})

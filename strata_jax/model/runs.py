@@ -149,25 +149,6 @@ def view(stacked: Any, r) -> Any:
     return jax.tree.map(one, stacked, is_leaf=lambda a: isinstance(a, QTensor))
 
 
-def with_own(segments: Sequence[Any], own: Sequence[Any]) -> tuple[Any, ...]:
-    """The segments with each layer's params paired with what that layer alone reads and rewrites
-    (`own[i]`, e.g. its recurrent state; None where it has none): (params, own) per layer, stacked per
-    run position like the params, so a scanned body gets its layer's state as a scan input and returns
-    the new one as an output, never a traced index into a tuple."""
-    out, at = [], 0
-    for seg in segments:
-        if not isinstance(seg, LayerRun):
-            out.append((seg, own[at]))
-            at += 1
-            continue
-        run = seg.run
-        stacked = tuple((seg.stacked[g], _stack([own[i] for i in run.group_layers(g)], free=False))
-                        for g in range(len(run.group_sizes)))
-        out.append(LayerRun(stacked, run))
-        at = run.stop
-    return tuple(out)
-
-
 def detach_provider(carry: tuple) -> tuple[tuple, tuple]:
     """run_layers' detach for a carry whose last element is the ExpertProvider (or None)."""
     *rest, experts = carry
