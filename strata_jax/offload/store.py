@@ -117,8 +117,10 @@ def _host_array(shape: tuple[int, ...], sharding) -> tuple[jax.Array, np.ndarray
 
     Sound because nothing else holds the array yet: the copy that made it is finished (blocked on),
     no computation has read it, and numpy's view is dropped before it is returned. Host memory (pinned
-    or pageable) is addressable by the CPU on every backend. The zeros are calloc'd pages that are
-    never written, so the only full copy is the one from the file."""
+    or pageable) is addressable by the CPU on every backend. The zeros are calloc'd pages (never
+    written), but device_put still copies them into the new buffer: one full write of the store before
+    the copy from the file. On CPU that allocation is most of the load's time (benchmarks/load_store.py's
+    alloc_GB_s); on a GPU's pinned memory it is not measured yet."""
     out = jax.device_put(np.zeros(shape, np.uint8), sharding)
     out.block_until_ready()
     n = int(np.prod(shape))
