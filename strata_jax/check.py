@@ -235,7 +235,8 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
         v["text"] += f"; but its experts ({fmt_bytes(experts_total)}) exceed the available RAM ({fmt_bytes(ram)})"
     elif gpu and pinned is not None and pinned < experts_total:
         v["text"] += (f"; pinned host memory stopped at {fmt_bytes(pinned)} of the experts' "
-                      f"{fmt_bytes(experts_total)} in one buffer (the store pins one layer at a time)")
+                      f"{fmt_bytes(experts_total)} in one buffer (the store pins one buffer per row layout, usually "
+                      "all its layers: expect the pageable fallback)")
     return v
 
 

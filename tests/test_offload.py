@@ -14,6 +14,7 @@ import strata_jax
 from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.layer_ref import LayerRef
 from strata_jax.offload.policies import POLICIES
 from strata_jax.model import runs
 
@@ -337,3 +338,63 @@ def test_short_prompt_routing_more_experts_than_a_pool_holds(tmp_path):
     np.testing.assert_allclose(m.logits(ids), ref.logits(ids), rtol=0, atol=1e-5)
     assert m.generate(ids, max_tokens=8, temperature=0).token_ids == ref.generate(ids, max_tokens=8,
                                                                                  temperature=0).token_ids
+
+
+def _file_rows(path, block: int) -> np.ndarray:
+    """uint8 [E, P]: block `block`'s experts as the file holds them, read with gguf-py (not our reader):
+    each expert's gate, up and down bytes back to back."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    blocks = [np.asarray(tensors[f"blk.{block}.{n}.weight"].data) for n in ("ffn_gate_exps", "ffn_up_exps",
+                                                                             "ffn_down_exps")]
+    return np.concatenate([b.reshape(b.shape[0], -1) for b in blocks], axis=1)
+
+
+@pytest.mark.parametrize("task_bytes", [None, 700])
+def test_store_equals_the_file_bytes(moe_path, monkeypatch, task_bytes):
+    """Each MoE layer's store rows are its experts' gate, up and down bytes as the file holds them; layers
+    of one row layout share one [layers, E, P] array (the two here: odd layers' down is Q4_0). With
+    small copy tasks every tensor is split over many tasks (a run of experts each), so a task boundary
+    that skipped or repeated an expert would show."""
+    from strata_jax.offload import store as store_mod
+
+    if task_bytes is not None:
+        monkeypatch.setattr(store_mod, "TASK_BYTES", task_bytes)
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=8)
+    store = m.experts.store
+    assert store.memory_kind in ("pinned_host", "unpinned_host")
+    assert [g.shape[:2] for g in store.groups] == [(2, 8), (2, 8)]
+    assert store.layer_group == (0, 1, 0, 1) and store.layer_local == (0, 0, 1, 1)
+    assert store.parts[0] != store.parts[1]
+    assert all(g.sharding.memory_kind == store.memory_kind for g in store.groups)
+    want = [_file_rows(moe_path, block) for block in m.config.moe_layers]
+    for i, rows in enumerate(want):
+        assert len({r.tobytes() for r in rows}) == len(rows)  # distinct experts: a swap would show
+        np.testing.assert_array_equal(np.asarray(store.layer(i).data), rows)
+    # what a scanned step reads: rows through the dynamic slice, the layer a traced LayerRef of its group
+    read = jax.jit(lambda s, at, e, ids: s.rows(LayerRef(ids, at), e, 3), static_argnums=3)
+    for ids in ((0, 2), (1, 3)):
+        for at, i in enumerate(ids):
+            np.testing.assert_array_equal(np.asarray(read(store, at, 4, ids))[0], want[i][4:7])
+
+
+@pytest.mark.parametrize("pools", ["shared", "per-layer"])
+def test_step_arguments_do_not_grow_with_layers(tmp_path, pools):
+    """The store is one array per row layout (one here), so the store and the step's whole expert argument
+    (the provider as a step takes it) have as many leaves at 8 MoE layers as at 2."""
+    leaves, layers = {}, {}
+    for n in (2, 8):
+        spec = SyntheticSpec(arch="qwen3moe", n_layers=n, d_model=64, head_dim=16, expert_ffn_dim=32,
+                             vocab_size=320, qtype="Q8_0", expert_qtype="Q8_0", seed=1)
+        m = strata_jax.load(write_synthetic_gguf(tmp_path / f"m{n}.gguf", spec), ctx=64, expert_slots=2 * n,
+                            expert_pools=pools)
+        assert not m.cache_plan.resident and len(m.config.moe_layers) == n
+        experts = m.experts.take()
+        try:
+            leaves[n] = (len(jax.tree.leaves(experts.store)), len(jax.tree.leaves(experts)))
+            layers[n] = [g.shape[0] for g in experts.store.groups]
+        finally:
+            m.experts.put(experts)
+    assert leaves[2][0] == 1 and leaves[2] == leaves[8], leaves
+    assert layers == {2: [2], 8: [8]}, layers

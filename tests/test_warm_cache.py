@@ -70,7 +70,7 @@ def test_restored_state_and_rows_match_the_saved_ones(model_path, saved, caplog)
         data = np.asarray(table.pools[p].data)
         for e, x in enumerate(np.asarray(table.slot_map(i)).tolist()):
             if x >= 0:  # byte-exact: the store's row of the slot's owner
-                np.testing.assert_array_equal(data[x], np.asarray(store.layers[i].data[e]))
+                np.testing.assert_array_equal(data[x], np.asarray(store.layer(i).data[e]))
                 filled[p].add(x)
     assert sum(map(len, filled)) == owned
     for pool, mine in zip(table.pools, filled):  # the other slots were never written

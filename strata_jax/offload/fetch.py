@@ -6,9 +6,9 @@ pays no per-expert branch. Writes go into the donated slot pool, in place. `stre
 whole layer's experts over at once (the grouped prefill); `stream_group` a group of consecutive
 experts (the dense prefill, one group per step of its scan: model/moe.py).
 
-Each takes the candidate store layers and which of them (`which`, traced inside a scanned run of
-layers: model/runs.py): the store keeps one host array per layer, so a traced layer is a switch over
-its candidates' copies, never a stack of host arrays.
+Each takes the store and a MoE layer: an int, or a LayerRef (traced inside a scanned run of layers:
+model/runs.py). The store stacks the layers of a row layout in one host array, so a traced layer is
+one more index of the same dynamic slice: only the rows needed are copied, never a whole layer.
 
 Shape legend: strata_jax/core/shapes.py
 """
@@ -18,49 +18,46 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.offload.policies import Plan
 from strata_jax.core.experts import ExpertRows
+from strata_jax.offload.policies import Plan
+from strata_jax.offload.store import ExpertStore
 
 
 def to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
-def read_rows(layers: tuple[ExpertRows, ...], which, start, n: int) -> jax.Array:
-    """Rows start .. start + n - 1 of store layer layers[which], on the device: uint8 [n, P]."""
-    def one(layer):
-        return lambda s: to_device(jax.lax.dynamic_slice_in_dim(layer.data, s, n, axis=0))
-
-    if len(layers) == 1:
-        return one(layers[0])(start)
-    return jax.lax.switch(which, [one(layer) for layer in layers], start)
+def read_rows(store: ExpertStore, moe_idx, start, n: int) -> jax.Array:
+    """Rows start .. start + n - 1 of MoE layer moe_idx's store rows, on the device: uint8 [n, P]."""
+    return to_device(store.rows(moe_idx, start, n))[0]
 
 
-def fetch_misses(pool: ExpertRows, layers: tuple[ExpertRows, ...], which, plan: Plan, base=0) -> ExpertRows:
-    """The pool with plan's misses copied from store layer layers[which] into slots base + plan.slot_U."""
+def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base=0) -> ExpertRows:
+    """The pool with plan's misses copied from MoE layer moe_idx's store rows into slots base + plan.slot_U."""
     order_U = jnp.argsort(~plan.miss_U, stable=True)  # misses first
 
     def body(i, data_XP):
         j = order_U[i]
-        row_1P = read_rows(layers, which, plan.ids_U[j], 1)
+        row_1P = read_rows(store, moe_idx, plan.ids_U[j], 1)
         return jax.lax.dynamic_update_slice_in_dim(data_XP, row_1P, base + plan.slot_U[j], 0)
 
     return ExpertRows(jax.lax.fori_loop(0, plan.n_misses, body, pool.data), pool.parts)
 
 
-def stream_layer(layers: tuple[ExpertRows, ...], which=0) -> ExpertRows:
+def stream_layer(store: ExpertStore, moe_idx) -> ExpertRows:
     """All E experts of one layer on the device (one copy), as a temporary pool indexed by expert id."""
-    return ExpertRows(read_rows(layers, which, 0, layers[0].n_rows), layers[0].parts)
+    g = store.group(moe_idx)
+    return ExpertRows(read_rows(store, moe_idx, 0, store.groups[g].shape[1]), store.parts[g])
 
 
-def stream_group(layers: tuple[ExpertRows, ...], which, first: jax.Array, n: int) -> ExpertRows:
+def stream_group(store: ExpertStore, moe_idx, first: jax.Array, n: int) -> ExpertRows:
     """Experts first .. first + n - 1 of one layer on the device (one copy), indexed from 0."""
-    return ExpertRows(read_rows(layers, which, first, n), layers[0].parts)
+    return ExpertRows(read_rows(store, moe_idx, first, n), store.parts[store.group(moe_idx)])
 
 
-def calibrate_fetch(layer: ExpertRows, device, n: int = 8, reps: int = 3) -> tuple[float, float]:
-    """Seconds per expert of an in-jit miss fetch (through `fetch_misses` itself: same loop, same DMA,
-    into a scratch pool) and of streaming a whole layer: the costs telemetry uses for transfer time."""
+def calibrate_fetch(store: ExpertStore, device, n: int = 8, reps: int = 3) -> tuple[float, float]:
+    """Seconds per expert of an in-jit miss fetch of MoE layer 0 (through `fetch_misses` itself: same loop,
+    same DMA, into a scratch pool) and of streaming a whole layer: the costs telemetry uses for transfer time."""
     import time
 
     def seconds(run) -> float:
@@ -71,15 +68,16 @@ def calibrate_fetch(layer: ExpertRows, device, n: int = 8, reps: int = 3) -> tup
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / reps
 
+    layer = store.layer(0)
     n = min(n, layer.n_rows)
     pool = [ExpertRows(jnp.zeros((n, layer.bytes_per_expert), jnp.uint8, device=device), layer.parts)]
     ids = jnp.arange(n, dtype=jnp.int32)
     plan = jax.device_put(Plan(ids, ids, jnp.ones((n,), bool), jnp.full((n,), -1, jnp.int32)), device)
-    fetch = jax.jit(lambda pool, layer, plan: fetch_misses(pool, (layer,), 0, plan), donate_argnums=0)
+    fetch = jax.jit(lambda pool, store, plan: fetch_misses(pool, store, 0, plan), donate_argnums=0)
 
     def run_fetch():
-        pool[0] = fetch(pool[0], layer, plan)  # the scratch pool is donated back each time
+        pool[0] = fetch(pool[0], store, plan)  # the scratch pool is donated back each time
         return pool[0]
 
-    stream = jax.jit(lambda rows: stream_layer((rows,)).data)
-    return seconds(run_fetch) / n, seconds(lambda: stream(layer)) / layer.n_rows
+    stream = jax.jit(lambda store: stream_layer(store, 0).data)
+    return seconds(run_fetch) / n, seconds(lambda: stream(store)) / layer.n_rows

@@ -115,9 +115,10 @@ class OffloadManager:
             self._identity = cache_identity(gguf, spec.n_experts, slots, self.policy.name)
             if cache_state is not None:
                 slots = restore_slot_table(cache_state, slots, store, self._identity)
-            self.fetch_s, self.stream_s = calibrate_fetch(store.layers[0], self.device)
+            self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
+            row_bytes = spec.bytes_per_expert(0)
             log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
-                     fmt_bytes(store.layers[0].bytes_per_expert), store.layers[0].bytes_per_expert / self.fetch_s / 1e9)
+                     fmt_bytes(row_bytes), row_bytes / self.fetch_s / 1e9)
         self.store_memory_kind = store.memory_kind if store is not None else None
         self.device_bytes = sum(p.data.nbytes for p in slots.pools)  # what the slot pools take on the device
         self._n_layers = len(spec.moe_layers)
@@ -139,8 +140,8 @@ class OffloadManager:
         return np.array([self.spec.bytes_per_expert(i) for i in range(self._n_layers)], np.int64)
 
     def layer_key(self, moe_idx: int):
-        """What MoE layers share to be scanned as one body (their slot pool: SlotTable.layer_key)."""
-        return self._experts.table.layer_key(moe_idx)
+        """What MoE layers share to be scanned as one body (SlotExperts.layer_key)."""
+        return self._experts.layer_key(moe_idx)
 
     @property
     def slots(self) -> SlotTable | None:

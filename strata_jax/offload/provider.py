@@ -43,8 +43,12 @@ class SlotExperts:
     def few_path(self, moe_idx, n_lookups: int) -> bool:
         return self.table.few_path(moe_idx, n_lookups, self.table.n_experts)
 
-    def layer_key(self, moe_idx: int) -> int:
-        return self.table.layer_key(moe_idx)
+    def layer_key(self, moe_idx: int):
+        """Layers scan as one body when they share a slot pool and, offloading, a store group (read
+        by one dynamic slice)."""
+        if self.store is None:
+            return self.table.layer_key(moe_idx)
+        return self.table.layer_key(moe_idx), self.store.layer_group[moe_idx]
 
     def lookup(self, moe_idx, ids_Nk: jax.Array,
                valid_N: jax.Array | None = None) -> tuple["SlotExperts", ExpertRows, jax.Array]:
@@ -80,14 +84,14 @@ class SlotExperts:
             pool = self.table.pool(moe_idx)
             at = self.table.local(moe_idx) * self.table.n_experts + first_expert
             return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, at, n, axis=0), pool.parts)
-        return stream_group(*self._store_layers(moe_idx), first_expert, n)
+        return stream_group(self.store, moe_idx, first_expert, n)
 
     def layer(self, moe_idx) -> ExpertRows:
         if self.resident:
             pool, E = self.table.pool(moe_idx), self.table.n_experts
             rows = jax.lax.dynamic_slice_in_dim(pool.data, self.table.local(moe_idx) * E, E, axis=0)
             return ExpertRows(rows, pool.parts)
-        return stream_layer(*self._store_layers(moe_idx))
+        return stream_layer(self.store, moe_idx)
 
     def count(self, moe_idx, **values: jax.Array) -> "SlotExperts":
         # a LayerRef's counts are keyed by all its candidates (scalars in a scan's body, stacked [R] after)
@@ -136,15 +140,9 @@ class SlotExperts:
     def join(self, fixed: Any) -> "SlotExperts":
         return self.replace(store=fixed)
 
-    def _store_layers(self, moe_idx) -> tuple[tuple[ExpertRows, ...], Any]:
-        """The store layers moe_idx can be and which one it is (fetch.read_rows' arguments)."""
-        if isinstance(moe_idx, LayerRef):
-            return tuple(self.store.layers[m] for m in moe_idx.ids), moe_idx.at
-        return (self.store.layers[moe_idx],), 0
-
     def _access_and_fetch(self, table: SlotTable, moe_idx, ids_U: jax.Array):
         """Run the policy for MoE layer `moe_idx` (an int or a LayerRef) and DMA its misses into their slots."""
         cache, row = table.layer_cache(moe_idx)
         cache, plan = self.policy.access(cache, row, ids_U)
-        pool = fetch_misses(table.pool(moe_idx), *self._store_layers(moe_idx), plan, base=table.slot_base(moe_idx))
+        pool = fetch_misses(table.pool(moe_idx), self.store, moe_idx, plan, base=table.slot_base(moe_idx))
         return table.with_layer(moe_idx, cache, pool), plan

@@ -1,8 +1,10 @@
 """ExpertStore: every routed expert of every MoE layer in host memory, in GGML block format.
 
-Each MoE layer is one host array in JAX's `pinned_host` memory, `uint8[E, P]`, where a row holds one
-expert's gate, up and down blocks back to back (core/experts.py's `ExpertRows`). The jitted step
-DMAs one expert with a single copy (`lax.dynamic_index_in_dim` with a traced index), or a whole layer, straight into device
+The MoE layers that share a row layout (core/experts.py's `Part`s: usually all of them) are one host
+array in JAX's `pinned_host` memory, `uint8[L, E, P]`, a row holding one expert's gate, up and down
+blocks back to back. So a jitted step takes one store argument per row layout, however many layers the
+model has, and indexes it by the (possibly traced: a scanned run of layers) MoE layer. The step DMAs
+one expert with a single copy (a dynamic slice of its row), or a whole layer, straight into device
 memory with no host round trip. The device slot pools use the same row layout, so a miss is one copy.
 If pinned memory cannot be had we fall back to pageable host memory, which works the same but copies
 at a fraction of the speed.
@@ -12,33 +14,75 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
+import numpy as np
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax.core.experts import ExpertRows, ExpertSpec, fused_rows
+from strata_jax.core import layer_ref
+from strata_jax.core.experts import ExpertRows, ExpertSpec, Part
 from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
-# layers whose rows are read from the file (page faults, disk) while an earlier one is being pinned:
-# numpy's copies release the GIL, so the reads overlap each other and the device_put
-READ_AHEAD = 3
+# threads copying from the memory-mapped file into the store: numpy's copies release the GIL, so they
+# read (page cache, page faults) and write in parallel
+READERS = min(16, os.cpu_count() or 1)
+# bytes per copy task: small enough to balance the readers and to report progress, large enough to
+# keep the per-task cost out of the rate
+TASK_BYTES = 64 << 20
 
 
 @struct.dataclass
 class ExpertStore:
-    layers: tuple[ExpertRows, ...]  # one per MoE layer
+    groups: tuple[jax.Array, ...]  # uint8 [L, E, P] per row layout, its MoE layers in order
+    parts: tuple[tuple[Part, Part, Part], ...] = struct.field(pytree_node=False)  # per group
+    layer_group: tuple[int, ...] = struct.field(pytree_node=False)  # per MoE layer: its group
+    layer_local: tuple[int, ...] = struct.field(pytree_node=False)  # per MoE layer: its index in the group
     memory_kind: str = struct.field(pytree_node=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.data.nbytes for layer in self.layers)
+        return sum(g.nbytes for g in self.groups)
+
+    def group(self, moe_idx) -> int:
+        """The group of MoE layer moe_idx (an int, or a LayerRef whose candidates share one group)."""
+        groups = {self.layer_group[i] for i in layer_ref.each(moe_idx)}
+        if len(groups) != 1:
+            raise ValueError(f"MoE layers {layer_ref.each(moe_idx)} span store groups {sorted(groups)}: a "
+                             "scanned run must share its row layout (SlotExperts.layer_key)")
+        return groups.pop()
+
+    def rows(self, moe_idx, start, n: int) -> jax.Array:
+        """Rows start .. start + n - 1 of MoE layer moe_idx, in host memory: uint8 [1, n, P] (one dynamic
+        slice of the group, its leading axis kept for the host-to-device copy to stay a plain slice)."""
+        data_LEP = self.groups[self.group(moe_idx)]
+        at = layer_ref.value(layer_ref.mapped(moe_idx, self.layer_local))
+        return jax.lax.dynamic_slice(data_LEP, (at, start, 0), (1, n, data_LEP.shape[2]))
+
+    def layer(self, moe_idx: int) -> ExpertRows:
+        """All E experts of MoE layer moe_idx (a static int), uint8 [E, P], in host memory."""
+        g = self.layer_group[moe_idx]
+        return ExpertRows(self.groups[g][self.layer_local[moe_idx]], self.parts[g])
+
+
+def store_groups(spec: ExpertSpec) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+    """(parts of each group, each MoE layer's group, its index in the group): a group per row layout."""
+    parts: list[tuple] = []
+    layer_group, layer_local = [], []
+    for p in spec.layer_parts:
+        if p not in parts:
+            parts.append(p)
+        layer_group.append(parts.index(p))
+        layer_local.append(layer_group.count(layer_group[-1]) - 1)
+    return tuple(parts), tuple(layer_group), tuple(layer_local)
 
 
 class _Progress:
@@ -68,41 +112,77 @@ def _host_sharding(device, memory_kind: str) -> SingleDeviceSharding:
     return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
+def _host_array(shape: tuple[int, ...], sharding) -> tuple[jax.Array, np.ndarray]:
+    """A fresh host array of zeros and a writable numpy view of its bytes, to fill it in place.
+
+    Sound because nothing else holds the array yet: the copy that made it is finished (blocked on),
+    no computation has read it, and numpy's view is dropped before it is returned. Host memory (pinned
+    or pageable) is addressable by the CPU on every backend. The zeros are calloc'd pages (never
+    written), but device_put still copies them into the new buffer: one full write of the store before
+    the copy from the file. On CPU that allocation is most of the load's time (benchmarks/load_store.py's
+    alloc_GB_s); on a GPU's pinned memory it is not measured yet."""
+    out = jax.device_put(np.zeros(shape, np.uint8), sharding)
+    out.block_until_ready()
+    n = int(np.prod(shape))
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(out.unsafe_buffer_pointer()))
+    return out, view.reshape(shape)
+
+
+def _copy_tasks(gguf, spec: ExpertSpec, layers: tuple[int, ...], view_LEP: np.ndarray):
+    """(copy, bytes) per task: a run of experts of one tensor of one layer into its columns of the store."""
+    tasks = []
+    for j, i in enumerate(layers):
+        at = 0
+        for name in spec.tensor_names(i):
+            src_EB = np.asarray(gguf.tensor(name).data).reshape(spec.n_experts, -1)
+            width = src_EB.shape[1]
+            step = max(1, TASK_BYTES // max(width, 1))
+            for e in range(0, spec.n_experts, step):
+                dst, src = view_LEP[j, e : e + step, at : at + width], src_EB[e : e + step]
+                tasks.append((lambda dst=dst, src=src: np.copyto(dst, src), src.nbytes))
+            at += width
+    return tasks
+
+
+def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple[jax.Array, ...]:
+    parts, layer_group, _ = store_groups(spec)
+    groups = []
+    with ThreadPoolExecutor(READERS) as pool:
+        for g, p in enumerate(parts):
+            layers = tuple(i for i, q in enumerate(layer_group) if q == g)
+            data_LEP, view_LEP = _host_array((len(layers), spec.n_experts, sum(x.nbytes for x in p)), sharding)
+            futures = {pool.submit(copy): n for copy, n in _copy_tasks(gguf, spec, layers, view_LEP)}
+            for f in as_completed(futures):
+                f.result()
+                progress.add(futures[f])
+            del view_LEP
+            groups.append(data_LEP)
+    return tuple(groups)
+
+
 def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "pinned_host") -> ExpertStore:
     """Copy every routed expert from the memory-mapped GGUF file (strata_jax.gguf.reader.GGUFFile) into
     host memory of `memory_kind`, falling back to pageable memory (with a warning naming the cost) if
     pinned memory fails. spec: the experts' layout, already checked against the file."""
     device = device or jax.devices()[0]
-    infos = [[gguf.tensor(name) for name in spec.tensor_names(i)] for i in range(len(spec.moe_layers))]
-    total = sum(t.nbytes for layer in infos for t in layer)
-    progress = _Progress(total, "experts")
+    parts, layer_group, layer_local = store_groups(spec)
+    total = sum(gguf.tensor(n).nbytes for i in range(len(spec.moe_layers)) for n in spec.tensor_names(i))
     kinds = [memory_kind] + (["unpinned_host"] if memory_kind == "pinned_host" else [])
-    t0 = time.perf_counter()
-    for i, kind in enumerate(kinds):
+    for k, kind in enumerate(kinds):
+        t0 = time.perf_counter()
         try:
-            sharding = _host_sharding(device, kind)
-            layers = []
-            with ThreadPoolExecutor(READ_AHEAD) as pool:
-                rows = [pool.submit(fused_rows, layer) for layer in infos[:READ_AHEAD]]
-                for i, layer in enumerate(infos):
-                    host = rows[i].result()
-                    rows[i] = None  # its memory goes once pinned
-                    if i + READ_AHEAD < len(infos):
-                        rows.append(pool.submit(fused_rows, infos[i + READ_AHEAD]))
-                    layers.append(ExpertRows(jax.device_put(host, sharding), spec.layer_parts[i]))
-                    progress.add(sum(t.nbytes for t in layer))
-            jax.block_until_ready(layers)
-            dt = time.perf_counter() - t0
-            log.info("experts loaded: %s in %s host memory at %s/s (%d layers x %d experts)", fmt_bytes(total), kind,
-                     fmt_bytes(total / max(dt, 1e-9)), len(infos), spec.n_experts)
-            return ExpertStore(tuple(layers), kind)
+            groups = _load_groups(gguf, spec, _host_sharding(device, kind), _Progress(total, "experts"))
         except (RuntimeError, ValueError, MemoryError) as e:  # XLA reports allocation failure as RuntimeError
-            if i + 1 == len(kinds):
+            if k + 1 == len(kinds):
                 raise
             log.warning("could not place %s of experts in %s memory (%s); falling back to %s memory: expert "
                         "transfers will run at pageable-copy speed (a few GB/s instead of ~50). Raise the "
                         "locked-memory limit (ulimit -l) or free RAM to get pinned memory.",
-                        fmt_bytes(total), kind, str(e).splitlines()[0][:200], kinds[i + 1])
-            progress = _Progress(total, "experts")
-            t0 = time.perf_counter()
+                        fmt_bytes(total), kind, str(e).splitlines()[0][:200], kinds[k + 1])
+            continue
+        dt = time.perf_counter() - t0
+        log.info("experts loaded: %s in %s host memory at %s/s (%d layers x %d experts, %d array%s)",
+                 fmt_bytes(total), kind, fmt_bytes(total / max(dt, 1e-9)), len(layer_group), spec.n_experts,
+                 len(groups), "s" if len(groups) > 1 else "")
+        return ExpertStore(groups, parts, layer_group, layer_local, kind)
     raise AssertionError("unreachable")

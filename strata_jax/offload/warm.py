@@ -134,23 +134,23 @@ def fill_pools(table: SlotTable, store: ExpertStore) -> SlotTable:
     pools = []
     for p, (pool, cache) in enumerate(zip(table.pools, table.caches)):
         # the pool's MoE layers in layer_local order
-        layers = tuple(store.layers[i] for i, q in enumerate(table.layer_pool) if q == p)
-        pools.append(_fill_pool(pool, cache.owner_X, layers))
+        layers = tuple(i for i, q in enumerate(table.layer_pool) if q == p)
+        pools.append(_fill_pool(pool, cache.owner_X, store, layers))
     return table.replace(pools=tuple(pools))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _fill_pool(pool: ExpertRows, owner_X: jax.Array, layers: tuple[ExpertRows, ...]) -> ExpertRows:
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _fill_pool(pool: ExpertRows, owner_X: jax.Array, store: ExpertStore, layers: tuple[int, ...]) -> ExpertRows:
     # each layer's owned slots as the misses of one access: fetch_misses' loop, one copy per slot. A
     # shared pool's owners are global ids (local layer * E + expert); a pool of blocks has a row of owners
     # per layer, [layers, block], each the layer's own expert ids
-    E = layers[0].n_rows
-    for j, layer in enumerate(layers):
+    E = store.groups[store.layer_group[layers[0]]].shape[1]
+    for j, moe_idx in enumerate(layers):
         if owner_X.ndim == 2:
             own_X, base, mine_X = owner_X[j], j * owner_X.shape[1], owner_X[j] >= 0
         else:
             own_X, base, mine_X = owner_X, 0, (owner_X >= 0) & (owner_X // E == j)
         slot_X = jnp.arange(own_X.shape[0], dtype=jnp.int32)
-        pool = fetch_misses(pool, (layer,), 0, Plan(jnp.where(mine_X, own_X % E, -1), slot_X, mine_X,
+        pool = fetch_misses(pool, store, moe_idx, Plan(jnp.where(mine_X, own_X % E, -1), slot_X, mine_X,
                                                     jnp.full_like(slot_X, -1)), base=base)
     return pool

@@ -1,0 +1,66 @@
+"""How fast does the expert store load from a warm page cache?
+
+Writes (once) a synthetic qwen3moe GGUF with Qwen3-30B-A3B's expert shape (128 experts of ffn 768 at
+d_model 2048, Q4_K: 340 MB a layer) and `--layers` MoE layers, reads it once so that it sits in the page
+cache, then times `load_expert_store` (offload/store.py) `--reps` times: GB/s of expert bytes and the
+process' peak RSS. `alloc_GB_s` times the store's allocation alone (`_host_array`: a device_put of zeros
+of the store's size, before any byte of the file is copied), the part of the load that is not reading.
+
+    python benchmarks/load_store.py [--layers 12] [--path /tmp/strata_load/b30x12.gguf] [--reps 3]
+"""
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import jax
+
+from strata_jax.core.experts import EXPERT_TENSORS, ExpertSpec, expert_parts
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.gguf.reader import GGUFFile
+from strata_jax.offload.store import _host_array, _host_sharding, load_expert_store, store_groups
+
+p = argparse.ArgumentParser()
+p.add_argument("--layers", type=int, default=12)
+p.add_argument("--path", default=None)
+p.add_argument("--reps", type=int, default=3)
+p.add_argument("--memory-kind", default="pinned_host")
+args = p.parse_args()
+
+path = Path(args.path or f"/tmp/strata_load/b30x{args.layers}.gguf")
+if not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_synthetic_gguf(path, SyntheticSpec(arch="qwen3moe", n_layers=args.layers, d_model=2048, n_heads=16,
+                                             n_kv_heads=4, head_dim=128, n_experts=128, n_experts_used=8,
+                                             expert_ffn_dim=768, vocab_size=2048, qtype="Q4_K"))
+with open(path, "rb") as f:  # into the page cache
+    while f.read(1 << 26):
+        pass
+
+gguf = GGUFFile(path)
+layers = tuple(range(args.layers))
+infos = [[gguf.tensor(f"blk.{i}.{n}.weight") for n in EXPERT_TENSORS] for i in layers]
+spec = ExpertSpec(layers, infos[0][0].shape[0], 8, tuple(expert_parts(t) for t in infos))
+total = sum(t.nbytes for layer in infos for t in layer)
+rates = []
+for _ in range(args.reps):
+    t0 = time.perf_counter()
+    store = load_expert_store(gguf, spec, memory_kind=args.memory_kind)
+    rates.append(total / (time.perf_counter() - t0) / 1e9)
+    del store
+group_parts, layer_group, _ = store_groups(spec)
+shapes = [(layer_group.count(g), spec.n_experts, sum(x.nbytes for x in parts)) for g, parts in enumerate(group_parts)]
+alloc = []
+for _ in range(args.reps):
+    t0 = time.perf_counter()
+    arrays = [_host_array(shape, _host_sharding(jax.devices()[0], args.memory_kind))[0] for shape in shapes]
+    alloc.append(total / (time.perf_counter() - t0) / 1e9)
+    del arrays
+print(json.dumps({"expert_GB": round(total / 1e9, 2), "layers": args.layers, "memory_kind": args.memory_kind,
+                  "GB_s": [round(r, 2) for r in rates], "best_GB_s": round(max(rates), 2),
+                  "alloc_GB_s": round(max(alloc), 2),
+                  "peak_rss_GB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
+                  "cpus": os.cpu_count(), "backend": jax.default_backend()}))
