@@ -164,7 +164,7 @@ def forward(
         lin, ple_s, qsa_s = own
         if at not in kv_idx:
             with jax.named_scope("linear"):
-                out, lin = deltanet.apply(layer.linear, h, lin, n_valid_B=n_valid_B, dims=hybrid.deltanet_dims(cfg),
+                out, lin = deltanet.apply(layer.linear, h, lin, n_valid_B=n_valid_B, dims=cfg.linear,
                                           kernels=kernels)
             return out, k_all, v_all, (lin, ple_s, qsa_s)
         with jax.named_scope("attn"):
@@ -175,7 +175,7 @@ def forward(
                 select = None
                 if at in qsa_idx:
                     select, qsa_s = qsa.apply(layer.attn.indexer, h, qsa_s, start_B=start_B, n_valid_B=n_valid_B,
-                                              dims=hybrid.qsa_dims(cfg, at), kernels=kernels, attn_len=attn_len)
+                                              dims=cfg.qsa[at], kernels=kernels, attn_len=attn_len)
                 out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
                                                     layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                     attn_len, select, attn_block)
@@ -212,7 +212,7 @@ def forward(
         xs, *rest = carry
         with jax.named_scope(f"layer{i}/ple"):
             out, ple_state[i] = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, ple_state[i], n_valid_B=n_valid_B,
-                                          dims=hybrid.ple_dims(cfg), kernels=kernels)
+                                          dims=cfg.ple, kernels=kernels)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
         return (xs, *rest)
 

@@ -1,5 +1,5 @@
-"""The hybrid family (config.HYBRID_ARCHITECTURES: qwen4exp, qwen3next, qwen35moe, qwen35): its params,
-dims and per-row recurrent state, carried next to the KV cache (KVCache.rec); model/forward.py runs its
+"""The hybrid family (config.HYBRID_ARCHITECTURES: qwen4exp, qwen3next, qwen35moe, qwen35): its params
+and per-row recurrent state, carried next to the KV cache (KVCache.rec); model/forward.py runs its
 blocks. Heterogeneous layers: gated DeltaNet or gated full attention.
 
 Per block, qwen4exp (transformers' Qwen4ExpTextDecoderLayer): PLE adds hashed n-gram features to the
@@ -70,9 +70,7 @@ def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:
 
 def qsa_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Attention layers with a compress ratio (QSA on): the others attend densely."""
-    if cfg.indexer is None:
-        return ()
-    return tuple(i for i in cfg.attention_layers if cfg.indexer.compress_ratios[i])
+    return tuple(i for i, d in enumerate(cfg.qsa) if d is not None)
 
 
 def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -89,35 +87,11 @@ class HybridState:
 def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
     lin = linear_layers(cfg)
-    dn = deltanet_dims(cfg) if lin else None
     return HybridState(
-        linear=tuple(deltanet.DeltaNetState.zeros(batch, dn) for _ in lin),
-        ple=tuple(ple.PLEState.zeros(batch, ple_dims(cfg)) for _ in (cfg.ple.layers if cfg.ple else ())),
-        qsa=tuple(qsa.QSAState.zeros(batch, length, qsa_dims(cfg, i)) for i in qsa_layers(cfg)),
+        linear=tuple(deltanet.DeltaNetState.zeros(batch, cfg.linear) for _ in lin),
+        ple=tuple(ple.PLEState.zeros(batch, cfg.ple) for _ in (cfg.ple.layers if cfg.ple else ())),
+        qsa=tuple(qsa.QSAState.zeros(batch, length, cfg.qsa[i]) for i in qsa_layers(cfg)),
     )
-
-
-def deltanet_dims(cfg: ModelConfig):
-    d = cfg.linear
-    # output_gate: no GGUF key says; config.py takes what llama.cpp's graph of the arch hard-codes
-    return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
-                                 k_head_dim=d.k_head_dim, v_head_dim=d.v_head_dim, conv_kernel=d.conv_kernel,
-                                 rms_eps=cfg.rms_eps, output_gate=d.output_gate, v_head_order=d.v_head_order)
-
-
-def qsa_dims(cfg: ModelConfig, layer: int):
-    ix = cfg.indexer
-    return qsa.QSADims(n_heads=ix.n_heads, head_dim=ix.head_dim, budget=ix.budget,
-                       compress_ratio=ix.compress_ratios[layer], rope_dim=cfg.rope_dim, rope_theta=cfg.rope_theta,
-                       rms_eps=cfg.rms_eps)
-
-
-def ple_dims(cfg: ModelConfig):
-    p = cfg.ple
-    return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, row_dim=p.head_dim, ngram_size=p.ngram_size,
-                       heads_per_ngram=p.heads_per_ngram, conv_kernel=p.conv_kernel, eos_token_id=p.eos_token_id,
-                       layer_multipliers=p.multipliers, head_offsets=p.head_offsets,
-                       head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps, layers=p.layers)
 
 
 def _fresh(state, fresh_B: jax.Array, zeros):
