@@ -22,9 +22,10 @@ from gguf import quants as gq
 
 from conftest import count_compiles
 from strata_jax.core.qtensor import QTensor
-from strata_jax.gguf.reader import GGUFFile
+from strata_jax.gguf.reader import GGUFFile, metadata_view
 from strata_jax.model import deltanet
-from strata_jax.model.deltanet import DeltaNetDims, DeltaNetParams, DeltaNetState
+from strata_jax.model.deltanet import DeltaNetParams, DeltaNetState
+from strata_jax.model.dims import DeltaNetDims
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.weights import WeightLoader
 
@@ -340,7 +341,7 @@ def test_gguf_file_through_weight_loader(tmp_path, qtype):
     w.close()
 
     f = GGUFFile(tmp_path / "layer.gguf")
-    dims = DeltaNetDims.from_metadata(f.metadata, f.architecture)
+    dims = DeltaNetDims.from_metadata(metadata_view(f.metadata, f.architecture))
     assert dims.rms_eps == pytest.approx(EPS) and dataclasses.replace(dims, rms_eps=EPS) == DIMS  # a float32 key
     loader = WeightLoader(f, types.SimpleNamespace(arch=f.architecture))  # the loader reads cfg only for errors
     p = deltanet.load_params(loader.qtensor, loader.f32, 0, DIMS)

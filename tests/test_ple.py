@@ -23,6 +23,7 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextCo
 
 from strata_jax.core.qtensor import QTensor
 from strata_jax.model import ple
+from strata_jax.model.dims import PLEDims
 from strata_jax.model.kernels import Kernels
 
 KERNELS = Kernels()
@@ -63,10 +64,10 @@ def _chunks(T: int, sizes: list[int]) -> list[tuple[int, int]]:
 # -- the hash -----------------------------------------------------------------------------------------
 
 
-def _dims_of(emb: hf.Qwen4ExpTextNGramEmbedding, cfg, d_model=32, hc=2, row_dim=8) -> ple.PLEDims:
+def _dims_of(emb: hf.Qwen4ExpTextNGramEmbedding, cfg, d_model=32, hc=2, row_dim=8) -> PLEDims:
     """The hash constants as the converter writes them (conversion/qwen4exp.py set_gguf_parameters:
     the module's int64 buffers, read exactly, and the EOS id)."""
-    return ple.PLEDims(d_model=d_model, hc_count=hc, row_dim=row_dim, ngram_size=cfg.ngram_size,
+    return PLEDims(d_model=d_model, hc_count=hc, row_dim=row_dim, ngram_size=cfg.ngram_size,
                        heads_per_ngram=cfg.heads_per_ngram, conv_kernel=cfg.ple_conv_kernel_size,
                        eos_token_id=cfg.eos_token_id,
                        layer_multipliers=tuple(int(v) for v in emb.layer_multipliers.tolist()),
@@ -313,9 +314,9 @@ def test_quantized_table_rows(memory_kind, n_rows):
 def test_bad_dims_and_tensors_refused():
     cfg, layer, dims, _, _ = _setup()
     with pytest.raises(ValueError, match="multipliers"):
-        ple.PLEDims(**{**dims.__dict__, "layer_multipliers": dims.layer_multipliers[:2]})
+        PLEDims(**{**dims.__dict__, "layer_multipliers": dims.layer_multipliers[:2]})
     with pytest.raises(ValueError, match="int32 row index"):
-        ple.PLEDims(**{**dims.__dict__, "head_offsets": (0, 1 << 30, 3 << 29, (1 << 31) - 1000)})
+        PLEDims(**{**dims.__dict__, "head_offsets": (0, 1 << 30, 3 << 29, (1 << 31) - 1000)})
     tensors = gguf_tensors(layer)
     tensors["blk.0.ple_value.weight"] = tensors["blk.0.ple_value.weight"][:, :16]
     with pytest.raises(ValueError, match="ple_value"):
@@ -366,7 +367,7 @@ def test_dims_and_params_from_converter_gguf(tmp_path, llama_cpp_converter):
     """A GGUF written with the converter's gguf-py and its set_gguf_parameters calls (u64 hash arrays,
     tensor names from its constants): PLEDims and PLEParams read back the exact constants and tensors,
     and the layer computes what it computes from the in-memory mapping."""
-    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.gguf.reader import GGUFFile, metadata_view
     from strata_jax.model.weights import WeightLoader
 
     cfg, layer, dims, params, step = _setup()
@@ -385,9 +386,9 @@ def test_dims_and_params_from_converter_gguf(tmp_path, llama_cpp_converter):
                     str(tmp_path / "spec.json"), str(tmp_path / "arrays.npz"), str(out)], check=True)
 
     f = GGUFFile(out)
-    got = ple.PLEDims.from_gguf(f)
+    got = PLEDims.from_metadata(metadata_view(f.metadata, f.architecture))
     assert got.rms_eps == pytest.approx(dims.rms_eps)  # a float32 KV
-    assert got == ple.PLEDims(**{**dims.__dict__, "layers": (bid,), "rms_eps": got.rms_eps})
+    assert got == PLEDims(**{**dims.__dict__, "layers": (bid,), "rms_eps": got.rms_eps})
     loader = WeightLoader(f, SimpleNamespace(arch=f.architecture))
     from_file = ple.PLEParams.from_gguf(ple.loader_get(loader), bid, got, table_memory_kind="pinned_host")
     assert from_file.ple_key.qtype == GGMLQuantizationType.F32  # the file's bytes, dequantized in jit
@@ -395,4 +396,3 @@ def test_dims_and_params_from_converter_gguf(tmp_path, llama_cpp_converter):
     x, tokens = _inputs(6, cfg)
     np.testing.assert_array_equal(_run(from_file, step, dims, x, tokens, [8] * 3, 8)[0],
                                   _run(params, step, dims, x, tokens, [8] * 3, 8)[0])
-    assert ple.PLEDims.from_gguf(GGUFFile(out)).layers == (bid,)

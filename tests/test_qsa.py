@@ -22,7 +22,8 @@ from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.reader import metadata_view
 from strata_jax.model import qsa
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.qsa import QSADims, QSAParams, QSAState
+from strata_jax.model.dims import QSADims
+from strata_jax.model.qsa import QSAParams, QSAState
 
 D, HI, DI, R, BUDGET = 64, 8, 32, 4, 12  # 3 blocks of 4 positions per query
 HEAD_DIM, ROPE_FACTOR, THETA, EPS = 32, 0.5, 10000.0, 1e-6

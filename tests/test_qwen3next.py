@@ -66,7 +66,7 @@ def test_every_tensor_is_consumed(arch, outtype):
     assert sorted(set(g.tensors) - loader.consumed) == []
     assert all(bool(nx.expert_names) == cfg.is_moe and set(nx.expert_names) <= set(g.tensors) for nx in params.nextn)
     assert cfg.n_layers == 4 and cfg.layer_kinds == ("linear", "attention", "linear", "attention")
-    assert cfg.attention_layers == (1, 3) and cfg.hc_count == 0 and cfg.indexer is None and cfg.ple is None
+    assert cfg.attention_layers == (1, 3) and cfg.hc_count == 0 and cfg.qsa == () and cfg.ple is None
     assert cfg.n_nextn_layers == len(params.nextn) == arch.endswith("-mtp")
     assert cfg.tied_embeddings == (arch in ("qwen35", "qwen35-mtp"))
     if arch.removesuffix("-mtp") in MOE_ARCHS:
@@ -81,16 +81,17 @@ def test_every_tensor_is_consumed(arch, outtype):
 def test_dims(arch):
     """What no GGUF key says, taken per arch as llama.cpp's graphs and transformers do: the DeltaNet's
     output gate is silu, and qwen3next's value heads stay in HF's grouped order."""
-    from strata_jax.model import deltanet, hybrid
+    from strata_jax.gguf.reader import metadata_view
     from strata_jax.model.config import ModelConfig
+    from strata_jax.model.dims import DeltaNetDims
 
     tm = hybrid_model(arch)
     g = GGUFFile(tm.gguf_path)
     cfg = ModelConfig.from_gguf(g)
     base = arch.removesuffix("-mtp")
     order = "grouped" if base == "qwen3next" else "tiled"
-    assert hybrid.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, base, output_gate="silu",
-                                                                            v_head_order=order)
+    assert cfg.linear == DeltaNetDims.from_metadata(metadata_view(g.metadata, base), output_gate="silu",
+                                                    v_head_order=order)
     assert cfg.rope_dim == 8 and cfg.rope_sections == ((2, 1, 1, 0) if base != "qwen3next" else ())
 
 

@@ -194,23 +194,30 @@ def _rel_err(ours, ref):
 
 
 @pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)
-def test_dims_are_the_modules_own_readers(variant):
-    """ModelConfig's qwen4exp dims give each layer module the dims its own GGUF reader gives."""
-    from strata_jax.gguf.reader import metadata_view
+def test_config_holds_the_layers_dims(variant):
+    """ModelConfig holds the layer modules' own dims (one reader each, model/dims.py): the model-wide
+    values they copy agree with the config's, the compress ratio is each layer's, the PLE row width is
+    the table's, and the config stays hashable (a static jit argument)."""
     from strata_jax.model import deltanet, hybrid, ple, qsa
     from strata_jax.model.config import ModelConfig
 
     g = GGUFFile(qwen4exp_model(variant).gguf_path)
     cfg = ModelConfig.from_gguf(g)
-    assert hybrid.deltanet_dims(cfg) == deltanet.DeltaNetDims.from_metadata(g.metadata, "qwen4exp")
-    assert hybrid.deltanet_dims(cfg).output_gate == "sigmoid"
-    assert hybrid.qsa_layers(cfg) == (1, 3)
+    hash(cfg)
+    assert isinstance(cfg.linear, deltanet.DeltaNetDims) and cfg.linear.output_gate == "sigmoid"
+    assert (cfg.linear.d_model, cfg.linear.rms_eps) == (cfg.d_model, cfg.rms_eps)
+    assert hybrid.qsa_layers(cfg) == (1, 3) and len(cfg.qsa) == cfg.n_layers
+    ratios = list(g.metadata["qwen4exp.attention.compress_ratios"])
     for i in hybrid.qsa_layers(cfg):
-        assert hybrid.qsa_dims(cfg, i) == qsa.QSADims.from_metadata(metadata_view(g.metadata, "qwen4exp"), i)
+        d = cfg.qsa[i]
+        assert isinstance(d, qsa.QSADims) and d.compress_ratio == ratios[i]
+        assert (d.rope_dim, d.rope_theta, d.rms_eps) == (cfg.rope_dim, cfg.rope_theta, cfg.rms_eps)
     if variant == "ple":
-        assert hybrid.ple_dims(cfg) == ple.PLEDims.from_gguf(g)
+        assert isinstance(cfg.ple, ple.PLEDims) and cfg.ple.layers == (0,)
+        assert cfg.ple.row_dim == g.tensor(ple.TABLE_NAME).shape[-1]
+        assert (cfg.ple.d_model, cfg.ple.hc_count, cfg.ple.rms_eps) == (cfg.d_model, cfg.hc_count, cfg.rms_eps)
     else:
-        assert cfg.ple is None and ple.PLEDims.from_gguf(g) is None
+        assert cfg.ple is None
 
 
 @pytest.mark.parametrize("variant", QWEN4EXP_VARIANTS)

@@ -148,13 +148,12 @@ def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice
     if choice == "off":
         return None
     moe = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-    ratios = cfg.indexer.compress_ratios if cfg.indexer is not None else ()
     ple_layers = cfg.ple.layers if cfg.ple is not None else ()
 
     def static(i: int) -> tuple:
         pool = experts.layer_key(moe[i]) if i in moe and experts is not None else None
-        ratio = ratios[i] if i < len(ratios) else 0
-        return i in cfg.swa_layers, cfg.kind(i), ratio, pool
+        qsa = cfg.qsa[i] if cfg.qsa else None  # the layer's QSA dims: its compress ratio differs
+        return i in cfg.swa_layers, cfg.kind(i), qsa, pool
 
     return runs.plan_runs([runs.signature(layer, static(i)) for i, layer in enumerate(params.layers)], starts=ple_layers)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from strata_jax.core.errors import ConfigError, UnsupportedArchitectureError
 from strata_jax.gguf.reader import GGUFFile, metadata_view
+from strata_jax.model.dims import DeltaNetDims, PLEDims, QSADims
 
 # arch -> (rope layout, renormalise top-k expert weights). llama.cpp hard-codes both per architecture
 # (llama_model_rope_type, the `norm_w` argument of build_moe_ffn); "llama" covers Mixtral-style MoE.
@@ -37,7 +38,7 @@ _ARCH_TRAITS: dict[str, tuple[str, bool]] = {
     # expert_weights_norm comes from the file (llama.cpp's default: off)
     "deepseek2": ("normal", False),
 }
-# gated DeltaNet + gated full attention layers (model/hybrid.py: their params, dims and state)
+# gated DeltaNet + gated full attention layers (model/hybrid.py: their params and state; model/dims.py: their dims)
 HYBRID_ARCHITECTURES = ("qwen4exp", "qwen3next", "qwen35moe", "qwen35")
 # the architectures whose MTP ("nextn") blocks are loaded (ModelConfig.n_nextn_layers); any other
 # file with nextn_predict_layers is refused by name (qwen4exp: convert without the MTP block)
@@ -59,25 +60,6 @@ _FFN_NORM_TENSOR = {"glm4moe": "post_attention_norm", "gpt-oss": "post_attention
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_TRAITS)
 
 LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kinds)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearAttnDims:
-    """Gated DeltaNet dims, from the GGUF's ssm.* keys (llama.cpp's qwen3next naming):
-    ssm.group_count = Hk key heads, ssm.time_step_rank = Hv value heads, ssm.state_size = Dk,
-    ssm.inner_size = Hv * Dv, ssm.conv_kernel = Kc taps (conv channels Cc = 2 * Hk * Dk + Hv * Dv)."""
-
-    n_k_heads: int
-    n_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-    output_gate: str = "sigmoid"  # the gated output norm's activation (qwen4exp sigmoid, the others silu)
-    v_head_order: str = "tiled"  # model/deltanet.py's DeltaNetDims.v_head_order (qwen3next: "grouped")
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,43 +97,6 @@ class RopeScaling:
     beta_slow: float = 1.0
     ext_factor: float = 1.0
     log_mul: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexerDims:
-    """QSA token indexer: attention.indexer.head_count (Hi), .key_length (Di), .top_k (the token budget);
-    attention.compress_ratios: tokens per compressed key block, per layer (0: that layer is dense)."""
-
-    n_heads: int
-    head_dim: int
-    budget: int
-    compress_ratios: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class PLEDims:
-    """Per-layer n-gram embeddings (qwen4exp.ple.*): the layers, n-gram size, hash heads per n-gram
-    order (Gp = (ngram_size - 1) * heads_per_ngram heads in all), the dilated conv's taps, the EOS id
-    that resets the n-gram window, embedding_length_per_layer_input (one head's row width), and the hash
-    constants (layer multipliers, head offsets and vocab sizes into per_layer_token_embd)."""
-
-    layers: tuple[int, ...]
-    ngram_size: int
-    heads_per_ngram: int
-    conv_kernel: int
-    eos_token_id: int
-    head_dim: int
-    multipliers: tuple[int, ...]
-    head_offsets: tuple[int, ...]
-    head_vocab_sizes: tuple[int, ...]
-
-    @property
-    def n_heads(self) -> int:
-        return (self.ngram_size - 1) * self.heads_per_ngram
-
-    @property
-    def embed_dim(self) -> int:
-        return self.n_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,15 +146,16 @@ class ModelConfig:
     # loaded into params.nextn where their tensors are in the file, never run by the forward pass
     n_nextn_layers: int = 0
     # the hybrid family (HYBRID_ARCHITECTURES; empty / 0 / None elsewhere: every layer is attention +
-    # pre-norm residual); hc_count, indexer, ple: qwen4exp only
+    # pre-norm residual); hc_count, qsa, ple: qwen4exp only. linear, qsa, ple: the layer modules' own
+    # dims (model/dims.py), as the layers take them
     layer_kinds: tuple[str, ...] = ()  # per layer: ATTENTION or LINEAR (gated DeltaNet)
     attn_output_gate: bool = False  # attn_q holds [q | gate] per head; output *= sigmoid(gate)
     hc_count: int = 0  # hyper-connection residual streams (0: a plain residual with norms)
     hc_rank: int = 0
     rope_sections: tuple[int, ...] = ()  # mrope sections (text: one position, so one rope)
-    linear: LinearAttnDims | None = None
-    indexer: IndexerDims | None = None
-    ple: PLEDims | None = None
+    linear: DeltaNetDims | None = None  # every linear layer's
+    qsa: tuple[QSADims | None, ...] = ()  # per layer: its QSA indexer, None where it attends densely
+    ple: PLEDims | None = None  # the PLE layers (ple.layers) and theirs
     # deepseek2: multi-head latent attention (None elsewhere); n_kv_heads = 1 and head_dim = its cached
     # values per position (kv_lora_rank + rope_dim), as the GGUF's MQA view of it says
     mla: MLADims | None = None
@@ -268,7 +214,7 @@ class ModelConfig:
     @property
     def has_qsa(self) -> bool:
         """Some attention layer masks by QSA's selection (qwen4exp's compress ratios)."""
-        return self.indexer is not None and any(self.indexer.compress_ratios[i] for i in self.attention_layers)
+        return any(d is not None for d in self.qsa)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "ModelConfig":
@@ -519,14 +465,9 @@ def _hybrid(cls, gguf: GGUFFile, m, arch: str, n_layers: int, nextn: int) -> Mod
     first_linear = kinds.index(LINEAR) if LINEAR in kinds else None
     if first_linear is not None and not gguf.has(f"blk.{first_linear}.attn_qkv.weight"):
         _refuse(gguf, f"a {arch} DeltaNet without attn_qkv (a legacy fused ssm_in file)", "reconvert it")
-    inner = int(m("ssm.inner_size"))
-    n_v = int(m("ssm.time_step_rank"))
-    linear = LinearAttnDims(n_k_heads=int(m("ssm.group_count")), n_v_heads=n_v, k_head_dim=int(m("ssm.state_size")),
-                            v_head_dim=inner // n_v, conv_kernel=int(m("ssm.conv_kernel")),
-                            output_gate="sigmoid" if arch == "qwen4exp" else "silu",
-                            v_head_order="grouped" if arch == "qwen3next" else "tiled")
-    if linear.n_v_heads % linear.n_k_heads:
-        _refuse(gguf, f"{linear.n_v_heads} DeltaNet value heads over {linear.n_k_heads} key heads")
+    # what no key says, taken as llama.cpp's graph of the arch hard-codes it
+    linear = _layer_dims(gguf, DeltaNetDims.from_metadata, m, output_gate="sigmoid" if arch == "qwen4exp" else "silu",
+                         v_head_order="grouped" if arch == "qwen3next" else "tiled")
 
     expert_ffn = shared_ffn = ffn_dim = 0
     if n_experts:
@@ -575,32 +516,27 @@ def _hybrid(cls, gguf: GGUFFile, m, arch: str, n_layers: int, nextn: int) -> Mod
 
 def _qwen4exp_parts(gguf: GGUFFile, m, n_layers: int, kinds: tuple[str, ...]) -> dict[str, Any]:
     """qwen4exp's own parts: the QSA indexer, PLE and the hyper-connections."""
-    ratios = tuple(int(x) for x in m("attention.compress_ratios", [0] * n_layers))
-    indexer = IndexerDims(n_heads=int(m("attention.indexer.head_count")), head_dim=int(m("attention.indexer.key_length")),
-                          budget=int(m("attention.indexer.top_k")), compress_ratios=ratios)
-    if any(r and indexer.budget % r for r in ratios):
-        _refuse(gguf, f"an indexer budget {indexer.budget} that is not whole blocks of {ratios}")
-    if any(r and kinds[i] != ATTENTION for i, r in enumerate(ratios)):
+    qsa = tuple(_layer_dims(gguf, QSADims.from_metadata, m, i) for i in range(n_layers))
+    if any(d is not None and kinds[i] != ATTENTION for i, d in enumerate(qsa)):
         _refuse(gguf, "a compress ratio on a linear-attention layer")
 
-    ple = None
-    ple_layers = tuple(int(x) for x in m("ple.layers", ()))
-    if ple_layers:
-        if any(kinds[i] != LINEAR for i in ple_layers):
-            _refuse(gguf, f"PLE on a full-attention layer ({list(ple_layers)})")
-        ple = PLEDims(layers=ple_layers, ngram_size=int(m("ple.ngram_size")), heads_per_ngram=int(m("ple.heads_per_ngram")),
-                      conv_kernel=int(m("ple.conv_kernel")), eos_token_id=int(m("ple.eos_token_id")),
-                      head_dim=int(m("embedding_length_per_layer_input")),
-                      multipliers=tuple(int(x) for x in m("ple.layer_multipliers")),
-                      head_offsets=tuple(int(x) for x in m("ple.head_offsets")),
-                      head_vocab_sizes=tuple(int(x) for x in m("ple.head_vocab_sizes")))
-        if len(ple_layers) != 1:  # one set of hash constants (and one per_layer_token_embd) in the file
-            _refuse(gguf, f"PLE on {len(ple_layers)} layers", "the format carries one PLE table")
-        if len(ple.multipliers) != ple.ngram_size or len(ple.head_offsets) != ple.n_heads \
-                or len(ple.head_vocab_sizes) != ple.n_heads:
-            _refuse(gguf, "PLE hash constants whose lengths disagree with ple.ngram_size / heads_per_ngram")
+    ple = _layer_dims(gguf, PLEDims.from_metadata, m)
+    if ple is not None:
+        if any(kinds[i] != LINEAR for i in ple.layers):
+            _refuse(gguf, f"PLE on a full-attention layer ({list(ple.layers)})")
+        if len(ple.layers) != 1:  # one set of hash constants (and one per_layer_token_embd) in the file
+            _refuse(gguf, f"PLE on {len(ple.layers)} layers", "the format carries one PLE table")
 
     hc = int(m("hyper_connection.count"))
     if hc < 2:
         _refuse(gguf, f"hyper_connection.count = {hc} (qwen4exp mixes at least 2 streams)")
-    return dict(hc_count=hc, hc_rank=int(m("hyper_connection.low_rank")), indexer=indexer, ple=ple)
+    return dict(hc_count=hc, hc_rank=int(m("hyper_connection.low_rank")), qsa=qsa, ple=ple)
+
+
+def _layer_dims(gguf: GGUFFile, read, *args, **kwargs):
+    """A layer kind's dims through its own reader (model/dims.py), which checks them: dims the layer
+    cannot take are refused, naming the file."""
+    try:
+        return read(*args, **kwargs)
+    except ValueError as e:
+        raise UnsupportedArchitectureError(f"{gguf.path}: {e}; this file is not supported.") from e

@@ -24,78 +24,18 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.qtensor import QTensor
-from strata_jax.gguf.reader import metadata_view
+from strata_jax.model.dims import DeltaNetDims
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import linear, rms_norm
 
-OUTPUT_GATES = ("sigmoid", "silu")
 _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence accumulates over the sequence: no TF32 products
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaNetDims:
-    """The layer's sizes, from GGUF metadata as llama.cpp's converter writes it (Qwen3NextModel.
-    set_gguf_parameters). q4-ref folds these into ModelConfig."""
-
-    d_model: int  # D: {arch}.embedding_length
-    n_k_heads: int  # Hk: {arch}.ssm.group_count (linear_num_key_heads)
-    n_v_heads: int  # Hv: {arch}.ssm.time_step_rank (linear_num_value_heads)
-    k_head_dim: int  # Dk: {arch}.ssm.state_size (linear_key_head_dim)
-    v_head_dim: int  # Dv: {arch}.ssm.inner_size / Hv (llama.cpp assumes Dv == Dk; this does not)
-    conv_kernel: int  # Kc: {arch}.ssm.conv_kernel (linear_conv_kernel_dim)
-    rms_eps: float  # {arch}.attention.layer_norm_rms_epsilon: the gated output norm
-    # No GGUF key carries HF's output_gate_type: llama.cpp's qwen4exp graph hard-codes sigmoid (its
-    # qwen3next / qwen35 graphs silu, as their transformers models).
-    output_gate: str = "sigmoid"
-    # Value heads' order in the file: "tiled" (head h reads key head h % Hk: the qwen35 / qwen4exp
-    # converters reorder them so) or "grouped" (HF's order, head h reads key head h // (Hv / Hk): the
-    # qwen3next converter keeps it). Every per-value-head tensor and the state follow the same order.
-    v_head_order: str = "tiled"
-    chunk_size: int = 64  # tokens per chunk of the parallel form, as the reference
-    l2_eps: float = 1e-6  # the q/k l2norm's eps, fixed in transformers (llama.cpp uses rms_eps: equal in practice)
-
-    def __post_init__(self):
-        if self.n_v_heads % self.n_k_heads:
-            raise ValueError(f"value heads ({self.n_v_heads}) must be a multiple of key heads ({self.n_k_heads})")
-        if self.output_gate not in OUTPUT_GATES:
-            raise ValueError(f"output_gate={self.output_gate!r}: choose one of {OUTPUT_GATES}")
-        if self.v_head_order not in ("tiled", "grouped"):
-            raise ValueError(f"v_head_order={self.v_head_order!r}: choose 'tiled' or 'grouped'")
-        if self.conv_kernel < 1 or self.chunk_size < 1:
-            raise ValueError(f"conv_kernel ({self.conv_kernel}) and chunk_size ({self.chunk_size}) must be >= 1")
-
-    @property
-    def key_dim(self) -> int:
-        return self.n_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.n_v_heads * self.v_head_dim
-
-    @property
-    def conv_channels(self) -> int:  # Cc: q, k and v channels of attn_qkv, convolved together
-        return 2 * self.key_dim + self.value_dim
-
-    @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], arch: str, **overrides) -> "DeltaNetDims":
-        m = metadata_view(metadata, arch)
-        n_v = int(m("ssm.time_step_rank"))
-        inner = int(m("ssm.inner_size"))
-        if inner % n_v:
-            raise ValueError(f"{arch}.ssm.inner_size ({inner}) is not a multiple of ssm.time_step_rank ({n_v})")
-        kw = dict(d_model=int(m("embedding_length")), n_k_heads=int(m("ssm.group_count")), n_v_heads=n_v,
-                  k_head_dim=int(m("ssm.state_size")), v_head_dim=inner // n_v,
-                  conv_kernel=int(m("ssm.conv_kernel")),
-                  rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)))
-        return cls(**{**kw, **overrides})
 
 
 @struct.dataclass

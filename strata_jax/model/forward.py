@@ -161,7 +161,7 @@ def forward(
         if at not in kv_idx:
             with jax.named_scope("linear"):
                 out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B),
-                                          n_valid_B=n_valid_B, dims=hybrid.deltanet_dims(cfg), kernels=kernels)
+                                          n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels)
             return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin)
         with jax.named_scope("attn"):
             if cfg.mla is not None:
@@ -171,7 +171,7 @@ def forward(
                 select = None
                 if at in qsa_idx:
                     select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B),
-                                              start_B=start_B, n_valid_B=n_valid_B, dims=hybrid.qsa_dims(cfg, at),
+                                              start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
                                               kernels=kernels, attn_len=attn_len)
                     rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s)
                 out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
@@ -210,7 +210,7 @@ def forward(
         xs, k_all, v_all, rec, experts = carry
         with jax.named_scope(f"layer{i}/ple"):
             out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B),
-                                   n_valid_B=n_valid_B, dims=hybrid.ple_dims(cfg), kernels=kernels)
+                                   n_valid_B=n_valid_B, dims=cfg.ple, kernels=kernels)
             rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
         return xs, k_all, v_all, rec, experts

@@ -1,5 +1,5 @@
-"""The hybrid family (config.HYBRID_ARCHITECTURES: qwen4exp, qwen3next, qwen35moe, qwen35): its params,
-dims and per-row recurrent state, carried next to the KV cache (KVCache.rec); model/forward.py runs its
+"""The hybrid family (config.HYBRID_ARCHITECTURES: qwen4exp, qwen3next, qwen35moe, qwen35): its params
+and per-row recurrent state, carried next to the KV cache (KVCache.rec); model/forward.py runs its
 blocks. Heterogeneous layers: gated DeltaNet or gated full attention.
 
 Per block, qwen4exp (transformers' Qwen4ExpTextDecoderLayer): PLE adds hashed n-gram features to the
@@ -71,9 +71,7 @@ def hyper_dims(cfg: ModelConfig) -> hyper.HyperDims:
 
 def qsa_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Attention layers with a compress ratio (QSA on): the others attend densely."""
-    if cfg.indexer is None:
-        return ()
-    return tuple(i for i in cfg.attention_layers if cfg.indexer.compress_ratios[i])
+    return tuple(i for i, d in enumerate(cfg.qsa) if d is not None)
 
 
 def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -82,11 +80,11 @@ def linear_layers(cfg: ModelConfig) -> tuple[int, ...]:
 
 def qsa_ratios(cfg: ModelConfig) -> tuple[int, ...]:
     """The distinct compress ratios of the QSA layers: their state is stacked per ratio (its shapes follow it)."""
-    return tuple(sorted({cfg.indexer.compress_ratios[i] for i in qsa_layers(cfg)}))
+    return tuple(sorted({cfg.qsa[i].compress_ratio for i in qsa_layers(cfg)}))
 
 
 def _of_ratio(cfg: ModelConfig, r: int) -> tuple[int, ...]:
-    return tuple(i for i in qsa_layers(cfg) if cfg.indexer.compress_ratios[i] == r)
+    return tuple(i for i in qsa_layers(cfg) if cfg.qsa[i].compress_ratio == r)
 
 
 @struct.dataclass
@@ -110,34 +108,11 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     """Fresh per-row state for `batch` rows of `length` cache positions."""
     lin, ples = linear_layers(cfg), cfg.ple.layers if cfg.ple else ()
     return HybridState(
-        linear=_stack(lambda: deltanet.DeltaNetState.zeros(batch, deltanet_dims(cfg)), len(lin)),
-        ple=_stack(lambda: ple.PLEState.zeros(batch, ple_dims(cfg)), len(ples)),
-        qsa=tuple(_stack(lambda: qsa.QSAState.zeros(batch, length, qsa_dims(cfg, _of_ratio(cfg, r)[0])),
+        linear=_stack(lambda: deltanet.DeltaNetState.zeros(batch, cfg.linear), len(lin)),
+        ple=_stack(lambda: ple.PLEState.zeros(batch, cfg.ple), len(ples)),
+        qsa=tuple(_stack(lambda: qsa.QSAState.zeros(batch, length, cfg.qsa[_of_ratio(cfg, r)[0]]),
                          len(_of_ratio(cfg, r))) for r in qsa_ratios(cfg)),
     )
-
-
-def deltanet_dims(cfg: ModelConfig):
-    d = cfg.linear
-    # output_gate: no GGUF key says; config.py takes what llama.cpp's graph of the arch hard-codes
-    return deltanet.DeltaNetDims(d_model=cfg.d_model, n_k_heads=d.n_k_heads, n_v_heads=d.n_v_heads,
-                                 k_head_dim=d.k_head_dim, v_head_dim=d.v_head_dim, conv_kernel=d.conv_kernel,
-                                 rms_eps=cfg.rms_eps, output_gate=d.output_gate, v_head_order=d.v_head_order)
-
-
-def qsa_dims(cfg: ModelConfig, layer: int):
-    ix = cfg.indexer
-    return qsa.QSADims(n_heads=ix.n_heads, head_dim=ix.head_dim, budget=ix.budget,
-                       compress_ratio=ix.compress_ratios[layer], rope_dim=cfg.rope_dim, rope_theta=cfg.rope_theta,
-                       rms_eps=cfg.rms_eps)
-
-
-def ple_dims(cfg: ModelConfig):
-    p = cfg.ple
-    return ple.PLEDims(d_model=cfg.d_model, hc_count=cfg.hc_count, row_dim=p.head_dim, ngram_size=p.ngram_size,
-                       heads_per_ngram=p.heads_per_ngram, conv_kernel=p.conv_kernel, eos_token_id=p.eos_token_id,
-                       layer_multipliers=p.multipliers, head_offsets=p.head_offsets,
-                       head_vocab_sizes=p.head_vocab_sizes, rms_eps=cfg.rms_eps, layers=p.layers)
 
 
 def _slot(cfg: ModelConfig, rec: HybridState, kind: str, i) -> tuple[Any, Any, Any]:
@@ -146,7 +121,7 @@ def _slot(cfg: ModelConfig, rec: HybridState, kind: str, i) -> tuple[Any, Any, A
     stack (traced for a LayerRef; a run's layers share kind and ratio, so one stack holds them all)."""
     at = layer_ref.first(i)
     if kind == "qsa":
-        r = cfg.indexer.compress_ratios[at]
+        r = cfg.qsa[at].compress_ratio
         g, layers = qsa_ratios(cfg).index(r), _of_ratio(cfg, r)
         stack = rec.qsa[g]
     else:

@@ -22,7 +22,6 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable
 
@@ -35,98 +34,12 @@ from jax.sharding import SingleDeviceSharding
 
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf import quant
+from strata_jax.model.dims import PLEDims
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import linear, rms_norm
 
 TABLE_NAME = "per_layer_token_embd.weight"
 MEMORY_KINDS = ("device", "pinned_host")
-
-
-@dataclasses.dataclass(frozen=True)
-class PLEDims:
-    """What the PLE math needs; the hash constants are static (they are compiled into the program).
-    GGUF keys (llama.cpp's conversion/qwen4exp.py set_gguf_parameters; {arch} = qwen4exp):"""
-
-    d_model: int  # D: {arch}.embedding_length
-    hc_count: int  # Hc: {arch}.hyper_connection.count
-    row_dim: int  # one head's row: per_layer_token_embd's columns ({arch}.embedding_length_per_layer_input)
-    ngram_size: int  # {arch}.ple.ngram_size; also the conv's dilation
-    heads_per_ngram: int  # {arch}.ple.heads_per_ngram
-    conv_kernel: int  # Kc taps: {arch}.ple.conv_kernel
-    eos_token_id: int  # {arch}.ple.eos_token_id: the token that cuts n-grams
-    layer_multipliers: tuple[int, ...]  # [ngram_size]: {arch}.ple.layer_multipliers (u64)
-    head_offsets: tuple[int, ...]  # [Gp]: {arch}.ple.head_offsets (u64), each head's first table row
-    head_vocab_sizes: tuple[int, ...]  # [Gp]: {arch}.ple.head_vocab_sizes (u64), primes
-    rms_eps: float = 1e-6  # {arch}.attention.layer_norm_rms_epsilon
-    layers: tuple[int, ...] = ()  # 0-based layer ids: {arch}.ple.layers
-
-    def __post_init__(self):
-        n = self.ngram_size
-        if n < 2 or self.heads_per_ngram < 1 or self.conv_kernel < 1:
-            raise ValueError(f"PLE needs ngram_size >= 2, heads_per_ngram >= 1 and conv_kernel >= 1: {self}")
-        if len(self.layer_multipliers) != n:
-            raise ValueError(f"{len(self.layer_multipliers)} PLE layer multipliers for ngram_size {n}")
-        if len(self.head_offsets) != self.n_heads or len(self.head_vocab_sizes) != self.n_heads:
-            raise ValueError(f"PLE head offsets / vocab sizes must have {self.n_heads} entries "
-                             f"((ngram_size - 1) * heads_per_ngram)")
-        if any(not 0 < m < 1 << 64 for m in self.layer_multipliers):
-            raise ValueError("PLE layer multipliers must be in (0, 2**64)")
-        # the remainder runs in uint32 (needs p < 2**31) and the row index is an int32 (as in llama.cpp)
-        if any(not 1 < p < 1 << 31 for p in self.head_vocab_sizes):
-            raise ValueError("PLE head vocab sizes must be in (1, 2**31)")
-        if self.n_rows >= 1 << 31:
-            raise ValueError(f"PLE head ranges end at row {self.n_rows}, past the int32 row index")
-
-    @property
-    def n_heads(self) -> int:  # Gp
-        return (self.ngram_size - 1) * self.heads_per_ngram
-
-    @property
-    def embed_dim(self) -> int:  # the concatenated rows of one token: Gp * row_dim
-        return self.n_heads * self.row_dim
-
-    @property
-    def channels(self) -> int:  # Cc = Hc * D
-        return self.hc_count * self.d_model
-
-    @property
-    def conv_state_len(self) -> int:  # past conv inputs a step needs: (Kc - 1) * dilation
-        return (self.conv_kernel - 1) * self.ngram_size
-
-    @property
-    def n_rows(self) -> int:  # rows the head ranges need (the table may have padding rows past them)
-        return max(o + p for o, p in zip(self.head_offsets, self.head_vocab_sizes))
-
-    @classmethod
-    def from_gguf(cls, gguf, arch: str = "qwen4exp") -> "PLEDims | None":
-        """From a GGUFFile (gguf/reader.py); None when the file has no PLE (no {arch}.ple.layers)."""
-        md = gguf.metadata
-        layers = md.get(f"{arch}.ple.layers")
-        if layers is None or len(layers) == 0:
-            return None
-        row_dim = int(gguf.tensor(TABLE_NAME).shape[-1])
-        kv_row_dim = md.get(f"{arch}.embedding_length_per_layer_input")
-        if kv_row_dim is not None and int(kv_row_dim) != row_dim:
-            raise ValueError(f"{TABLE_NAME} has {row_dim} columns but {arch}.embedding_length_per_layer_input "
-                             f"says {kv_row_dim}")
-
-        def ints(key):
-            return tuple(int(v) for v in md[f"{arch}.{key}"])
-
-        return cls(
-            d_model=int(md[f"{arch}.embedding_length"]),
-            hc_count=int(md[f"{arch}.hyper_connection.count"]),
-            row_dim=row_dim,
-            ngram_size=int(md[f"{arch}.ple.ngram_size"]),
-            heads_per_ngram=int(md[f"{arch}.ple.heads_per_ngram"]),
-            conv_kernel=int(md[f"{arch}.ple.conv_kernel"]),
-            eos_token_id=int(md[f"{arch}.ple.eos_token_id"]),
-            layer_multipliers=ints("ple.layer_multipliers"),
-            head_offsets=ints("ple.head_offsets"),
-            head_vocab_sizes=ints("ple.head_vocab_sizes"),
-            rms_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            layers=tuple(int(i) for i in layers),
-        )
 
 
 # ---------------------------------------------------------------------------------------------------

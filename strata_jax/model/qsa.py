@@ -32,7 +32,6 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -42,42 +41,9 @@ from flax import struct
 
 from strata_jax.core.errors import TensorShapeError
 from strata_jax.core.qtensor import QTensor
+from strata_jax.model.dims import QSADims
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import linear, rms_norm, rope
-
-
-@dataclasses.dataclass(frozen=True)
-class QSADims:
-    n_heads: int  # Hi: {arch}.attention.indexer.head_count
-    head_dim: int  # Di: {arch}.attention.indexer.key_length
-    budget: int  # positions from complete blocks per query: {arch}.attention.indexer.top_k (HF indexer_budget)
-    compress_ratio: int  # r: {arch}.attention.compress_ratios[layer] (0 on linear-attention layers)
-    # the index heads rotate like the attention heads: the first rope_dim dims, neox halves. qwen4exp's
-    # rope is interleaved mrope, which for text (the same position in every section) is this rope.
-    rope_dim: int  # {arch}.rope.dimension_count
-    rope_theta: float  # {arch}.rope.freq_base
-    rms_eps: float  # {arch}.attention.layer_norm_rms_epsilon
-    rope_style: str = "neox"  # fields named as ModelConfig's, so layers.rope takes these dims
-
-    def __post_init__(self):
-        if self.compress_ratio <= 0 or self.budget % self.compress_ratio:
-            raise ValueError(f"QSA budget {self.budget} must be a multiple of compress_ratio {self.compress_ratio} > 0")
-        if self.rope_dim > self.head_dim:
-            raise ValueError(f"rope_dim {self.rope_dim} exceeds the indexer head dim {self.head_dim}")
-
-    @property
-    def block_topk(self) -> int:
-        return self.budget // self.compress_ratio
-
-    @classmethod
-    def from_metadata(cls, m: Callable[..., Any], layer: int) -> "QSADims":
-        """m: gguf.reader.metadata_view(metadata, arch); layer: a full-attention layer."""
-        ratios = m("attention.compress_ratios")
-        ratio = int(ratios[layer]) if hasattr(ratios, "__len__") else int(ratios)
-        return cls(n_heads=int(m("attention.indexer.head_count")), head_dim=int(m("attention.indexer.key_length")),
-                   budget=int(m("attention.indexer.top_k")), compress_ratio=ratio,
-                   rope_dim=int(m("rope.dimension_count")), rope_theta=float(m("rope.freq_base")),
-                   rms_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)))
 
 
 @struct.dataclass

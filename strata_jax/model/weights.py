@@ -265,15 +265,15 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
     if hc:
         hd = hybrid.hyper_dims(cfg)
     D, V = cfg.d_model, cfg.vocab_size
-    dn = hybrid.deltanet_dims(cfg)
+    dn = cfg.linear
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         attn = linear = hc_p = attn_norm = ffn_norm = None
         if cfg.kind(i) == ATTENTION:
             indexer = None
-            if cfg.indexer is not None and cfg.indexer.compress_ratios[i]:
-                indexer = qsa.QSAParams.from_gguf(loader.get, i, hybrid.qsa_dims(cfg, i), D)
+            if cfg.qsa and cfg.qsa[i] is not None:
+                indexer = qsa.QSAParams.from_gguf(loader.get, i, cfg.qsa[i], D)
             attn = _gated_attn_params(loader, p, indexer)
         else:
             linear = deltanet.load_params(_beta_alpha_split(loader, i, dn), loader.f32, i, dn)
@@ -285,7 +285,7 @@ def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -
         moe, mlp = _ffn_params(loader, p)
         layers.append(HybridLayerParams(attn=attn, linear=linear, hc=hc_p, moe=moe, mlp=mlp,
                                         attn_norm_D=attn_norm, ffn_norm_D=ffn_norm))
-    ple_p = tuple(ple.PLEParams.from_gguf(ple.loader_get(loader), i, hybrid.ple_dims(cfg),
+    ple_p = tuple(ple.PLEParams.from_gguf(ple.loader_get(loader), i, cfg.ple,
                                           table_memory_kind=ple_table_memory, device=loader.device)
                   for i in (cfg.ple.layers if cfg.ple is not None else ()))
     embed = loader.qtensor("token_embd.weight", (V, D))
