@@ -4,7 +4,8 @@
 # the scan's loop ran outside XLA's command buffers. One nvidia-h200 lease:
 #   1. B30 resident decode, scan on, under command-buffer settings, each its own process (unrolled too);
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
-#   3. QSEED=1: qseed under 32 GiB with the setting of the least host time.
+#   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
+#   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -19,6 +20,7 @@ COMMON=(--tokens 128 --prompt-len 32)
 CB=--xla_gpu_enable_command_buffer
 NODSF=--xla_gpu_enable_dynamic_slice_fusion=false
 RETURNED="progress phases.tsv results-*.json data-*.json hlo-summary.txt"
+RESULTS_ARCHIVE=1
 
 bench_b30() {  # bench_b30 NAME XLA_FLAGS [BENCH ARGS...]
   local name=$1 flags=$2
@@ -57,18 +59,28 @@ pipeline() {
   # (--xla_gpu_command_buffer_unroll_loops) failed on the prefill program ("recorded at most once")
   variant b30-default "$CB=+WHILE,+CONDITIONAL"
   variant b30-nodsf "$CB=+WHILE,+CONDITIONAL $NODSF"
+  variant b30-default-2 "$CB=+WHILE,+CONDITIONAL"
+  variant b30-nodsf-2 "$CB=+WHILE,+CONDITIONAL $NODSF"
   bench_b30 b30-nodsf-off "$CB=+WHILE,+CONDITIONAL $NODSF" --layer-scan off
+  local flags
+  flags=$(best_flags)
+  note "b30: least host time with XLA_FLAGS=$flags"
   phase b30-vlog 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 \
-    XLA_FLAGS="$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" \
+    XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" \
     --resident-only --out "$S/vlog-b30.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/b30-vlog.log" | sed 's/^[^]]*] //' \
     | sort | uniq -c | sort -rn | head -40 > "$S/hlo-summary.txt"
   rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  # the expert store's load (offload/store.py) into pinned memory: GB/s, its allocation, and whether the
+  # bytes written through the host buffer's pointer are the file's
+  phase load-store 300 sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
+  rm -rf /tmp/strata_load
   [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
-  local flags qfile
-  flags=$(best_flags)
-  note "qseed with XLA_FLAGS=$flags"
   phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
+  local qfile
+  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
+  phase cold-qseed 300 env XLA_FLAGS="$flags" "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 \
+    --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
   phase bench-qseed 420 env XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" \
     --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
   note "pipeline: done"

@@ -4,7 +4,10 @@ Writes (once) a synthetic qwen3moe GGUF with Qwen3-30B-A3B's expert shape (128 e
 d_model 2048, Q4_K: 340 MB a layer) and `--layers` MoE layers, reads it once so that it sits in the page
 cache, then times `load_expert_store` (offload/store.py) `--reps` times: GB/s of expert bytes and the
 process' peak RSS. `alloc_GB_s` times the store's allocation alone (`_host_array`: a device_put of zeros
-of the store's size, before any byte of the file is copied), the part of the load that is not reading.
+of the store's size, before any byte of the file is copied), the part of the load that is not reading;
+`alloc_jit_GB_s` the same size made by a jitted `jnp.zeros` placed in that memory (a candidate
+replacement). `verified`: every layer's store rows equal the file's expert bytes (the store is filled
+through a raw pointer into the host buffer: this checks that the writes land on this backend).
 
     python benchmarks/load_store.py [--layers 12] [--path /tmp/strata_load/b30x12.gguf] [--reps 3]
 """
@@ -17,6 +20,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from strata_jax.core.experts import EXPERT_TENSORS, ExpertSpec, expert_parts
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -50,7 +55,11 @@ for _ in range(args.reps):
     t0 = time.perf_counter()
     store = load_expert_store(gguf, spec, memory_kind=args.memory_kind)
     rates.append(total / (time.perf_counter() - t0) / 1e9)
-    del store
+verified = True
+for j, layer in enumerate(infos):  # the row of expert e: its gate, up and down blocks back to back
+    want = np.concatenate([np.asarray(t.data).reshape(spec.n_experts, -1) for t in layer], axis=1)
+    verified &= bool(np.array_equal(np.asarray(store.layer(j).data), want))
+del store
 group_parts, layer_group, _ = store_groups(spec)
 shapes = [(layer_group.count(g), spec.n_experts, sum(x.nbytes for x in parts)) for g, parts in enumerate(group_parts)]
 alloc = []
@@ -59,8 +68,17 @@ for _ in range(args.reps):
     arrays = [_host_array(shape, _host_sharding(jax.devices()[0], args.memory_kind))[0] for shape in shapes]
     alloc.append(total / (time.perf_counter() - t0) / 1e9)
     del arrays
+alloc_jit = []
+for _ in range(args.reps):
+    t0 = time.perf_counter()
+    arrays = [jax.jit(lambda s=s: jnp.zeros(s, jnp.uint8),
+                      out_shardings=_host_sharding(jax.devices()[0], args.memory_kind))() for s in shapes]
+    jax.block_until_ready(arrays)
+    alloc_jit.append(total / (time.perf_counter() - t0) / 1e9)
+    del arrays
 print(json.dumps({"expert_GB": round(total / 1e9, 2), "layers": args.layers, "memory_kind": args.memory_kind,
                   "GB_s": [round(r, 2) for r in rates], "best_GB_s": round(max(rates), 2),
                   "alloc_GB_s": round(max(alloc), 2),
+                  "alloc_jit_GB_s": round(max(alloc_jit), 2), "verified": verified,
                   "peak_rss_GB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
                   "cpus": os.cpu_count(), "backend": jax.default_backend()}))
