@@ -83,8 +83,18 @@ def plan_cache(*, pool_layers: tuple[tuple[int, ...], ...], pool_expert_bytes: t
     if slots >= total:
         return _resident(pool_layers, n_experts, avg_bytes, f"{why}: every expert fits", fixed_bytes)
     per_pool = [slots * len(p) // n_layers for p in pool_layers]
-    for i in range(slots - sum(per_pool)):  # the rounding remainder, one slot each, so the budget is used
-        per_pool[i % len(per_pool)] += 1
+    # the rounding remainder, a slot to each pool of a set of alike pools (as many layers, as many bytes an
+    # expert) at once: alike pools stay equal, so that their layers stack and scan as one body
+    # (model/runs.py); fewer slots than such a set has pools stay unused
+    alike: dict[tuple[int, int], list[int]] = {}
+    for i, (p, b) in enumerate(zip(pool_layers, pool_expert_bytes)):
+        alike.setdefault((len(p), b), []).append(i)
+    left = slots - sum(per_pool)
+    for group in sorted(alike.values(), key=len):
+        while left >= len(group):
+            for i in group:
+                per_pool[i] += 1
+            left -= len(group)
     per_pool = [min(max(s, min_slots_per_pool), len(p) * n_experts) for s, p in zip(per_pool, pool_layers)]
     if min(per_pool) < min_slots_per_pool or expert_slots is not None and slots < min_slots_per_pool * len(pool_layers):
         raise ConfigError(
