@@ -73,7 +73,7 @@ pipeline() {
   rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
   # the expert store's load (offload/store.py) into pinned memory: GB/s, its allocation, and whether the
   # bytes written through the host buffer's pointer are the file's
-  phase load-store 300 sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
+  phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
   [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
   phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
@@ -85,5 +85,36 @@ pipeline() {
     --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
   note "pipeline: done"
 }
+
+# PART=2: where the loop-dependent dynamic-slice fusions come from (B30's optimized decode HLO: each such
+# fusion with the jax source line of its ops), the store's load, qseed's cold start
+dsf_sources() {  # dsf_sources DUMP_DIR: the dynamic-slice fusions of the optimized modules, with metadata
+  "$PY" - "$1" <<'PY'
+import pathlib, re, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*after_optimizations.txt")):
+    lines = f.read_text().splitlines()
+    for n, line in enumerate(lines):
+        if re.search(r"dynamic_address_computation|dynamic-slice-fusion|dynamic_slice_fusion", line):
+            print(f"{f.name}:{n}: {line.strip()[:700]}")
+PY
+}
+
+pipeline2() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
+  phase b30-dump 150 env XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-dump.json"
+  dsf_sources "$S/dump" > "$S/dsf-sources.txt" 2>&1
+  rm -rf "$S/dump" "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
+  rm -rf /tmp/strata_load
+  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
+  local qfile
+  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
+  phase cold-qseed 300 "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 --out "$S/data-cold-qseed.json" \
+    -- --vram-budget 32GiB
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 2 ] && { pipeline() { pipeline2; }; RETURNED="$RETURNED dsf-sources.txt"; }
 
 sitting_main "$@"

@@ -291,6 +291,13 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def file_span(self, name: str) -> tuple[str, int]:
+        """(the path of the file holding tensor `name`, its first byte's offset there): for readers that
+        read the bytes with pread instead of faulting the memory map in page by page."""
+        t = self.tensor(name)
+        shard = self._shards[t.shard]
+        return shard.path, t.data.__array_interface__["data"][0] - shard.map.__array_interface__["data"][0]
+
     def __repr__(self) -> str:
         shards = f", shards={self.n_shards}" if self.n_shards > 1 else ""
         return f"GGUFFile({self.path!r}, arch={self.architecture!r}, tensors={len(self.tensors)}{shards})"
