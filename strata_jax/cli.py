@@ -73,9 +73,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-scale", default=None, help="RoPE context scaling factor, e.g. 4 for 4x the original "
                                                       "context (the default context becomes that)")
     p.add_argument("--yarn-orig-ctx", default=None, help="YaRN: the model's original context (default: the file's)")
-    p.add_argument("--spec", default=None, choices=SPEC_DRAFTERS,
+    def spec(value: str) -> str:
+        if value == "lookup" or value.startswith("draft:") and len(value) > len("draft:"):
+            return value
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(SPEC_DRAFTERS)})")
+
+    p.add_argument("--spec", default=None, type=spec, metavar="{lookup,draft:PATH}",
                    help="speculative decoding (greedy and sampled, lossless): lookup drafts n-gram matches from the "
-                        "prompt and output so far and verifies them in one pass (one-row sessions: --parallel 1)")
+                        "prompt and output so far, draft:PATH has a small GGUF model with the same vocabulary draft "
+                        "greedily; the drafts are verified in one pass (one-row sessions: --parallel 1)")
     p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     p.add_argument("--layer-scan", default="on", choices=LAYER_SCAN,
                    help="compile alike layers once, scanned over their stacked weights (default on); off unrolls "

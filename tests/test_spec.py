@@ -3,8 +3,8 @@ plain decode on a synthetic MoE (offloaded and resident) and on the real default
 accepted where the text repeats; sampled output keeps the target distribution (chi-square tests of the
 acceptance rule against the exact distribution, with biased rules shown to fail them, and of spec on
 against spec off end to end), and a seed gives plain decode's tokens; the n-gram drafter and the
-adaptive switch; the fallbacks (a grammar, several rows) and refusals (hybrid models, bad values),
-checked before weights load."""
+adaptive switch; hybrid models' recurrent state rewound past rejected drafts; the fallbacks (a grammar,
+several rows) and refusals (bad values)."""
 
 from __future__ import annotations
 
@@ -339,22 +339,62 @@ def test_sampled_spec_same_seed_gives_plain_decode_tokens(spec_model, plain_mode
 # -- options and refusals -------------------------------------------------------------------------------
 
 def test_bad_spec_options_are_refused():
-    with pytest.raises(ConfigError, match=r"spec='ngram' is invalid: it must be 'lookup'"):
+    with pytest.raises(ConfigError, match=r"spec='ngram' is invalid: it must be 'lookup' .* or 'draft:PATH'"):
         EngineConfig(spec="ngram")
     with pytest.raises(ConfigError, match=r"--spec-max 0 is invalid"):
         EngineConfig.create(flags=True, spec="lookup", spec_max="0")
     assert EngineConfig.create(flags=True, spec="lookup", spec_max="6").spec_max == 6
 
 
-def test_hybrid_model_is_refused_before_weights_load(monkeypatch):
-    import strata_jax.engine.model as engine_model
+@pytest.mark.parametrize("slots", [None, 40])
+def test_hybrid_spec_rewinds_recurrent_state(slots):
+    """qtiny (the seed's architecture: gated DeltaNet, QSA, PLE): a verify pass advances every recurrent
+    state over all its drafts; forward.rewind re-runs each recurrent part from its state before the pass on
+    the inputs the pass taped, up to the accepted tokens. Greedy tokens equal plain decode's, resident and
+    offloaded, with drafts both accepted and rejected; afterwards the row's recurrent state and its cached
+    K/V equal plain decode's (to rounding: a pass computes several positions at once). Without the rewind
+    the state would hold rejected drafts (the check below fails, and the tokens drift)."""
+    path = synthetic_model_path("qtiny")
+    spec, base = (strata_jax.load(path, ctx=256, spec=sp, expert_slots=slots) for sp in ("lookup", None))
+    # 120 tokens: qtiny's random weights fall into repeats late (66 drafts, 8 accepted)
+    outs = [m.generate(PROMPT, max_tokens=120, temperature=0) for m in (spec, base)]
+    assert outs[0].token_ids == outs[1].token_ids
+    t = outs[0].timings
+    assert t["draft_n"] > t["draft_n_accepted"] > 0, t
+    n = len(spec.session().cached_tokens(0))
+    assert n == len(base.session().cached_tokens(0)) > 120
+    kv_s, kv_b = spec.session()._kv, base.session()._kv
+    assert kv_s.rec is not None
+    for a, b in zip(jax.tree.leaves(kv_s.rec), jax.tree.leaves(kv_b.rec)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves((kv_s.k_LBSKDh, kv_s.v_LBSKDh)), jax.tree.leaves((kv_b.k_LBSKDh, kv_b.v_LBSKDh))):
+        np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], rtol=1e-4, atol=1e-4)
 
-    def no_weights(*a, **k):
-        raise AssertionError("weights loaded before the option was checked")
 
-    monkeypatch.setattr(engine_model, "load_params", no_weights)
-    with pytest.raises(ConfigError, match=r"spec='lookup' \(--spec\) is not supported for qwen4exp"):
-        strata_jax.load(synthetic_model_path("qtiny"), ctx=64, spec="lookup")
+def test_draft_model_drafts_and_greedy_stays_plain_decode(moe_path, plain, tmp_path):
+    """spec "draft:PATH": a second GGUF with the same vocabulary drafts greedily. The model as its own draft
+    proposes its own greedy tokens, so nearly every draft is accepted and a pass emits several tokens; a
+    dense model of another shape (same vocabulary) drafts worse but the tokens stay plain decode's."""
+    m = strata_jax.load(moe_path, ctx=256, spec=f"draft:{moe_path}")
+    out = m.generate(PROMPT, max_tokens=N, temperature=0)
+    assert out.token_ids == plain.token_ids
+    t = out.timings
+    assert t["draft_n_accepted"] >= 0.9 * t["draft_n"] > 0, t
+    assert m.host_timing()["decode_calls"] < N // 2
+    dense = write_synthetic_gguf(tmp_path / "dense.gguf", SyntheticSpec(arch="qwen2", n_layers=1, d_model=64,
+                                                                        head_dim=16, ffn_dim=64, vocab_size=512,
+                                                                        qtype="Q8_0", seed=9))
+    other = strata_jax.load(moe_path, ctx=256, spec=f"draft:{dense}").generate(PROMPT, max_tokens=N, temperature=0)
+    assert other.token_ids == plain.token_ids and other.timings["draft_n"] > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused(moe_path, tmp_path):
+    other = write_synthetic_gguf(tmp_path / "v.gguf", SyntheticSpec(arch="qwen2", n_layers=1, d_model=64, head_dim=16,
+                                                                    ffn_dim=64, vocab_size=320, qtype="Q8_0"))
+    with pytest.raises(ConfigError, match=r"its vocabulary differs from the model's \(320 tokens against 512"):
+        strata_jax.load(moe_path, ctx=256, spec=f"draft:{other}")
+    with pytest.raises(ConfigError, match=r"the draft model '/no/such.gguf' is not a file"):
+        EngineConfig(spec="draft:/no/such.gguf")
 
 
 def test_cli_generate_spec(moe_path, plain, capsys):

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from strata_jax.core.errors import ConfigError
+from strata_jax.engine.draft import check_spec
 from strata_jax.model.config import ROPE_SCALINGS
 from strata_jax.model.kernels import Kernels
 from strata_jax.core.units import parse_size
@@ -34,7 +35,7 @@ MIN_PREFILL_CHUNK = 16  # the smallest prefill bucket (engine/session.py's bucke
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
 DECODE_CHUNK_GPU = 16
-SPEC_DRAFTERS = ("lookup",)  # speculative decoding's drafters (engine/lookup.py)
+SPEC_DRAFTERS = ("lookup", "draft:PATH")  # speculative decoding's drafters (engine/lookup.py, engine/draft.py)
 
 
 def default_decode_chunk(platform: str) -> int:
@@ -106,8 +107,9 @@ class EngineConfig:
     rope_scaling: str | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
-    # speculative decoding: None (off) or "lookup" (drafts are n-gram matches over the
-    # prompt and output so far, verified in one multi-token pass that shares its expert fetches)
+    # speculative decoding: None (off), "lookup" (drafts are n-gram matches over the prompt and output so
+    # far) or "draft:PATH" (a small GGUF with the same vocabulary drafts greedily: engine/draft.py); the
+    # drafts are verified in one multi-token pass that shares its expert fetches
     spec: str | None = None
     # drafted tokens per verify pass at most
     spec_max: int = 4
@@ -176,10 +178,6 @@ class EngineConfig:
             raise ConfigError(f"prefetch={self.prefetch} (--prefetch-depth) is not supported for "
                               f"{model_config.arch}: the hybrid forward (gated DeltaNet layers) does not prefetch "
                               "experts; use prefetch=0.")
-        if self.spec is not None and model_config.is_hybrid:
-            # a rejected draft has advanced the recurrent state, which cannot be rolled back yet
-            raise ConfigError(f"spec={self.spec!r} (--spec) is not supported for {model_config.arch}: its recurrent "
-                              "layers' state would need rolling back past rejected drafts; leave spec unset.")
         return self
 
     def resolved(self, platform: str) -> "EngineConfig":
@@ -405,7 +403,7 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
                                       "4x the original context)", optional=True),
         "yarn_orig_ctx": lambda v: _int(v, n("yarn_orig_ctx"), text, 1, "a positive context length (the model's "
                                         "original trained context)", optional=True),
-        "spec": lambda v: v if v is None else _choice(v, n("spec"), SPEC_DRAFTERS),
+        "spec": lambda v: v if v is None else check_spec(v, n("spec")),
         "spec_max": lambda v: _int(v, n("spec_max"), text, 1, "a positive integer (drafted tokens per verify pass)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),

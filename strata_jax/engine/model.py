@@ -24,6 +24,7 @@ from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
+from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
@@ -184,6 +185,12 @@ class Model:
         self.kv = config.kv
         self.kernels = config.kernels
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
+        # spec "draft:PATH": the draft model loads first, so free device memory counts it when the target plans
+        self.drafter: DraftModel | None = None
+        if draft_path(config.spec):
+            draft = GGUFFile(draft_path(config.spec))
+            check_vocabulary(draft, gguf, draft.path)
+            self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=self.ctx, parallel=1), self.device))
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)

@@ -24,8 +24,9 @@ grammar forces (fed without sampling, up to a chunk) and one masked sampled step
 model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
 its first token is masked in the prefill.
 
-Speculative decoding (EngineConfig.spec "lookup", one-row sessions): a request's step drafts up to
-spec_max tokens by prompt lookup (engine/lookup.py) and verifies them in one multi-token pass of its
+Speculative decoding (EngineConfig.spec "lookup" or "draft:PATH", one-row sessions): a request's step
+drafts up to spec_max tokens by prompt lookup (engine/lookup.py) or a draft model's greedy decode
+(engine/draft.py) and verifies them in one multi-token pass of its
 row (model/decode.py verify). Each position's token is drawn on the device as plain decode draws it
 (same processed distribution, penalties included, same key and step); drafts are accepted while they
 equal those draws, plus the token drawn after them. For a deterministic drafter that is speculative
@@ -503,7 +504,8 @@ class Session:
         n_max = min(q.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
         if n_max < 1 or not q.spec.should_draft():
             return None
-        drafts = lookup_draft(q.fed + [q.last], n_max)
+        seq = q.fed + [q.last]
+        drafts = self.model.drafter(seq, n_max) if self.model.drafter is not None else lookup_draft(seq, n_max)
         if not drafts:
             return None
         m = self.model

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
-from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.forward import KVCache, forward, rewind
 from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts, next_token,
                                       no_logprobs, token_logprobs)
 
@@ -111,16 +111,20 @@ def _set_row(tree, row, value):
 
 
 def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, *, cfg,
-                 dtype, kernels, all_logits, attn_len, attn_block, forced):
+                 dtype, kernels, all_logits, attn_len, attn_block, forced, tape=False):
     """forward on row `row` alone (prefill's and verify's shared part). Returns (logits, kv, experts' donated
-    part, routed)."""
+    part, routed), and with `tape` (forward's) also the row's recurrent state before the pass and the tape."""
     B = rows.tok_B.shape[0]
     # the row is sliced out of the donated cache, run at batch 1 and written back in place
     row_kv = kv if B == 1 else kv.take_row(row)
-    logits, row_kv, experts, routed = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1,
-                                              n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
-                                              attn_len=attn_len, attn_block=attn_block, forced_MNk=forced)
+    before = row_kv.rec
+    out = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype,
+                  kernels=kernels, all_logits=all_logits, attn_len=attn_len, attn_block=attn_block, forced_MNk=forced,
+                  tape=tape)
+    logits, row_kv, experts, routed = out[:4]
     kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    if tape:
+        return logits, kv, split_provider(experts)[0], routed, (before, out[4])
     return logits, kv, split_provider(experts)[0], routed
 
 
@@ -239,18 +243,27 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     to those draws, plus the token drawn after it, so the output keeps the distribution of plain decode
     (greedy: its very tokens). The row's state moves to the accepted position: the cache entries written
     for rejected drafts lie past it, where attention never reads (it masks by position) and the next
-    steps overwrite them. No constrained rows (their mask needs the host). Returns (VerifyOut, kv,
-    experts, routed [M, T, k], rows)."""
+    steps overwrite them. A model's recurrent state (DeltaNet, QSA, PLE) cannot be left past the position:
+    the pass tapes its recurrent parts' inputs and forward.rewind re-runs them up to the accepted tokens.
+    No constrained rows (their mask needs the host). Returns (VerifyOut, kv, experts, routed [M, T, k],
+    rows)."""
     T = tokens_1T.shape[1]
     start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
-    logits_1TV, kv, experts, routed = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1,
-                                                   n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels, all_logits=True,
-                                                   attn_len=attn_len, attn_block=attn_block, forced=forced)
+    tape = cfg.has_recurrent_state
+    logits_1TV, kv, experts, routed, *taped = _row_forward(
+        params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels,
+        all_logits=True, attn_len=attn_len, attn_block=attn_block, forced=forced, tape=tape)
     r = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows)
     left = r.left_B[0]
     tokens_T, n_acc, pen, lp = accept_drafts(logits_1TV[0], tokens_1T[0, 1:], n_valid_1[0] - 1, r.key_B2[0],
                                              r.step_B[0], left, r.sp, r.pen, mode)
     n_emit = jnp.minimum(n_acc + 1, left)
+    if tape:  # the row's recurrent state after its last token and the accepted drafts only
+        before, taped = taped[0]
+        rec = rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg, kernels=kernels,
+                     attn_len=attn_len)
+        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), row, axis=1)  # noqa: E731
+        kv = kv.replace(rec=rec if rows.tok_B.shape[0] == 1 else jax.tree.map(put, kv.rec, rec))
     stopped = jnp.any(jnp.isin(tokens_T, stop_St) & (jnp.arange(T) < n_emit))
     one = lambda a: a.reshape(1)  # noqa: E731
     state = dataclasses.replace(

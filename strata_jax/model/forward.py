@@ -104,6 +104,7 @@ def forward(
     attn_len: int | None = None,
     attn_block: int | None = None,
     forced_MNk: jax.Array | None = None,
+    tape: bool = False,
 ) -> tuple[jax.Array, KVCache, ExpertProvider | None, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
 
@@ -124,6 +125,9 @@ def forward(
     furthest position needs at run time (model/layers.py attend_blocked): one program for every span.
     forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
     (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
+
+    tape (static; models with recurrent state): also return, last, the input of every recurrent part
+    (DeltaNet, QSA indexer, PLE), stacked per kind as hybrid.HybridState stacks state: what `rewind` re-runs.
 
     Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
@@ -147,6 +151,7 @@ def forward(
 
     x = take_rows(params.embed, tokens_BT, dtype)  # [B, T, D]
     xs = hyper.streams(x, hd) if hc else x  # qwen4exp: [B, T, Hc, D]
+    taped = hybrid.tape_zeros(cfg, xs.shape, xs.dtype) if tape and cfg.has_recurrent_state else None
 
     def sub_input(xs, hyper_p, norm_D):
         """A sub-block's input and what puts its output back: the hyper-connection mix, or a pre-norm."""
@@ -155,14 +160,16 @@ def forward(
             return h, lambda xs, out: hyper.combine(xs, out, w)
         return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
 
-    def mixer(layer, h, k_all, v_all, rec, i, at):
+    def mixer(layer, h, k_all, v_all, rec, taped, i, at):
         """The token mixer of block i (at: its static stand-in): attention of the layer's kind, or gated
-        DeltaNet. Returns its output, the KV cache and the recurrent state."""
+        DeltaNet. Returns its output, the KV cache, the recurrent state and the tape."""
         if at not in kv_idx:
+            if taped is not None:
+                taped = hybrid.put_layer_state(cfg, taped, "linear", i, h)
             with jax.named_scope("linear"):
                 out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B),
                                           n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels)
-            return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin)
+            return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin), taped
         with jax.named_scope("attn"):
             if cfg.mla is not None:
                 out, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
@@ -170,6 +177,8 @@ def forward(
             elif cfg.is_hybrid:
                 select = None
                 if at in qsa_idx:
+                    if taped is not None:
+                        taped = hybrid.put_layer_state(cfg, taped, "qsa", i, h)
                     select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B),
                                               start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
                                               kernels=kernels, attn_len=attn_len)
@@ -180,7 +189,7 @@ def forward(
             else:
                 out, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
                                               attn_block)
-        return out, k_all, v_all, rec
+        return out, k_all, v_all, rec, taped
 
     def ffn(layer, h, xs, experts, i):
         """Block i's MoE block or dense MLP on h; xs: the residual it reads for prefetch."""
@@ -207,32 +216,34 @@ def forward(
         """Before block i when it starts a segment (model/runs.py: a PLE layer always does): its PLE."""
         if i not in ple_idx:
             return carry
-        xs, k_all, v_all, rec, experts = carry
+        xs, k_all, v_all, rec, taped, experts = carry
+        if taped is not None:
+            taped = hybrid.put_layer_state(cfg, taped, "ple", i, xs)
         with jax.named_scope(f"layer{i}/ple"):
             out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B),
                                    n_valid_B=n_valid_B, dims=cfg.ple, kernels=kernels)
             rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
-        return xs, k_all, v_all, rec, experts
+        return xs, k_all, v_all, rec, taped, experts
 
     def block(carry, layer, i):
         """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
-        xs, k_all, v_all, rec, experts = carry
+        xs, k_all, v_all, rec, taped, experts = carry
         at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, window
         with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
             norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
             h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
-            out, k_all, v_all, rec = mixer(layer, h, k_all, v_all, rec, i, at)
+            out, k_all, v_all, rec, taped = mixer(layer, h, k_all, v_all, rec, taped, i, at)
             xs = put_back(xs, out)
             h, put_back = sub_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
             out, ids, experts = ffn(layer, h, xs, experts, i)
             xs = put_back(xs, out)
-        return (xs, k_all, v_all, rec, experts), ids
+        return (xs, k_all, v_all, rec, taped, experts), ids
 
     # the recurrent state (hybrid family) travels whole in the carry, as K and V, each block updating its
     # layer's slice in place; prefetch reads later layers' routers by static index: its layers run one by one
-    (xs, k_all, v_all, rec, experts), outs = runs.run_layers(
-        params.layers, (xs, kv.k_LBSKDh, kv.v_LBSKDh, kv.rec, experts), block, unroll=depth > 0,
+    (xs, k_all, v_all, rec, taped, experts), outs = runs.run_layers(
+        params.layers, (xs, kv.k_LBSKDh, kv.v_LBSKDh, kv.rec, taped, experts), block, unroll=depth > 0,
         detach=runs.detach_provider, attach=runs.attach_provider, enter=enter)
     routed = [ids for ids in outs if ids is not None]
     with jax.named_scope("head"):
@@ -246,4 +257,45 @@ def forward(
         if not all_logits:
             logits = logits[:, 0]
     routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
+    if tape:
+        return logits, KVCache(k_all, v_all, rec), experts, routed_MNk, taped
     return logits, KVCache(k_all, v_all, rec), experts, routed_MNk
+
+
+def rewind(params: Params, rec_before: Any, taped: Any, tokens_BT: jax.Array, start_B: jax.Array,
+           n_valid_B: jax.Array, *, cfg: ModelConfig, kernels: Kernels, attn_len: int | None = None) -> Any:
+    """The recurrent state (hybrid.HybridState) after only the first n_valid_B of the tokens a pass ran
+    over from rec_before (a speculative pass whose later drafts were rejected). Each recurrent part
+    re-runs from its state before the pass on the input that pass taped (forward's `tape`): causality
+    makes a token's input independent of the tokens after it, and each part's state stops at n_valid_B.
+    No MoE, attention or head runs again; attention needs no rewind (entries past a row's position are
+    never read, and are overwritten)."""
+    kv_idx = set(cfg.attention_layers)
+    qsa_idx = set(hybrid.qsa_layers(cfg))
+    ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
+    kept = jnp.zeros(start_B.shape, bool)  # no row restarts: a pass continues a sequence
+
+    def enter(rec, i):
+        if i not in ple_idx:
+            return rec
+        _, s = ple.apply(params.ple[ple_idx[i]], hybrid.layer_state(cfg, taped, "ple", i, kept), tokens_BT,
+                         hybrid.layer_state(cfg, rec_before, "ple", i, kept), n_valid_B=n_valid_B, dims=cfg.ple,
+                         kernels=kernels)
+        return hybrid.put_layer_state(cfg, rec, "ple", i, s)
+
+    def block(rec, layer, i):
+        at = layer_ref.first(i)
+        if at not in kv_idx:
+            _, s = deltanet.apply(layer.linear, hybrid.layer_state(cfg, taped, "linear", i, kept),
+                                  hybrid.layer_state(cfg, rec_before, "linear", i, kept), n_valid_B=n_valid_B,
+                                  dims=cfg.linear, kernels=kernels)
+            rec = hybrid.put_layer_state(cfg, rec, "linear", i, s)
+        elif at in qsa_idx:
+            _, s = qsa.apply(layer.attn.indexer, hybrid.layer_state(cfg, taped, "qsa", i, kept),
+                             hybrid.layer_state(cfg, rec_before, "qsa", i, kept), start_B=start_B, n_valid_B=n_valid_B,
+                             dims=cfg.qsa[at], kernels=kernels, attn_len=attn_len)
+            rec = hybrid.put_layer_state(cfg, rec, "qsa", i, s)
+        return rec, None
+
+    rec, _ = runs.run_layers(params.layers, rec_before, block, enter=enter)
+    return rec

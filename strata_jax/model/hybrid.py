@@ -115,6 +115,19 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     )
 
 
+def tape_zeros(cfg: ModelConfig, xs_shape: tuple[int, ...], dtype) -> HybridState:
+    """An empty tape of a pass over residual streams shaped xs_shape ([B, T, D], or [B, T, Hc, D] with
+    hyper-connections): per kind, like state_zeros, each layer's recurrent part's input (DeltaNet and
+    QSA: the mixer input [B, T, D]; PLE: the streams)."""
+    B, T, D = xs_shape[0], xs_shape[1], cfg.d_model
+    mixer_in = lambda: jnp.zeros((B, T, D), dtype)  # noqa: E731
+    return HybridState(
+        linear=_stack(mixer_in, len(linear_layers(cfg))),
+        ple=_stack(lambda: jnp.zeros(xs_shape, dtype), len(cfg.ple.layers) if cfg.ple else 0),
+        qsa=tuple(_stack(mixer_in, len(_of_ratio(cfg, r))) for r in qsa_ratios(cfg)),
+    )
+
+
 def _slot(cfg: ModelConfig, rec: HybridState, kind: str, i) -> tuple[Any, Any, Any]:
     """Where block i's (an int or a LayerRef) state of `kind` ("linear", "ple", "qsa") sits in rec: its
     stack, the stack's index within its field (QSA: the ratio's; else None) and the block's index in the
