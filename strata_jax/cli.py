@@ -63,7 +63,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                                "blocks with a float16 scale), or K,V such as q8_0,q4_0 (default f16)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default=512,
-                   help="prompt tokens per jitted prefill call, a power of two >= 16 (default 512)")
+                   help="prompt tokens per jitted prefill call at most, a power of two >= 16 (default 512), or auto: "
+                        "the largest up to 4096 whose activations take at most 1/8 of the device memory")
     p.add_argument("--decode-chunk", default=None,
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")

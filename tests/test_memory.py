@@ -170,3 +170,24 @@ def test_every_report_gives_the_bytes_load_allocates(moe, options, caplog):
         need = r["fixed_bytes"] + used["experts"]
         assert f"needs about {fmt_bytes(need)}: dense weights {fmt_bytes(used['dense'])}, KV cache " \
                f"{fmt_bytes(used['kv'])} at ctx 128 ({label})" in c["verdict"]["text"]
+
+
+def test_prefill_chunk_auto_follows_the_memory(moe):
+    """prefill_chunk "auto": the largest power of two (<= 4096, <= the context) whose activation bound is
+    at most 1/8 of the budget; 512 where no memory figure is known (CPU without --vram-budget); a load
+    prefills with it."""
+    from strata_jax.engine.config import EngineConfig
+    from strata_jax.engine.model import auto_prefill_chunk
+
+    path, _, cfg = moe
+    cpu = jax.devices()[0]
+    assert auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto"), cpu) == 512
+    for budget in (1 << 26, 1 << 30, 1 << 34):
+        c = auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto", vram_budget=budget, ctx=8192), cpu)
+        assert c & (c - 1) == 0 and 16 <= c <= 4096
+        assert c == 16 or memory.activation_bytes(cfg, c) <= budget // 8
+        assert c == 4096 or memory.activation_bytes(cfg, 2 * c) > budget // 8
+    assert auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto", vram_budget=1 << 40, ctx=100), cpu) == 128
+    assert strata_jax.load(path, ctx=256, prefill_chunk="auto", vram_budget="2GiB").prefill_chunk == 256
+    with pytest.raises(ConfigError, match=r"or 'auto'"):
+        EngineConfig.create(prefill_chunk="automatic")

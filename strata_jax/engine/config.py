@@ -32,6 +32,7 @@ PLE_TABLES = ("auto", "device", "host")  # where qwen4exp's PLE table lives (mod
 # real one (tens of GB) never fits beside an expert cache, a test model's (KBs) costs nothing there
 PLE_DEVICE_MAX = 1 << 30
 MIN_PREFILL_CHUNK = 16  # the smallest prefill bucket (engine/session.py's bucket())
+AUTO_PREFILL_MAX = 4096  # prefill_chunk "auto" takes at most this
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
 DECODE_CHUNK_GPU = 16
@@ -71,8 +72,10 @@ class EngineConfig:
     # the KV cache's storage: f16 (the compute dtype), q8_0 or q4_0 (32-value blocks with a float16
     # scale, model/kvquant.py), or "K,V" with separate key and value types such as "q8_0,q4_0"
     kv: str = "f16"
-    # prompt tokens per jitted prefill call, a power of two >= 16 so prefill compiles O(log n) shapes
-    prefill_chunk: int = 512
+    # prompt tokens per jitted prefill call at most, a power of two >= 16 so prefill compiles O(log n)
+    # shapes (a prompt's last chunk takes the smallest that holds it); "auto": the largest up to
+    # AUTO_PREFILL_MAX whose activations take at most 1/8 of the device memory (512 where none is known)
+    prefill_chunk: int | str = 512
     # decode steps per jitted call (the token loop runs on the device); None = 16 on a GPU, where a
     # step's launch costs as much as the step, 1 elsewhere, where tokens then stream one by one
     decode_chunk: int | None = None
@@ -354,8 +357,10 @@ def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _prefill_chunk(value: Any, name: str, text: bool) -> int:
-    want = f"a power of two >= {MIN_PREFILL_CHUNK} (prompt tokens per jitted call)"
+def _prefill_chunk(value: Any, name: str, text: bool) -> int | str:
+    if value == "auto":
+        return value
+    want = f"a power of two >= {MIN_PREFILL_CHUNK} (prompt tokens per jitted call), or 'auto'"
     v = _int(value, name, text, MIN_PREFILL_CHUNK, want)
     if v & (v - 1):
         raise _bad(name, v, want)

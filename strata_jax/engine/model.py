@@ -22,7 +22,7 @@ import numpy as np
 
 from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
-from strata_jax.engine.config import PLE_DEVICE_MAX, EngineConfig
+from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
@@ -31,7 +31,7 @@ from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertSpec
 from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.core.units import fmt_bytes
+from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
                                      kv_label)
 from strata_jax.gguf.tokenizer import GGUFTokenizer
@@ -118,6 +118,26 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
         vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
 
 
+def auto_prefill_chunk(cfg: ModelConfig, config: EngineConfig, device) -> int:
+    """prefill_chunk "auto": the largest power of two up to AUTO_PREFILL_MAX (and the context) whose
+    activation bound takes at most 1/8 of the device's memory (vram_budget, else what is free): longer
+    chunks stream an offloaded model's experts fewer times per prompt, but their activations come out of
+    the expert cache. 512 where no memory figure is known (CPU)."""
+    budget = parse_size(config.vram_budget, "vram_budget") if config.vram_budget is not None else device_free_bytes(device)
+    if budget is None:
+        chunk = 512
+    else:
+        chunk = MIN_PREFILL_CHUNK
+        while chunk * 2 <= AUTO_PREFILL_MAX and activation_bytes(cfg, chunk * 2) <= budget // 8:
+            chunk *= 2
+    ctx = config.ctx or cfg.context_length
+    while chunk > MIN_PREFILL_CHUNK and chunk // 2 >= ctx:
+        chunk //= 2
+    log.info("prefill chunk: %d tokens (auto: activations %s of %s)", chunk, fmt_bytes(activation_bytes(cfg, chunk)),
+             fmt_bytes(budget) if budget is not None else "an unknown memory size")
+    return chunk
+
+
 def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, itemsize: int, device) -> ContextPlan:
     """The context load allocates (plan_model_context); a PLE table surely kept in host memory is not counted."""
     ple_host = ple_surely_host(config.ple_table, gguf, cfg)
@@ -178,6 +198,8 @@ class Model:
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         spec = expert_spec(loader) if cfg.is_moe else None
         itemsize = jnp.dtype(self.dtype).itemsize
+        if config.prefill_chunk == "auto":
+            config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(cfg, config, self.device))
         # the context first, from the header alone: one that cannot fit is refused before any weight loads
         self.context_plan = _plan_context(config, gguf, cfg, spec, itemsize, self.device)
         self.engine_config = config = dataclasses.replace(config, ctx=self.context_plan.ctx)
