@@ -86,8 +86,9 @@ pipeline() {
   note "pipeline: done"
 }
 
-# PART=2: where the loop-dependent dynamic-slice fusions come from (B30's optimized decode HLO: each such
-# fusion with the jax source line of its ops), the store's load, qseed's cold start
+# PART=2 (after the few-query attention change, model/layers.py FEW_QUERIES): which loop-dependent
+# dynamic-slice fusions are left (B30's optimized decode HLO, each with its ops' metadata), B30 host ms per
+# step scan on / off, the store's load (preadv), qseed's cold start and bench under the defaults
 dsf_sources() {  # dsf_sources DUMP_DIR: the dynamic-slice fusions of the optimized modules, with metadata
   "$PY" - "$1" <<'PY'
 import pathlib, re, sys
@@ -105,7 +106,10 @@ pipeline2() {
   phase b30-dump 150 env XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
     "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-dump.json"
   dsf_sources "$S/dump" > "$S/dsf-sources.txt" 2>&1
-  rm -rf "$S/dump" "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  rm -rf "$S/dump"
+  bench_b30 b30-on-2 ""
+  bench_b30 b30-off "" --layer-scan off
+  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
   phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
   phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
@@ -113,6 +117,8 @@ pipeline2() {
   qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
   phase cold-qseed 300 "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 --out "$S/data-cold-qseed.json" \
     -- --vram-budget 32GiB
+  phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+    --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 2 ] && { pipeline() { pipeline2; }; RETURNED="$RETURNED dsf-sources.txt"; }

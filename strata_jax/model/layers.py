@@ -193,6 +193,30 @@ def attention(
     return linear(out.astype(x_BTD.dtype), p.wo, kernels, p.wo_bias_D), k_LBSKDh, v_LBSKDh
 
 
+# Up to this many queries per row (decode steps, verify passes) attention is products and sums, not a
+# matrix product: on the GPU a matrix product is a library call, and one reading a slice of the stacked
+# KV cache at a scanned layer's traced index becomes a loop-dependent dynamic-slice fusion, which keeps
+# the whole layer scan out of XLA's command buffers (the host then walks the loop: ~5 ms a B30 step,
+# docs/benchmarks.md). A few queries' attention is a read of the cache either way.
+FEW_QUERIES = 8
+
+
+def _scores(q_BTKGD: jax.Array, k_BSKD: jax.Array) -> jax.Array:
+    """float32 [B, K, G, T, S]: each query head's dot product with each key of its KV head."""
+    if q_BTKGD.shape[1] <= FEW_QUERIES:  # products and a sum: one fusion reading k in place
+        q_e = jnp.moveaxis(q_BTKGD, 1, 3)[:, :, :, :, None, :].astype(jnp.float32)  # [B, K, G, T, 1, D]
+        return jnp.sum(q_e * jnp.moveaxis(k_BSKD, 2, 1)[:, :, None, None].astype(jnp.float32), axis=-1)
+    return jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
+
+
+def _weighted(p_BKGTS: jax.Array, v_BSKD: jax.Array) -> jax.Array:
+    """float32 [B, K, G, T, D]: the values weighted by p, summed over positions."""
+    if p_BKGTS.shape[3] <= FEW_QUERIES:
+        v_e = jnp.moveaxis(v_BSKD, 2, 1)[:, :, None, None].astype(jnp.float32)  # [B, K, 1, 1, S, D]
+        return jnp.sum(p_BKGTS[..., None].astype(jnp.float32) * v_e, axis=-2)
+    return jnp.einsum("bkgts,bskd->bkgtd", p_BKGTS, v_BSKD, preferred_element_type=jnp.float32)
+
+
 def _visible(s_S, pos_BT, window: int):
     """bool [B, T, S]: the cache positions s_S each query may attend to: causal, and with a sliding
     window only the last `window` (the query's own included: pos - s < window, llama.cpp's
@@ -212,7 +236,7 @@ def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax
     B, T, H, Dh = q_BTHDh.shape
     S, K = k_BSKDh.shape[1], k_BSKDh.shape[2]
     q = q_BTHDh.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKDh, preferred_element_type=jnp.float32) * scale
+    scores = _scores(q, k_BSKDh) * scale
     mask_BTS = _visible(jnp.arange(S), pos_BT, window)
     if select_BTS is not None:
         mask_BTS = mask_BTS & select_BTS[:, :, :S]
@@ -222,8 +246,7 @@ def attend_keys(q_BTHDh, k_BSKDh, v_BSKDo, pos_BT, scale: float, select_BTS: jax
     else:  # the sink as one more column of the softmax, dropped after it
         sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, K, H // K, 1, 1), (*scores.shape[:-1], 1))
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v_BSKDo.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKDo, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, -1)
+    return jnp.moveaxis(_weighted(probs, v_BSKDo), 3, 1).reshape(B, T, -1)
 
 
 def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_len: int | None,
@@ -290,14 +313,14 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: in
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
             mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=jnp.float32) * scale
+        scores = _scores(q, k_blk) * scale
         scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
         m_new = jnp.maximum(m_BKGT, jnp.max(scores, axis=-1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp(-inf - 0) = 0, not nan
         p = jnp.exp(scores - m_ref[..., None])
         corr = jnp.exp(m_BKGT - m_ref)
         l_BKGT = l_BKGT * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        pv = _weighted(p.astype(v_blk.dtype), v_blk)
         return m_new, l_BKGT, acc_BKGTDo * corr[..., None] + pv
 
     if sinks_H is None:
