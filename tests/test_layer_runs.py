@@ -5,6 +5,8 @@ stops growing with the layer count."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,58 @@ def test_kv_cache_leaves_do_not_grow_with_layers(tmp_path):
         assert all(a.donated for a in kv_info)
         args[n] = len(kv_info)
     assert leaves[48] == leaves[4] and args[48] == args[4] == leaves[4], (leaves, args)
+
+
+def _products_of_sliced_operands(jaxpr, in_scan=False, xs=frozenset()) -> list[str]:
+    """Matrix products inside a layer scan with an operand that is (through reshapes and transposes) a
+    dynamic slice or a scanned input: on the GPU such a product is a library call fed by a loop-dependent
+    dynamic-slice fusion, which keeps the scan out of XLA's command buffers."""
+    passthrough = {"reshape", "squeeze", "broadcast_in_dim", "transpose", "copy"}
+    made = {o: e for e in jaxpr.eqns for o in e.outvars}
+
+    def origin(v):
+        e = made.get(v)
+        if e is None:
+            return "scanned input" if v in xs else None
+        return origin(e.invars[0]) if e.primitive.name in passthrough else e.primitive.name
+
+    found = []
+    for e in jaxpr.eqns:
+        if in_scan and e.primitive.name == "dot_general":
+            found += [f"{origin(v)} -> {e.source_info.traceback}" for v in e.invars
+                      if origin(v) in ("dynamic_slice", "scanned input")]
+        if e.primitive.name == "scan":
+            body = e.params["jaxpr"].jaxpr
+            first_x = e.params["num_consts"] + e.params["num_carry"]
+            found += _products_of_sliced_operands(body, True, frozenset(body.invars[first_x:]))
+        for key in ("jaxpr", "call_jaxpr", "body_jaxpr", "cond_jaxpr"):
+            sub = e.params.get(key)
+            if sub is not None and e.primitive.name != "scan":
+                found += _products_of_sliced_operands(getattr(sub, "jaxpr", sub), in_scan, frozenset())
+        for branch in e.params.get("branches", ()):
+            found += _products_of_sliced_operands(branch.jaxpr, in_scan, frozenset())
+    return found
+
+
+@pytest.mark.parametrize("shape,slots", [("tiny", None), ("tiny", 24), ("qtiny", None), ("qtiny", 48)])
+def test_decode_scan_has_no_product_of_a_sliced_operand(tmp_path, shape, slots):
+    """The decode step's layer scan (a qwen3moe and qwen4exp at 8 layers, bfloat16 as on a GPU, resident
+    and offloaded) reads its layer's weights, KV cache and recurrent state by traced index without feeding
+    any of those slices straight into a matrix product (model/layers.py FEW_QUERIES: before it, attention's
+    two einsums over the sliced KV cache did)."""
+    import dataclasses
+
+    from strata_jax.bench.shapes import SHAPES
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf", dataclasses.replace(SHAPES[shape], n_layers=8))
+    m = strata_jax.load(path, ctx=64, dtype="bfloat16", expert_slots=slots)
+    assert any(isinstance(r, runs.Run) and r.repeats > 1 for r in m.layer_runs)
+    experts = m.experts.take()
+    try:
+        kv = KVCache.zeros(m.config, 1, 64, m.dtype)
+        step = functools.partial(forward, cfg=m.config, dtype=m.dtype, kernels=m.kernels)
+        jaxpr = jax.make_jaxpr(step)(m.params, experts, kv, jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                     jnp.ones((1,), jnp.int32))
+    finally:
+        m.experts.put(experts)
+    assert _products_of_sliced_operands(jaxpr.jaxpr) == []
