@@ -53,6 +53,9 @@ def clean_env(monkeypatch):
     (dict(kernels="on"), r"kernels='on' is invalid: it must be a strata_jax.model.kernels.Kernels"),
     (dict(compilation_cache="no"), r"compilation_cache='no' is invalid"),
     (dict(ple_table="gpu"), r"ple_table='gpu' is invalid: it must be 'auto' or 'device' or 'host'"),
+    (dict(layer_scan="yes"), r"layer_scan='yes' is invalid: it must be 'on' or 'off'"),
+    (dict(spec="draft:/no/draft.gguf"), r"the draft model '/no/draft.gguf' is not a file"),
+    (dict(prefill_chunk="automatic"), r"prefill_chunk='automatic' is invalid: .* or 'auto'"),
 ])
 def test_bad_option_is_refused_before_the_file_is_read(options, match):
     with pytest.raises(ConfigError, match=match):
