@@ -355,3 +355,31 @@ def test_prefetch_is_refused_for_qwen4exp():
 
     with pytest.raises(ConfigError, match="prefetch"):
         strata_jax.load(str(qwen4exp_model("dense").gguf_path), ctx=CTX, prefetch=1, expert_slots=16)
+
+
+def test_next_turn_continues_the_recurrent_state():
+    """A recurrent state cannot be rewound, but a prompt that extends everything a row holds (the next turn
+    of its conversation) continues from it: qtiny's turn 2 prefills only its new tokens (cache_n) and gives
+    a cold run's tokens and logprobs. A turn that ended on a stop string (calls may have run the row past
+    it) and a prompt that diverges inside the cached tokens prefill from 0."""
+    import strata_jax
+    from strata_jax.bench.shapes import synthetic_model_path
+
+    path = synthetic_model_path("qtiny")
+    warm, cold = strata_jax.load(path, ctx=256), strata_jax.load(path, ctx=256)
+    greedy = dict(max_tokens=8, temperature=0, logprobs=True)
+    warm.generate([5, 6, 7, 8, 9, 10], **greedy)  # ends on max_tokens: the device stopped the row itself
+    turn2 = warm.session().cached_tokens(0) + [11, 12, 13]
+    a, b = warm.generate(turn2, **greedy), cold.generate(turn2, cache_prompt=False, **greedy)
+    assert a.timings["cache_n"] == len(turn2) - 3 and b.timings["cache_n"] == 0
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-4)
+    diverged = turn2[:4] + [1, 2, 3]
+    assert warm.generate(diverged, **greedy).timings["cache_n"] == 0
+    full = warm.generate([20, 21, 22], max_tokens=16, temperature=0)
+    text = warm.tokenizer.decode(full.token_ids[4:6])
+    assert text and text not in warm.tokenizer.decode(full.token_ids[:4])
+    stopped = warm.generate([20, 21, 22], max_tokens=16, temperature=0, stop=text)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
+    nxt = [20, 21, 22] + full.token_ids[:8] + [11]  # extends what the row ran, whatever it kept
+    assert warm.generate(nxt, **greedy).timings["cache_n"] == 0

@@ -295,12 +295,13 @@ class Session:
             raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
         if constraint is not None:
             constraint = Constraint(constraint, m.tokenizer, m.config.vocab_size)
-        # a recurrent layer's state cannot be rewound to a shared prefix (and a call queued ahead may have
-        # run a row past the request's end), so those models prefill every prompt from position 0
-        cache_prompt = cache_prompt and not m.config.has_recurrent_state
         row = self._pick_row(ids, cache_prompt)
         n_cached = common_prefix(ids, self._cached[row]) if cache_prompt else 0
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
+        if m.config.has_recurrent_state and n_cached < len(self._cached[row]):
+            # a recurrent layer's state cannot be rewound: only a prompt that extends everything the row
+            # holds (the next turn of its conversation) continues from it; the others prefill from 0
+            n_cached = 0
         max_tokens = min(max_tokens, m.ctx - len(ids))
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
         seed = seed if seed is not None else time.time_ns() % (2**31)
@@ -439,7 +440,9 @@ class Session:
             finish = "stop" if q.constraint.done else None  # the grammar is complete: nothing may follow
         if finish is not None:
             chunks.append(q.final(finish))
-            self._end(row)
+            # the device stops a row by itself at a stop id or max_tokens, so its state is then exactly
+            # `fed`'s; at a stop string or a grammar's end calls already queued may have run it further
+            self._end(row, exact=q.stream.stop_string is None and q.constraint is None)
         return chunks
 
     def _dispatch(self) -> bool:
@@ -537,6 +540,8 @@ class Session:
             lp = token_logprob(jax.tree.map(lambda a: a[j], lps), 0, tok, q.n_top, 0) if lps is not None else None
             chunks += self._push(r, q, tok, lp)
             if self._reqs[r] is not q:  # done: a stop id or string, or max_tokens
+                if j < n_emit - 1 and m.config.has_recurrent_state:
+                    self._cached[r] = []  # the pass ran the row past its end: its state is not `fed`'s
                 break
         return {r: chunks} if chunks else {}
 
@@ -623,10 +628,13 @@ class Session:
         self._clock += 1
         self._used[row] = self._clock
 
-    def _end(self, row: int) -> None:
+    def _end(self, row: int, exact: bool = False) -> None:
+        """The row's request is over: the row keeps its tokens for prefix reuse. With recurrent state only
+        when `exact` (no step ran past them): that state cannot be rewound to a prefix."""
         q = self._reqs[row]
         if q is not None:
-            self._cached[row] = q.fed if self._kv is not None else []
+            keep = self._kv is not None and (exact or not self.model.config.has_recurrent_state)
+            self._cached[row] = q.fed if keep else []
             self._reqs[row] = None
             self._touch(row)
             if not any(r is not None for r in self._reqs):
