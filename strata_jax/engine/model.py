@@ -198,6 +198,13 @@ class Model:
         loader = WeightLoader(gguf, cfg, self.device, dequantize_dense=dequantize_dense, dense_dtype=self.dtype)
         spec = expert_spec(loader) if cfg.is_moe else None
         itemsize = jnp.dtype(self.dtype).itemsize
+        # spec "draft:PATH": the draft model loads before anything of the target is planned, so that the
+        # free device memory the target's context and expert cache plan from counts the draft
+        self.drafter: DraftModel | None = None
+        if (path := draft_path(config.spec)) is not None:
+            draft = GGUFFile(path)
+            check_vocabulary(draft, gguf, path)
+            self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=config.ctx, parallel=1), self.device))
         if config.prefill_chunk == "auto":
             config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(cfg, config, self.device))
         # the context first, from the header alone: one that cannot fit is refused before any weight loads
@@ -207,12 +214,6 @@ class Model:
         self.kv = config.kv
         self.kernels = config.kernels
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
-        # spec "draft:PATH": the draft model loads first, so free device memory counts it when the target plans
-        self.drafter: DraftModel | None = None
-        if draft_path(config.spec):
-            draft = GGUFFile(draft_path(config.spec))
-            check_vocabulary(draft, gguf, draft.path)
-            self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=self.ctx, parallel=1), self.device))
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)

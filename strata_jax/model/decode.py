@@ -104,9 +104,9 @@ def _is_stop(tok_B, stop_St):
     return jnp.any(tok_B[:, None] == stop_St[None, :], axis=1)
 
 
-def _set_row(tree, row, value):
-    """Write a batch-1 pytree into row `row` of a batch-B pytree of the same structure."""
-    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), row, axis=0),
+def _set_row(tree, row, value, axis: int = 0):
+    """Write a batch-1 pytree into row `row` of a batch-B pytree of the same structure (batch on `axis`)."""
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), row, axis=axis),
                         tree, value)
 
 
@@ -262,8 +262,7 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
         before, taped = taped[0]
         rec = rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg, kernels=kernels,
                      attn_len=attn_len)
-        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), row, axis=1)  # noqa: E731
-        kv = kv.replace(rec=rec if rows.tok_B.shape[0] == 1 else jax.tree.map(put, kv.rec, rec))
+        kv = kv.replace(rec=_set_row(kv.rec, row, rec, axis=1))  # rec's leaves are [L, B, ...]
     stopped = jnp.any(jnp.isin(tokens_T, stop_St) & (jnp.arange(T) < n_emit))
     one = lambda a: a.reshape(1)  # noqa: E731
     state = dataclasses.replace(

@@ -196,8 +196,8 @@ def attention(
 # Up to this many queries per row (decode steps, verify passes) attention is products and sums, not a
 # matrix product: on the GPU a matrix product is a library call, and one reading a slice of the stacked
 # KV cache at a scanned layer's traced index becomes a loop-dependent dynamic-slice fusion, which keeps
-# the whole layer scan out of XLA's command buffers (the host then walks the loop: ~5 ms a B30 step,
-# docs/benchmarks.md). A few queries' attention is a read of the cache either way.
+# the whole layer scan out of XLA's command buffers (the host then walks the loop, docs/benchmarks.md).
+# A few queries' attention is a read of the cache either way.
 FEW_QUERIES = 8
 
 

@@ -132,7 +132,7 @@ def _copy_tasks(gguf, spec: ExpertSpec, layers: tuple[int, ...], view_LEP: np.nd
     """(copy, bytes) per task: a run of experts of one tensor of one layer into its columns of the store,
     read with one preadv from the file (files: path -> an open descriptor) into the rows' slices.
     Reading, not copying from the memory map: threads faulting one mapping in page by page serialize on
-    the kernel's mapping lock (16 threads loaded qseed at 0.7 GB/s on the H200 machine)."""
+    the kernel's mapping lock (docs/benchmarks.md, "Stacked state and store")."""
     iov_max = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
     tasks = []
     for j, i in enumerate(layers):
