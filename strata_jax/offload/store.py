@@ -32,8 +32,7 @@ from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
 
-# threads copying from the memory-mapped file into the store: numpy's copies release the GIL, so they
-# read (page cache, page faults) and write in parallel
+# threads reading the file into the store: preadv releases the GIL, so the reads run in parallel
 READERS = min(16, os.cpu_count() or 1)
 # bytes per copy task: small enough to balance the readers and to report progress, large enough to
 # keep the per-task cost out of the rate
