@@ -168,7 +168,7 @@ def test_seed_architecture_program_is_bounded_by_its_distinct_layers(tmp_path):
     """qtiny (qseed's architecture) at 48 layers against 4: both plan as one run of (3 DeltaNet, 1 attention)
     periods whose DeltaNet group is one scanned body (PLE runs before the run, outside the body), so the decode
     step and a 16-token prefill chunk, resident or offloaded into one shared pool, stay within issue 30's 1.3x
-    (measured on CPU 1.16x / 1.15x resident, 1.24x / 1.20x offloaded) where unrolled they grow 9x; the
+    (docs/benchmarks.md, "Program growth with depth") where unrolled they grow 9x; the
     step's arguments (params, store and pools, KV and recurrent state) have as many leaves at 48 as at 4."""
     import dataclasses
 
