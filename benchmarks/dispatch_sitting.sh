@@ -12,7 +12,7 @@
 # Carry .whl. Knobs: SITTING_S (default 560), B30_SHAPE (b30), QSEED=1, NO_WHEELS=1.
 set -u
 cd "$(dirname "$0")/.."
-source benchmarks/sitting_lib.sh /tmp/dsit 560
+source benchmarks/sitting_lib.sh "/tmp/dsit${PART:-}" 560  # each part its own folder: `wait` finds it
 export STRATA_JAX_CACHE=${STRATA_JAX_CACHE:-/tmp/sjcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 B30=${B30_SHAPE:-b30}
@@ -122,5 +122,30 @@ pipeline2() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 2 ] && { pipeline() { pipeline2; }; RETURNED="$RETURNED dsf-sources.txt"; }
+
+# PART=3: the loop-dependent DynamicSliceFusionV2 thunk that keeps the layer scan out of the command buffers
+# is a memcpy-like dynamic slice/update fusion, which the HLO's fusion names do not tell apart: keep B30's
+# optimized decode HLO (hlo-decode.tar.gz, to find them offline), and try the decode program alone with
+# XLA's unrolling of known-trip-count loops inside the graph (STRATA_JAX_XLA_DECODE: prefill failed with it
+# process-wide), with the conversion pass's log; last, scan off on the same machine
+pipeline3() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
+  phase b30-dump 150 env XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-dump.json"
+  (cd "$S/dump" && tar -czf "$S/hlo-decode.tar.gz" *after_optimizations.txt *buffer-assignment.txt 2>/dev/null)
+  rm -rf "$S/dump"
+  local unroll=--xla_gpu_command_buffer_unroll_loops=true
+  STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
+  phase b30-unroll-vlog 150 env STRATA_JAX_XLA_DECODE="$unroll" TF_CPP_MIN_LOG_LEVEL=0 \
+    TF_CPP_VMODULE=command_buffer_conversion_pass=2 "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" \
+    --resident-only --out "$S/results-b30-unroll-vlog.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|unroll" "$S/b30-unroll-vlog.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-unroll.txt"
+  bench_b30 b30-on-3 ""
+  bench_b30 b30-off-3 "" --layer-scan off
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 3 ] && { pipeline() { pipeline3; }; RETURNED="progress phases.tsv data-*.json hlo-decode.tar.gz cb-unroll.txt"; }
 
 sitting_main "$@"

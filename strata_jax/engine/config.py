@@ -226,6 +226,31 @@ def compilation_cache_from_env() -> bool:
     return v != "0"
 
 
+def decode_xla_from_env() -> tuple[tuple[str, bool | int | float | str], ...]:
+    """XLA debug options for the decode program alone from STRATA_JAX_XLA_DECODE, written as in XLA_FLAGS
+    (`--xla_name=value ...`): XLA_FLAGS applies to every program of the process."""
+    out = []
+    for item in os.environ.get("STRATA_JAX_XLA_DECODE", "").split():
+        name, eq, value = item.removeprefix("--").partition("=")
+        if not name.startswith("xla_") or not eq:
+            raise ConfigError(f"STRATA_JAX_XLA_DECODE has {item!r}: write each option as --xla_name=value, "
+                              "separated by spaces, as in XLA_FLAGS.")
+        out.append((name, _xla_value(value)))
+    return tuple(sorted(out))
+
+
+def _xla_value(text: str) -> bool | int | float | str:
+    """An XLA option's value typed as its DebugOptions field wants it (compiler_options takes no text bool)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 # -- the checks -------------------------------------------------------------------------------------------
 
 def _show(name: str, value: Any) -> str:

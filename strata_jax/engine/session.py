@@ -60,7 +60,7 @@ from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                       SamplingParams, allowed_mask, validate_sampling)
 from strata_jax.engine import compiling
-from strata_jax.engine.config import MIN_PREFILL_CHUNK
+from strata_jax.engine.config import MIN_PREFILL_CHUNK, decode_xla_from_env
 from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
@@ -208,6 +208,7 @@ class Session:
             raise ConfigError(f"a session needs at least one row; got {n_rows!r}.")
         self.model, self.n_rows = model, n_rows
         self.decode_chunk = decode_chunk or model.decode_chunk
+        self._decode = programs.decode_program(decode_xla_from_env())
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
         self._rows: programs.RowState | None = None
@@ -481,7 +482,7 @@ class Session:
         end = max(pos[r] for r, _ in ready) + n
         t_d = time.perf_counter()
         try:
-            out, _ = self._call(programs.decode, alive, self._stop_St, np.int32(n), end=end, mode=mode,
+            out, _ = self._call(self._decode, alive, self._stop_St, np.int32(n), end=end, mode=mode,
                                 n_max=self.decode_chunk, **self._forced_decode(pos), **constraint)
         except BaseException:
             for r, _ in live:  # the call did not happen: every request it was to serve ends here

@@ -157,7 +157,6 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     return PrefillOut(logits, tok_1, lp), kv, experts, routed, rows
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE)
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
            attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None, constraint=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
@@ -224,6 +223,20 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         carry = jax.lax.while_loop(lambda c: (c[0] < limit) & jnp.any(running(c)), step, carry)
     _, rows, kv, experts, out = carry
     return out, kv, experts, None, rows
+
+
+_decode = decode
+
+
+@functools.cache
+def decode_program(xla_options: tuple[tuple[str, object], ...] = ()):
+    """`decode` jitted with XLA debug options of its own (engine/config.py decode_xla_from_env): a setting
+    such as unrolling the layer scan inside the CUDA graph can suit this program and break prefill's."""
+    return jax.jit(_decode, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE,
+                   compiler_options=dict(xla_options) or None)
+
+
+decode = decode_program()
 
 
 @struct.dataclass
