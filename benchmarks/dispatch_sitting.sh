@@ -127,7 +127,7 @@ pipeline2() {
 # is a memcpy-like dynamic slice/update fusion, which the HLO's fusion names do not tell apart: keep B30's
 # optimized decode HLO (hlo-decode.tar.gz, to find them offline), and try the decode program alone with
 # XLA's unrolling of known-trip-count loops inside the graph (STRATA_JAX_XLA_DECODE: prefill failed with it
-# process-wide), with the conversion pass's log; last, scan off on the same machine
+# process-wide), with the conversion pass's log; the store's load with reads into plain and pinned memory
 pipeline3() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
@@ -143,7 +143,10 @@ pipeline3() {
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|unroll" "$S/b30-unroll-vlog.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-unroll.txt"
   bench_b30 b30-on-3 ""
-  bench_b30 b30-off-3 "" --layer-scan off
+  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  # 1.5 GB/s in PART=2: are the reads slow, or the writes into pinned memory? (read_*_GB_s)
+  phase load-store 120 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 6 --reps 2 --path /tmp/strata_load/b30x6.gguf > '$S/data-load.json'"
+  rm -rf /tmp/strata_load
   note "pipeline: done"
 }
 [ "${PART:-1}" = 3 ] && { pipeline() { pipeline3; }; RETURNED="progress phases.tsv data-*.json hlo-decode.tar.gz cb-unroll.txt"; }

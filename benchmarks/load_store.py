@@ -6,7 +6,8 @@ cache, then times `load_expert_store` (offload/store.py) `--reps` times: GB/s of
 process' peak RSS. `alloc_GB_s` times the store's allocation alone (`_host_array`: a device_put of zeros
 of the store's size, before any byte of the file is copied), the part of the load that is not reading;
 `alloc_jit_GB_s` the same size made by a jitted `jnp.zeros` placed in that memory (a candidate
-replacement). `verified`: every layer's store rows equal the file's expert bytes (the store is filled
+replacement). `read_{plain,store_memory}_{1,N}_GB_s`: preadv of the file in 64 MiB pieces, 1 and N threads,
+into ordinary memory and into the store's kind of memory: whether the reads or the destination are slow. `verified`: every layer's store rows equal the file's expert bytes (the store is filled
 through a raw pointer into the host buffer: this checks that the writes land on this backend).
 
     python benchmarks/load_store.py [--layers 12] [--path /tmp/strata_load/b30x12.gguf] [--reps 3]
@@ -17,6 +18,7 @@ import json
 import os
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -26,7 +28,7 @@ import numpy as np
 from strata_jax.core.experts import EXPERT_TENSORS, ExpertSpec, expert_parts
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.gguf.reader import GGUFFile
-from strata_jax.offload.store import _host_array, _host_sharding, load_expert_store, store_groups
+from strata_jax.offload.store import READERS, _host_array, _host_sharding, load_expert_store, store_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("--layers", type=int, default=12)
@@ -76,7 +78,32 @@ for _ in range(args.reps):
     jax.block_until_ready(arrays)
     alloc_jit.append(total / (time.perf_counter() - t0) / 1e9)
     del arrays
-print(json.dumps({"expert_GB": round(total / 1e9, 2), "layers": args.layers, "memory_kind": args.memory_kind,
+
+
+def read_rate(dst: np.ndarray, threads: int) -> float:
+    """GB/s of preadv from the (cached) file into dst, in 64 MiB pieces over `threads` threads: where the
+    store's fill loses time, the file's reads or the destination memory."""
+    n, piece = dst.nbytes, 64 << 20
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read(at):
+            os.preadv(fd, [dst[at:at + piece]], at)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(0, n, piece)))
+        return n / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+size = min(path.stat().st_size, total)
+pinned, pinned_view = _host_array((size,), _host_sharding(jax.devices()[0], args.memory_kind))
+plain = np.zeros(size, np.uint8)
+plain[::4096] = 1  # its pages faulted in, as the store's are
+reads = {f"read_{name}_{t}_GB_s": round(max(read_rate(dst, t) for _ in range(args.reps)), 2)
+         for name, dst in (("plain", plain), ("store_memory", pinned_view)) for t in (1, READERS)}
+del pinned_view, pinned, plain
+print(json.dumps({**reads, "expert_GB": round(total / 1e9, 2), "layers": args.layers, "memory_kind": args.memory_kind,
                   "GB_s": [round(r, 2) for r in rates], "best_GB_s": round(max(rates), 2),
                   "alloc_GB_s": round(max(alloc), 2),
                   "alloc_jit_GB_s": round(max(alloc_jit), 2), "verified": verified,
