@@ -127,7 +127,7 @@ pipeline2() {
 # is a memcpy-like dynamic slice/update fusion, which the HLO's fusion names do not tell apart: keep B30's
 # optimized decode HLO (hlo-decode.tar.gz, to find them offline), and try the decode program alone with
 # XLA's unrolling of known-trip-count loops inside the graph (STRATA_JAX_XLA_DECODE: prefill failed with it
-# process-wide), with the conversion pass's log; the store's load with reads into plain and pinned memory
+# process-wide); the store's load with reads into plain and pinned memory; last, the conversion pass's log
 pipeline3() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
@@ -137,16 +137,14 @@ pipeline3() {
   rm -rf "$S/dump"
   local unroll=--xla_gpu_command_buffer_unroll_loops=true
   STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
+  # 1.5 GB/s in PART=2: are the reads slow, or the writes into pinned memory? (read_*_GB_s)
+  phase load-store 120 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 6 --reps 2 --path /tmp/strata_load/b30x6.gguf > '$S/data-load.json'"
+  rm -rf /tmp/strata_load
   phase b30-unroll-vlog 150 env STRATA_JAX_XLA_DECODE="$unroll" TF_CPP_MIN_LOG_LEVEL=0 \
     TF_CPP_VMODULE=command_buffer_conversion_pass=2 "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" \
     --resident-only --out "$S/results-b30-unroll-vlog.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|unroll" "$S/b30-unroll-vlog.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-unroll.txt"
-  bench_b30 b30-on-3 ""
-  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
-  # 1.5 GB/s in PART=2: are the reads slow, or the writes into pinned memory? (read_*_GB_s)
-  phase load-store 120 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 6 --reps 2 --path /tmp/strata_load/b30x6.gguf > '$S/data-load.json'"
-  rm -rf /tmp/strata_load
   note "pipeline: done"
 }
 [ "${PART:-1}" = 3 ] && { pipeline() { pipeline3; }; RETURNED="progress phases.tsv data-*.json hlo-decode.tar.gz cb-unroll.txt"; }
