@@ -87,6 +87,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-scan", default="on", choices=LAYER_SCAN,
                    help="compile alike layers once, scanned over their stacked weights (default on); off unrolls "
                         "every layer: compile time then grows with the layer count")
+    p.add_argument("--conversation-cache-mib", default=0,
+                   help="host RAM (MiB) for conversations whose KV-cache rows were taken by others: a prompt that "
+                        "continues one prefills only its new tokens (default 0: none)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -125,7 +128,8 @@ def engine_config(args):
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
                                spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
                                rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
-                               layer_scan=getattr(args, "layer_scan", "on"))
+                               layer_scan=getattr(args, "layer_scan", "on"),
+                               conversation_cache_mib=getattr(args, "conversation_cache_mib", 0))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by

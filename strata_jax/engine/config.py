@@ -53,7 +53,7 @@ FLAGS = {
     "expert_cache_state": "--expert-cache-state",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
-    "layer_scan": "--layer-scan",
+    "layer_scan": "--layer-scan", "conversation_cache_mib": "--conversation-cache-mib",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
@@ -125,6 +125,8 @@ class EngineConfig:
     # alike layers (same types, shapes, expert pool) compiled once as a scanned body over their stacked
     # params (model/runs.py), "on"; "off" unrolls every layer (compile time grows with the layer count)
     layer_scan: str = "on"
+    # host RAM for finished conversations whose rows were taken (engine/convcache.py), MiB; 0: none
+    conversation_cache_mib: int = 0
 
     def __post_init__(self):
         # a directly built config is checked too (keyword names in errors); create() normalized it already
@@ -435,6 +437,8 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
                                         "original trained context)", optional=True),
         "spec": lambda v: v if v is None else check_spec(v, n("spec")),
         "spec_max": lambda v: _int(v, n("spec_max"), text, 1, "a positive integer (drafted tokens per verify pass)"),
+        "conversation_cache_mib": lambda v: _int(v, n("conversation_cache_mib"), text, 0, "an integer >= 0 (MiB of "
+                                                 "host RAM for conversations whose KV-cache rows were taken; 0: none)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),

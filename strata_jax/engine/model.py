@@ -24,6 +24,7 @@ from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
+from strata_jax.engine.convcache import HostTier
 from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
@@ -213,6 +214,8 @@ class Model:
         self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
         self.kv = config.kv
         self.kernels = config.kernels
+        mib = config.conversation_cache_mib
+        self.conversation_tier = HostTier(mib << 20) if mib else None  # shared by this model's sessions
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:

@@ -10,7 +10,9 @@ call c's tokens, so the device does not idle while the host reads tokens or laun
 Each row keeps its last request's tokens after it finishes (the conversation's prefix for its next
 turn). A new request goes to a free row whose whole cache is a prefix of its prompt (the longest; an
 empty row counts), else to the free row sharing the longest prefix if that covers at least half the
-prompt (llama.cpp's --slot-prompt-similarity), else to the least recently used free row.
+prompt (llama.cpp's --slot-prompt-similarity), else to the least recently used free row. With the
+model's conversation cache (engine/convcache.py, --conversation-cache-mib), a row's conversation goes to
+host RAM before its row is overwritten, and comes back into a row for a prompt that continues it.
 
 Each row samples with its own key folded with its own step count, so a seeded request gives the same
 tokens alone or batched. Rows without a request are computed too (fixed shapes) at an out-of-range
@@ -62,6 +64,7 @@ from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, Pena
 from strata_jax.engine import compiling
 from strata_jax.engine.config import MIN_PREFILL_CHUNK, decode_xla_from_env
 from strata_jax.engine.constrained import Constraint
+from strata_jax.engine.convcache import common_prefix, padded
 from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
@@ -72,6 +75,9 @@ MIN_ATTN_BUCKET = 256  # static attention spans are powers of two from here
 ATTN_BLOCK = 1024  # cache positions per step of the blocked attention loop (model/layers.py attend_blocked)
 DECODE_STATIC_SPAN = 4096  # decode reads static spans up to here (no loop in a short step), then blocks
 QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
+
+_take_row = jax.jit(lambda kv, row: kv.take_row(row))  # a row's cache, to spill it
+_put_row = jax.jit(lambda kv, row, one: kv.put_row(row, one), donate_argnums=0)  # in place
 
 
 def attn_bucket(end: int, ctx: int) -> int:
@@ -116,14 +122,6 @@ def logprob_count(logprobs, top_logprobs) -> int | None:
             or not 0 <= top_logprobs <= TOP_LOGPROBS):
         raise ConfigError(f"top_logprobs={top_logprobs!r} is invalid: give an integer in [0, {TOP_LOGPROBS}].")
     return int(top_logprobs) if logprobs or top_logprobs else None
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class HostTiming:
@@ -209,6 +207,7 @@ class Session:
         self.model, self.n_rows = model, n_rows
         self.decode_chunk = decode_chunk or model.decode_chunk
         self._decode = programs.decode_program(decode_xla_from_env())
+        self._tier = model.conversation_tier  # None: no host tier
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
         self._rows: programs.RowState | None = None
@@ -303,6 +302,12 @@ class Session:
             # a recurrent layer's state cannot be rewound: only a prompt that extends everything the row
             # holds (the next turn of its conversation) continues from it; the others prefill from 0
             n_cached = 0
+        if self._tier is not None and cache_prompt:
+            entry, n = self._tier.best(ids, len(ids) - 1)
+            if n > n_cached:
+                self._spill(row)
+                self._restore(row, entry, n)
+                n_cached = n
         max_tokens = min(max_tokens, m.ctx - len(ids))
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
         seed = seed if seed is not None else time.time_ns() % (2**31)
@@ -405,6 +410,7 @@ class Session:
         if q is None or not free or self._kv is None or self.model.config.has_recurrent_state:
             return None
         dst = min(free, key=self._used.__getitem__)
+        self._spill(dst)
         self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
         self._cached[dst] = list(q.ids)
         return dst
@@ -551,6 +557,8 @@ class Session:
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
         last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
         m, pos, out, outs = self.model, start, None, []
+        if start < len(self._cached[row]):
+            self._spill(row)
         self._cached[row] = []  # being rewritten: nothing in it is reusable until the prefill returns
         while pos < len(ids):
             chunk = ids[pos: pos + m.prefill_chunk]
@@ -583,9 +591,7 @@ class Session:
         after; end - 1: the furthest position it writes. Returns the call's first output and its routed
         ids."""
         m, e = self.model, self.model.experts
-        kv, self._kv = self._kv, None
-        if kv is None:
-            kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, m.kv)
+        kv, self._kv = self._kv_now(), None
         rows, self._rows = self._rows, None
         if rows is None:  # committed like the state the programs return, or the second call compiles again
             rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
@@ -614,6 +620,26 @@ class Session:
             e.put(join_provider(experts_out, fixed))
         self._kv, self._rows = kv_out, rows_out
         return out, routed
+
+    def _kv_now(self) -> KVCache:
+        """The rows' cache, allocated at its first use."""
+        m = self.model
+        return self._kv if self._kv is not None else KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, m.kv)
+
+    def _spill(self, row: int) -> None:
+        """Before the content of a free row is overwritten: its conversation to the host tier."""
+        held = self._cached[row]
+        if self._tier is not None and held and self._kv is not None:
+            self._tier.spill(held, lambda: _take_row(self._kv, np.int32(row)), self.model.config.has_recurrent_state)
+
+    def _restore(self, row: int, entry, n: int) -> None:
+        """Put a host-tier conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
+        m = self.model
+        kv, self._kv = self._kv_now(), None
+        self._kv = _put_row(kv, np.int32(row), jax.device_put(padded(entry, m.ctx), m.device))
+        self._cached[row] = list(entry.tokens)
+        self._tier.restored(n)
+        log.debug("conversation cache: %d of %d tokens back from host RAM into row %d", n, len(entry.tokens), row)
 
     def _pick_row(self, ids: list[int], cache_prompt: bool) -> int:
         free = [r for r in range(self.n_rows) if self._reqs[r] is None]
