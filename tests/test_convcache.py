@@ -77,3 +77,29 @@ def test_a_recurrent_state_serves_only_prompts_that_extend_all_of_it():
     got, n = tier.best(list(range(8)) + [50], limit=8)
     assert n == 8 and got.kv.rec.shape == (3,)
     assert tier.best(range(8), limit=7) == (None, 0)  # the last prompt token must run: 7 < all 8
+
+
+def test_the_server_reports_a_restored_conversation(tmp_path_factory):
+    """Over HTTP with one row: conversation A, then B takes the row, then A's next turn comes back from host
+    RAM: its usage counts the cached prompt tokens and /metrics counts the restore."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from strata_jax.serving.app import create_app
+    from strata_jax.serving.engine import Engine
+
+    model = strata_jax.load(_path("dense", tmp_path_factory), ctx=256, conversation_cache_mib=4)
+    engine = Engine(lambda: model, queue_size=8, warmup=False, parallel=1)
+    a = [{"role": "user", "content": "hello there, how is the weather"}]
+    b = [{"role": "user", "content": "a different question"}]
+    with TestClient(create_app(engine, model_id="dense")) as c:
+        assert engine.wait_ready(60)
+        post = lambda msgs: c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})  # noqa: E731
+        first = post(a).json()
+        post(b)
+        a2 = a + [first["choices"][0]["message"], {"role": "user", "content": "and tomorrow?"}]
+        usage = post(a2).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+        fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        conv = {s.labels["what"]: s.value for s in fams["strata_conversation_cache"].samples}
+        assert conv["hits"] == 1 and conv["spills"] >= 1 and 0 < conv["bytes"] <= conv["capacity"]

@@ -110,6 +110,11 @@ class HostTier:
         self.stats.spills += 1
         return True
 
+    def summary(self) -> dict[str, int]:
+        """The tier's counters and occupancy (the server's /metrics)."""
+        return {**dataclasses.asdict(self.stats), "entries": len(self), "bytes": self.nbytes,
+                "capacity": self.capacity}
+
     def restored(self, n: int) -> None:
         self.stats.hits += 1
         self.stats.tokens_restored += n

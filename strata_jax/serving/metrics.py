@@ -54,6 +54,9 @@ class Metrics:
         self.expert_misses = Gauge(p + "expert_cache_misses", "Expert-cache misses since load (MoE)", registry=r)
         self.expert_bytes = Gauge(p + "expert_cache_bytes_h2d", "Expert bytes copied host->device since load (MoE)",
                                   registry=r)
+        self.conversation = Gauge(p + "conversation_cache", "Conversation cache, host RAM tier "
+                                  "(--conversation-cache-mib): spills, hits (restores), tokens_restored, evictions, "
+                                  "refused, entries, bytes, capacity, since load", ["what"], registry=r)
         self.device_memory = Gauge(p + "device_memory_bytes", "Device memory by use: dense weights, expert slots, "
                                    "KV cache", ["use"], registry=r)
 
@@ -80,6 +83,8 @@ class Metrics:
             for use, n in (snap.get("memory") or {}).items():
                 if use != "total":
                     self.device_memory.labels(use).set(n)
+            for what, n in (snap.get("conversation") or {}).items():
+                self.conversation.labels(what).set(n)
             ex = snap.get("expert") or {}
             if ex:
                 self.expert_hit_rate.set(ex.get("hit_rate") or 0)
