@@ -24,7 +24,8 @@ def _path(kind, tmp_path_factory):
     return synthetic_model_path(kind)
 
 
-@pytest.mark.parametrize("kind, options", [("dense", {}), ("tiny", dict(expert_slots=4)), ("qtiny", {})])
+@pytest.mark.parametrize("kind, options", [("dense", {}), ("dense", dict(kv="q8_0")), ("tiny", dict(expert_slots=4)),
+                                           ("qtiny", {})])
 def test_a_taken_rows_conversation_comes_back_from_host_ram(kind, options, tmp_path_factory):
     path = _path(kind, tmp_path_factory)
     warm = strata_jax.load(path, ctx=256, conversation_cache_mib=4, **options)
@@ -40,6 +41,9 @@ def test_a_taken_rows_conversation_comes_back_from_host_ram(kind, options, tmp_p
     np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-4)
     tier = warm.conversation_tier
     assert tier.stats.hits == 1 and tier.stats.tokens_restored == len(turn2) - 3
+    held, _ = tier.best(other, len(other))
+    if options.get("kv") == "q8_0":  # the tier keeps the cache as stored
+        assert held.kv.k_LBSKDh.q.dtype == np.int8 and held.kv.v_LBSKDh.q.dtype == np.int8
     # and the second conversation, spilled by that restore, comes back too
     back = warm.generate(other + [44], **GREEDY)
     assert back.timings["cache_n"] == len(other) and tier.stats.hits == 2
