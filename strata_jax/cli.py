@@ -90,6 +90,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversation-cache-mib", default=0,
                    help="host RAM (MiB) for conversations whose KV-cache rows were taken by others: a prompt that "
                         "continues one prefills only its new tokens (default 0: none)")
+    p.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
+                   help="keep those conversations in DIR too, across restarts (checked against the model before "
+                        "reuse; default none)")
+    p.add_argument("--conversation-cache-disk-mib", default=8192,
+                   help="disk cap of --conversation-cache-dir in MiB (default 8192)")
     c = p.add_argument_group("expert cache (MoE models)")
     c.add_argument("--expert-slots", default=None,
                    help="total expert slots on the device (default: as many as the VRAM budget holds)")
@@ -129,7 +134,9 @@ def engine_config(args):
                                spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
                                rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
                                layer_scan=getattr(args, "layer_scan", "on"),
-                               conversation_cache_mib=getattr(args, "conversation_cache_mib", 0))
+                               conversation_cache_mib=getattr(args, "conversation_cache_mib", 0),
+                               conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
+                               conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192))
 
 
 # generate's sampling flags, by the name validate_sampling knows them by

@@ -54,6 +54,7 @@ FLAGS = {
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
     "layer_scan": "--layer-scan", "conversation_cache_mib": "--conversation-cache-mib",
+    "conversation_cache_dir": "--conversation-cache-dir", "conversation_cache_disk_mib": "--conversation-cache-disk-mib",
 }
 
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
@@ -127,6 +128,9 @@ class EngineConfig:
     layer_scan: str = "on"
     # host RAM for finished conversations whose rows were taken (engine/convcache.py), MiB; 0: none
     conversation_cache_mib: int = 0
+    # a folder keeping them across restarts (None: none), and its cap in MiB
+    conversation_cache_dir: str | None = None
+    conversation_cache_disk_mib: int = 8192
 
     def __post_init__(self):
         # a directly built config is checked too (keyword names in errors); create() normalized it already
@@ -378,6 +382,21 @@ def _prefetch(value: Any, name: str, text: bool) -> int:
     return _int(value, name, text, 0, "a depth >= 0 (MoE layers ahead to prefetch; True/False mean 1/0)")
 
 
+def _folder(value: Any, name: str) -> str:
+    """A folder that exists or can be made, and is writable."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise _bad(name, value, "a folder path")
+    path = os.fspath(value)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{_show(name, value)} is invalid: cannot create the folder ({e.strerror}); give a "
+                          "writable folder.") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"{_show(name, value)} is invalid: the folder is not writable; give a writable folder.")
+    return path
+
+
 def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise _bad(name, value, " or ".join(map(repr, choices)))
@@ -439,6 +458,9 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "spec_max": lambda v: _int(v, n("spec_max"), text, 1, "a positive integer (drafted tokens per verify pass)"),
         "conversation_cache_mib": lambda v: _int(v, n("conversation_cache_mib"), text, 0, "an integer >= 0 (MiB of "
                                                  "host RAM for conversations whose KV-cache rows were taken; 0: none)"),
+        "conversation_cache_dir": lambda v: v if v is None else _folder(v, n("conversation_cache_dir")),
+        "conversation_cache_disk_mib": lambda v: _int(v, n("conversation_cache_disk_mib"), text, 1, "a positive "
+                                                      "integer (MiB of disk for saved conversations)"),
         "record_routing": lambda v: _bool(v, n("record_routing")),
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),

@@ -24,13 +24,14 @@ from strata_jax import runtime
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
-from strata_jax.engine.convcache import HostTier
+from strata_jax.engine.convcache import ConversationCache, DiskTier, HostTier, identity
 from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertSpec
 from strata_jax.model.config import ModelConfig, with_rope_scaling
+from strata_jax.model.forward import KVCache
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
@@ -79,6 +80,19 @@ def ple_placement(choice: str, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_byt
     if not resident:
         return "host", "auto: the experts are offloaded"
     return "device", "auto: it fits beside every expert"
+
+
+def _conversation_cache(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, ctx: int, dtype) \
+        -> ConversationCache | None:
+    """The conversation cache's tiers the config asks for (engine/convcache.py), or None."""
+    ram = HostTier(config.conversation_cache_mib << 20) if config.conversation_cache_mib else None
+    disk = None
+    if config.conversation_cache_dir is not None:
+        ident = identity(gguf.fingerprint(), kv=config.kv, dtype=jnp.dtype(dtype).name, rope=[
+            config.rope_scaling, config.rope_scale, config.yarn_orig_ctx])
+        row = jax.eval_shape(lambda: KVCache.zeros(cfg, 1, ctx, dtype, kv=config.kv))
+        disk = DiskTier(config.conversation_cache_dir, config.conversation_cache_disk_mib << 20, ident, row)
+    return ConversationCache(ram, disk) if ram is not None or disk is not None else None
 
 
 def _ple_placement(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, fixed_bytes: int,
@@ -214,8 +228,7 @@ class Model:
         self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
         self.kv = config.kv
         self.kernels = config.kernels
-        mib = config.conversation_cache_mib
-        self.conversation_tier = HostTier(mib << 20) if mib else None  # shared by this model's sessions
+        self.conversation_cache = _conversation_cache(config, gguf, cfg, self.ctx, self.dtype)  # shared by sessions
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:

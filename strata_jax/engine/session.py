@@ -207,7 +207,7 @@ class Session:
         self.model, self.n_rows = model, n_rows
         self.decode_chunk = decode_chunk or model.decode_chunk
         self._decode = programs.decode_program(decode_xla_from_env())
-        self._tier = model.conversation_tier  # None: no host tier
+        self._conv = model.conversation_cache  # None: no conversation cache
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
         self._rows: programs.RowState | None = None
@@ -302,11 +302,11 @@ class Session:
             # a recurrent layer's state cannot be rewound: only a prompt that extends everything the row
             # holds (the next turn of its conversation) continues from it; the others prefill from 0
             n_cached = 0
-        if self._tier is not None and cache_prompt:
-            entry, n = self._tier.best(ids, len(ids) - 1)
+        if self._conv is not None and cache_prompt:
+            entry, n, tier = self._conv.best(ids, len(ids) - 1)
             if n > n_cached:
                 self._spill(row)
-                self._restore(row, entry, n)
+                self._restore(row, entry, n, tier)
                 n_cached = n
         max_tokens = min(max_tokens, m.ctx - len(ids))
         mode = SamplingMode.of(dict(temperature=temperature, **penalties), n_top is not None)
@@ -629,17 +629,17 @@ class Session:
     def _spill(self, row: int) -> None:
         """Before the content of a free row is overwritten: its conversation to the host tier."""
         held = self._cached[row]
-        if self._tier is not None and held and self._kv is not None:
-            self._tier.spill(held, lambda: _take_row(self._kv, np.int32(row)), self.model.config.has_recurrent_state)
+        if self._conv is not None and held and self._kv is not None:
+            self._conv.spill(held, lambda: _take_row(self._kv, np.int32(row)), self.model.config.has_recurrent_state)
 
-    def _restore(self, row: int, entry, n: int) -> None:
-        """Put a host-tier conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
+    def _restore(self, row: int, entry, n: int, tier: str) -> None:
+        """Put a cached conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
         m = self.model
         kv, self._kv = self._kv_now(), None
         self._kv = _put_row(kv, np.int32(row), jax.device_put(padded(entry, m.ctx), m.device))
         self._cached[row] = list(entry.tokens)
-        self._tier.restored(n)
-        log.debug("conversation cache: %d of %d tokens back from host RAM into row %d", n, len(entry.tokens), row)
+        self._conv.restored(tier, n)
+        log.debug("conversation cache: %d of %d tokens back from %s into row %d", n, len(entry.tokens), tier, row)
 
     def _pick_row(self, ids: list[int], cache_prompt: bool) -> int:
         free = [r for r in range(self.n_rows) if self._reqs[r] is None]

@@ -424,9 +424,9 @@ class Engine:
         self.snapshot = self.telemetry.snapshot(stats=st, memory=memory, kv_tokens=session.tokens_held(),
                                                 ctx=m.ctx * self.parallel, queue_depth=self.queue_depth,
                                                 processing=self.processing, parallel=self.parallel)
-        tier = getattr(m, "conversation_tier", None)
-        if tier is not None:
-            self.snapshot["conversation"] = tier.summary()
+        conv = getattr(m, "conversation_cache", None)
+        if conv is not None:
+            self.snapshot["conversation"] = conv.summary()
 
     def _fail_pending(self) -> None:
         while True:

@@ -54,9 +54,9 @@ class Metrics:
         self.expert_misses = Gauge(p + "expert_cache_misses", "Expert-cache misses since load (MoE)", registry=r)
         self.expert_bytes = Gauge(p + "expert_cache_bytes_h2d", "Expert bytes copied host->device since load (MoE)",
                                   registry=r)
-        self.conversation = Gauge(p + "conversation_cache", "Conversation cache, host RAM tier "
-                                  "(--conversation-cache-mib): spills, hits (restores), tokens_restored, evictions, "
-                                  "refused, entries, bytes, capacity, since load", ["what"], registry=r)
+        self.conversation = Gauge(p + "conversation_cache", "Conversation cache "
+                                  "per tier (ram_, disk_): spills, hits (restores), tokens_restored, evictions, refused, "
+                                  "entries, bytes, capacity, since load", ["what"], registry=r)
         self.device_memory = Gauge(p + "device_memory_bytes", "Device memory by use: dense weights, expert slots, "
                                    "KV cache", ["use"], registry=r)
 
