@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from strata_jax.core.errors import StrataError
 
@@ -272,6 +273,58 @@ def _cmd_pull(args) -> int:
     return 0
 
 
+def _cmd_trace_record(args) -> int:
+    import strata_jax
+    from strata_jax.offload.traces import save_trace
+
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise StrataError(f"no prompts file at {path}: give a text file with one prompt per line.")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise StrataError(f"{path} has no prompts: write one per line.")
+    config = engine_config(args).replace(record_routing=True)
+    model = strata_jax.load(resolve_model(args.model), config)
+    if not model.config.is_moe:
+        raise StrataError(f"{model.config.arch} is a dense model: it routes no experts, there is nothing to trace.")
+    rows = []
+    for i, text in enumerate(prompts):
+        start = len(model.routing_trace())
+        prompt = text if args.raw else [{"role": "user", "content": text}]
+        out = model.generate(prompt, max_tokens=args.max_tokens, temperature=0, cache_prompt=False)
+        n = len(model.routing_trace()) - start
+        rows.append({"name": f"prompt{i}", "text": text, "start": start, "prefill": n - len(out.token_ids) + 1,
+                     "decode": len(out.token_ids) - 1})
+    trace = model.routing_trace()
+    save_trace(args.out, trace, model=Path(model.gguf.shard_paths[0]).name, fingerprint=model.gguf.fingerprint(),
+               experts=model.config.n_experts, prompts=rows)
+    print(f"{args.out}: {trace.shape[0]} tokens x {trace.shape[1]} MoE layers x top-{trace.shape[2]}, "
+          f"{len(rows)} prompts")
+    return 0
+
+
+def _cmd_trace_report(args) -> int:
+    import json
+
+    from strata_jax.offload import analysis
+    from strata_jax.offload.traces import read_trace
+
+    trace, meta = read_trace(args.trace, args.prompt)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    r = analysis.report(trace, fractions, per_layer=args.per_layer, n_experts=meta.get("experts"))
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(analysis.format_report(r))
+    if args.plots:
+        try:
+            files = analysis.plot_report(trace, r, args.plots)
+        except ImportError:
+            raise StrataError("plots need matplotlib: pip install 'strata-jax[research]'") from None
+        print("plots: " + ", ".join(files), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata-jax", description="MoE inference beyond GPU memory, from GGUF, in JAX.")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
@@ -357,6 +410,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="new requests after a dropped or short transfer, per file (default 5)")
     pl.set_defaults(func=_cmd_pull)
     sub.add_parser("bench", help="offload benchmark on a synthetic MoE (strata-jax bench --help)", add_help=False)
+    tr = sub.add_parser("trace", help="record a model's expert routing, or report what a trace says about caching")
+    trs = tr.add_subparsers(dest="trace_command", required=True)
+    rec = trs.add_parser("record", help="generate greedily from each prompt of a file and save the routed experts "
+                                        "of every token (strata_jax/offload/traces.py)")
+    _add_engine_options(rec)
+    rec.add_argument("--prompts", required=True, help="a text file, one prompt per line (a user turn through the "
+                                                      "chat template, or raw with --raw)")
+    rec.add_argument("--raw", action="store_true", help="complete each line as is, without the chat template")
+    rec.add_argument("--max-tokens", "-n", type=_positive_int("--max-tokens"), default=64,
+                     help="tokens generated per prompt (default 64)")
+    rec.add_argument("--out", required=True, help="the trace file to write (.npz)")
+    rec.set_defaults(func=_cmd_trace_record)
+    rep = trs.add_parser("report", help="per-layer popularity, reuse distance, next-token overlap, and every cache "
+                                        "policy's hit rate against Belady's optimum")
+    rep.add_argument("trace", help="a trace from `trace record` (.npz) or a shared JSON trace")
+    rep.add_argument("--prompt", default=None, help="only this prompt of the trace")
+    rep.add_argument("--fractions", default="0.125,0.25,0.5",
+                     help="cache sizes as shares of all experts (default 0.125,0.25,0.5)")
+    rep.add_argument("--per-layer", action="store_true", help="a cache per layer instead of one shared cache")
+    rep.add_argument("--plots", default=None, metavar="DIR", help="also write PNG plots there (needs matplotlib)")
+    rep.add_argument("--json", action="store_true", help="print the report as JSON")
+    rep.set_defaults(func=_cmd_trace_report)
     return parser
 
 
