@@ -360,8 +360,9 @@ def test_prefetch_is_refused_for_qwen4exp():
 def test_next_turn_continues_the_recurrent_state():
     """A recurrent state cannot be rewound, but a prompt that extends everything a row holds (the next turn
     of its conversation) continues from it: qtiny's turn 2 prefills only its new tokens (cache_n) and gives
-    a cold run's tokens and logprobs. A turn that ended on a stop string (calls may have run the row past
-    it) and a prompt that diverges inside the cached tokens prefill from 0."""
+    a cold run's tokens and logprobs. A prompt that diverges inside the last prompt prefills from 0; one
+    that extends the last prompt but not the reply (a turn that ended on a stop string, calls having run
+    the row past it; a re-rendered reply) continues from the state kept at the prompt's end."""
     import strata_jax
     from strata_jax.bench.shapes import synthetic_model_path
 
@@ -381,5 +382,13 @@ def test_next_turn_continues_the_recurrent_state():
     assert text and text not in warm.tokenizer.decode(full.token_ids[:4])
     stopped = warm.generate([20, 21, 22], max_tokens=16, temperature=0, stop=text)
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
-    nxt = [20, 21, 22] + full.token_ids[:8] + [11]  # extends what the row ran, whatever it kept
-    assert warm.generate(nxt, **greedy).timings["cache_n"] == 0
+    # the row ran past what it kept, but its state at the end of the prompt was kept: the next turn
+    # continues from there, and gives a cold run's tokens
+    nxt = [20, 21, 22] + full.token_ids[:8] + [11]
+    a, b = warm.generate(nxt, **greedy), cold.generate(nxt, cache_prompt=False, **greedy)
+    assert a.timings["cache_n"] == 3 and a.token_ids == b.token_ids
+    np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-4)
+    # a client that re-renders the last reply differently: everything up to that reply is reused
+    rerendered = nxt + a.token_ids[:2][::-1] + [30, 31]
+    c, d = warm.generate(rerendered, **greedy), cold.generate(rerendered, cache_prompt=False, **greedy)
+    assert c.timings["cache_n"] == len(nxt) and c.token_ids == d.token_ids

@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,10 @@ QUEUED = 2  # decode calls in flight: the one the host waits for and one queued 
 
 _take_row = jax.jit(lambda kv, row: kv.take_row(row))  # a row's cache, to spill it
 _put_row = jax.jit(lambda kv, row, one: kv.put_row(row, one), donate_argnums=0)  # in place
+_take_rec = jax.jit(lambda kv, row: kv.take_row(row).rec)  # a row's recurrent state
+_put_rec = jax.jit(lambda kv, row, rec: dataclasses.replace(kv, rec=jax.tree.map(  # only the state, in place
+    lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), row, axis=1), kv.rec, rec)),
+    donate_argnums=0)
 
 
 def attn_bucket(end: int, ctx: int) -> int:
@@ -213,6 +218,9 @@ class Session:
         self._rows: programs.RowState | None = None
         self._reqs: list[_Request | None] = [None] * n_rows
         self._cached: list[list[int]] = [[] for _ in range(n_rows)]  # a free row's tokens, from position 0
+        # recurrent models: each row's state at the end of its last prompt (tokens, host copy of the row's
+        # recurrent state), valid while the row's cache below that position is untouched
+        self._snaps: list[tuple[tuple[int, ...], Any] | None] = [None] * n_rows
         self._used = [0] * n_rows  # last use, for least-recently-used choice
         self._clock = 0
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -300,8 +308,16 @@ class Session:
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
         if m.config.has_recurrent_state and n_cached < len(self._cached[row]):
             # a recurrent layer's state cannot be rewound: only a prompt that extends everything the row
-            # holds (the next turn of its conversation) continues from it; the others prefill from 0
+            # holds (the next turn of its conversation) continues from it, or one that extends the row's
+            # last prompt (its state was kept at that point: a client that re-renders the last reply, a
+            # turn that ended on a stop string); the others prefill from 0
             n_cached = 0
+        snap = self._snaps[row] if m.config.has_recurrent_state and cache_prompt else None
+        if snap is not None and n_cached < len(snap[0]) == common_prefix(ids, snap[0]) < len(ids):
+            self._spill(row)
+            self._kv = _put_rec(self._kv, np.int32(row), jax.device_put(snap[1], m.device))
+            self._cached[row] = list(snap[0])
+            n_cached = len(snap[0])
         if self._conv is not None and cache_prompt:
             entry, n, tier = self._conv.best(ids, len(ids) - 1)
             if n > n_cached:
@@ -319,6 +335,8 @@ class Session:
         t0 = time.perf_counter()
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
+        if m.config.has_recurrent_state:
+            self._snaps[row] = (tuple(ids), jax.device_get(_take_rec(self._kv, np.int32(row))))
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
@@ -413,6 +431,7 @@ class Session:
         self._spill(dst)
         self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
         self._cached[dst] = list(q.ids)
+        self._snaps[dst] = None
         return dst
 
     def logits(self, ids: list[int]) -> np.ndarray:
@@ -557,8 +576,9 @@ class Session:
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
         last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
         m, pos, out, outs = self.model, start, None, []
-        if start < len(self._cached[row]):
+        if start < len(self._cached[row]) or self._snaps[row] is not None and start < len(self._snaps[row][0]):
             self._spill(row)
+            self._snaps[row] = None
         self._cached[row] = []  # being rewritten: nothing in it is reusable until the prefill returns
         while pos < len(ids):
             chunk = ids[pos: pos + m.prefill_chunk]
@@ -613,6 +633,7 @@ class Session:
                 self._kv, self._rows = kv, rows
             else:  # every row's cache is gone, and with it every request in flight
                 self._cached = [[] for _ in range(self.n_rows)]
+                self._snaps = [None] * self.n_rows
                 self._reqs = [None] * self.n_rows
                 self._pending.clear()
             raise
@@ -628,9 +649,13 @@ class Session:
 
     def _spill(self, row: int) -> None:
         """Before the content of a free row is overwritten: its conversation to the host tier."""
-        held = self._cached[row]
-        if self._conv is not None and held and self._kv is not None:
-            self._conv.spill(held, lambda: _take_row(self._kv, np.int32(row)), self.model.config.has_recurrent_state)
+        held, snap, kv = self._cached[row], self._snaps[row], self._kv
+        if self._conv is None or kv is None:
+            return
+        if held:
+            self._conv.spill(held, lambda: _take_row(kv, np.int32(row)), self.model.config.has_recurrent_state)
+        elif snap is not None:  # the row's state past its prompt is not usable, the state at its end is
+            self._conv.spill(snap[0], lambda: dataclasses.replace(_take_row(kv, np.int32(row)), rec=snap[1]), True)
 
     def _restore(self, row: int, entry, n: int, tier: str) -> None:
         """Put a cached conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
@@ -638,18 +663,25 @@ class Session:
         kv, self._kv = self._kv_now(), None
         self._kv = _put_row(kv, np.int32(row), jax.device_put(padded(entry, m.ctx), m.device))
         self._cached[row] = list(entry.tokens)
+        self._snaps[row] = None
         self._conv.restored(tier, n)
         log.debug("conversation cache: %d of %d tokens back from %s into row %d", n, len(entry.tokens), tier, row)
 
     def _pick_row(self, ids: list[int], cache_prompt: bool) -> int:
         free = [r for r in range(self.n_rows) if self._reqs[r] is None]
-        shared = {r: common_prefix(ids, self._cached[r]) if cache_prompt else 0 for r in free}
+        shared = {r: max(common_prefix(ids, self._cached[r]), self._snap_reuse(r, ids)) if cache_prompt else 0
+                  for r in free}
         by_reuse = lambda r: (shared[r], -self._used[r])  # noqa: E731 - ties go to the least recently used
         lossless = [r for r in free if shared[r] == len(self._cached[r])]  # taking it discards nothing
         if lossless:
             return max(lossless, key=by_reuse)
         best = max(free, key=by_reuse)
         return best if shared[best] >= SIMILARITY * len(ids) else min(free, key=self._used.__getitem__)
+
+    def _snap_reuse(self, row: int, ids: list[int]) -> int:
+        """The tokens of ids the row's kept prompt-end state serves: all of that prompt if ids extends it."""
+        snap = self._snaps[row]
+        return len(snap[0]) if snap is not None and common_prefix(ids, snap[0]) == len(snap[0]) < len(ids) else 0
 
     def _touch(self, row: int) -> None:
         self._clock += 1
