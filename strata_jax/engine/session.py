@@ -69,7 +69,7 @@ log = logging.getLogger("strata_jax")
 
 SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
 MIN_ATTN_BUCKET = 256  # static attention spans are powers of two from here
-ATTN_BLOCK = 1024  # cache positions per step of the blocked attention loop (model/layers.py attend_blocked)
+ATTN_BLOCK = 1024  # cache positions per step of blocked attention (model/layers/attention.py attend_blocked)
 DECODE_STATIC_SPAN = 4096  # decode reads static spans up to here (no loop in a short step), then blocks
 QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
 
