@@ -12,8 +12,8 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.engine import programs
 from strata_jax.engine import session as session_mod
-from strata_jax.model import decode as programs
 from strata_jax.model.layers.attention import attend, attend_blocked
 
 SPEC = SyntheticSpec(arch="qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,

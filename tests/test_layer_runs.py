@@ -194,8 +194,8 @@ def test_kv_cache_leaves_do_not_grow_with_layers(tmp_path):
 
     from strata_jax.bench.shapes import SHAPES
     from strata_jax.core.experts import split_provider
-    from strata_jax.model import decode as programs
-    from strata_jax.model.sampling import GREEDY, REPEAT_WINDOW
+    from strata_jax.engine import programs
+    from strata_jax.engine.sampling import GREEDY, REPEAT_WINDOW
 
     leaves, args = {}, {}
     for n in (4, 48):
