@@ -1,7 +1,9 @@
 """The whole-model forward pass of every architecture: one pure function, jitted per (batch, token-bucket)
 shape. embed (+ hyper-connection streams) -> blocks -> head, a block being PLE where the layer has it, a
 token mixer (attention, MLA, gated attention with QSA, or gated DeltaNet) and a MoE block or MLP, each
-behind a pre-norm residual or a hyper-connection mix.
+behind a pre-norm residual or a hyper-connection mix. Each layer kind is a module of model/layers/
+(basic.py: the norms, projections, MLP and head they share); the hybrid family's per-layer params and
+state are in model/hybrid.py. The programs that jit this function, and sampling, are in engine/.
 
 Every layer runs inside one program (no Python between layers, no host sync inside a step): alike
 layers as one scanned body over their stacked params (model/runs.py), the others unrolled. The KV cache
