@@ -86,7 +86,7 @@ pipeline() {
   note "pipeline: done"
 }
 
-# PART=2 (after the few-query attention change, model/layers.py FEW_QUERIES): which loop-dependent
+# PART=2 (after the few-query attention change, model/layers/attention.py FEW_QUERIES): which loop-dependent
 # dynamic-slice fusions are left (B30's optimized decode HLO, each with its ops' metadata), B30 host ms per
 # step scan on / off, the store's load (preadv), qseed's cold start and bench under the defaults
 dsf_sources() {  # dsf_sources DUMP_DIR: the dynamic-slice fusions of the optimized modules, with metadata

@@ -1,4 +1,4 @@
-"""Rows of a pinned-host table gathered inside jit: XLA host compute (what model/ple.py does) against one
+"""Rows of a pinned-host table gathered inside jit: XLA host compute (what model/layers/ple.py does) against one
 DMA per row (offload/fetch.py's pattern). Run on the GPU machine: `python3 benchmarks/ple_host_gather.py`.
 Figures in docs/benchmarks.md ("PLE n-gram table in host memory")."""
 

@@ -147,7 +147,7 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "
 def check_generate_flags(args) -> None:
     """generate's sampling and length flags, checked before the model loads."""
     from strata_jax.core.errors import ConfigError
-    from strata_jax.model.sampling import validate_sampling
+    from strata_jax.engine.sampling import validate_sampling
 
     validate_sampling(names=SAMPLING_FLAGS, **{k: getattr(args, k) for k in SAMPLING_FLAGS})
     if args.max_tokens is not None and args.max_tokens < 1:

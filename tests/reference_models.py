@@ -997,7 +997,7 @@ def hf_logits(hf_dir, token_ids: list[int]) -> np.ndarray:
 @contextlib.contextmanager
 def qsa_ties_to_lowest_block():
     """transformers' QSA indexer with equal block scores resolved to the lowest block, as strata_jax's
-    model/qsa.py does. Its relu'd scores are often exactly equal (0, every head negative: common with
+    model/layers/qsa.py does. Its relu'd scores are often exactly equal (0, every head negative: common with
     a tiny indexer), and torch.topk picks among equals as it likes (seen: block 2 of tied 0, 1, 2), so
     without this the reference's selection is arbitrary wherever the budget cuts through a tie. A
     stable descending sort is that top-k with the tie rule defined; only the indexer's top-k is

@@ -1,4 +1,4 @@
-"""Attention in fixed KV blocks with a run-time trip count (model/layers.py attend_blocked): the same
+"""Attention in fixed KV blocks with a run-time trip count (model/layers/attention.py attend_blocked): the same
 result as the static span (float32, within rounding), extra masked blocks change nothing bit for bit, the
 loop stops at the furthest position, and the engine's programs do not multiply with prompt length."""
 
@@ -12,9 +12,9 @@ import pytest
 import strata_jax
 from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.engine import programs
 from strata_jax.engine import session as session_mod
-from strata_jax.model import decode as programs
-from strata_jax.model.layers import attend, attend_blocked
+from strata_jax.model.layers.attention import attend, attend_blocked
 
 SPEC = SyntheticSpec(arch="qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                      vocab_size=320, context_length=16384, qtype="F32", seed=11)

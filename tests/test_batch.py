@@ -11,7 +11,7 @@ from conftest import count_compiles
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.core.errors import ConfigError
 from strata_jax.engine.session import Session
-from strata_jax.model import decode as programs
+from strata_jax.engine import programs
 
 # 8 experts top-2: up to 4 rows take the few-token MoE path
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,

@@ -20,8 +20,8 @@ from llguidance.numpy import apply_token_bitmask_inplace  # noqa: E402
 import strata_jax  # noqa: E402
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 from strata_jax.engine.constrained import Constraint, llg_tokenizer, request_grammar  # noqa: E402
+from strata_jax.engine.sampling import apply_mask  # noqa: E402
 from strata_jax.engine.session import Session  # noqa: E402
-from strata_jax.model.sampling import apply_mask  # noqa: E402
 from strata_jax.serving.app import create_app  # noqa: E402
 from strata_jax.serving.engine import Engine  # noqa: E402
 

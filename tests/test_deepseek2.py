@@ -165,7 +165,7 @@ def test_kv_cache_holds_the_latent():
 
 
 def test_auto_form_is_absorbed_for_decode_naive_for_long_chunks():
-    from strata_jax.model import mla
+    from strata_jax.model.layers import mla
 
     m = _engine()
     d = m.config.mla
@@ -338,7 +338,7 @@ def test_route_matches_transformers_router():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from strata_jax.model.moe import route
+    from strata_jax.model.layers.moe import route
 
     E, D, k, N = 16, 64, 4, 64
     router = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=k,
@@ -397,8 +397,8 @@ def test_each_feature_matters(feature):
     assert _rel_err(_forward(m, ids), ref).max() < REL_TOL
     cfg = cfg_change(m.config) if cfg_change else m.config
     if feature == "YaRN frequencies":
-        from strata_jax.model.layers import rope_freqs
-        from strata_jax.model.mla import kq_scale
+        from strata_jax.model.layers.attention import rope_freqs
+        from strata_jax.model.layers.mla import kq_scale
 
         n = cfg.rope_dim
         np.testing.assert_allclose(np.asarray(rope_freqs(cfg)[0]), cfg.rope_theta ** (-np.arange(0, n, 2) / n), rtol=1e-6)

@@ -1,4 +1,4 @@
-"""model/deltanet.py against transformers' Qwen4ExpTextGatedDeltaNet (torch fp32, seeded random weights),
+"""model/layers/deltanet.py against transformers' Qwen4ExpTextGatedDeltaNet (torch fp32, seeded random weights),
 its weights put in the GGUF layout the way llama.cpp's converter does (`gguf_tensors`; the slow test
 checks that mapping against the converter's own modify_tensors). Covers: one prefill, a sequence fed
 in chunks, decode steps, bucket padding, rows of different lengths in one batch, a GGUF file (f32 and
@@ -23,8 +23,8 @@ from gguf import quants as gq
 from conftest import count_compiles
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.reader import GGUFFile, metadata_view
-from strata_jax.model import deltanet
-from strata_jax.model.deltanet import DeltaNetParams, DeltaNetState
+from strata_jax.model.layers import deltanet
+from strata_jax.model.layers.deltanet import DeltaNetParams, DeltaNetState
 from strata_jax.model.dims import DeltaNetDims
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.weights import WeightLoader

@@ -113,7 +113,7 @@ def test_route_matches_transformers_router(groups):
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
     from strata_jax.model.config import ModelConfig
-    from strata_jax.model.moe import route
+    from strata_jax.model.layers.moe import route
 
     E, D, k, N = 16, 32, 4, 64
     hf_cfg = Glm4MoeConfig(hidden_size=D, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,

@@ -185,7 +185,7 @@ def test_yarn_frequencies_match_transformers():
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from strata_jax.model.layers import rope_freqs
+    from strata_jax.model.layers.attention import rope_freqs
 
     tm = gptoss_model("f32")
     _, cfg, _, _, _ = _load(tm)
@@ -226,7 +226,7 @@ def test_grouped_prefill_equals_dense():
     experts; without the biases it is far from it."""
     import jax.numpy as jnp
 
-    from strata_jax.model.moe import _experts_dense, _experts_grouped, route
+    from strata_jax.model.layers.moe import _experts_dense, _experts_grouped, route
 
     m = _resident()
     cfg, p = m.config, runs.layers_of(m.params.layers)[0].moe

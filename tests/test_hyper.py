@@ -1,4 +1,4 @@
-"""qwen4exp hyper-connections (strata_jax/model/hyper.py) against transformers' Qwen4ExpTextGatedResidual
+"""qwen4exp hyper-connections (strata_jax/model/layers/hyper.py) against transformers' Qwen4ExpTextGatedResidual
 and Qwen4ExpTextDecoderLayer (torch fp32, random weights), with the tensors mapped to the GGUF layout the
 way llama.cpp's converter does."""
 
@@ -20,8 +20,8 @@ from transformers.models.qwen4_exp.modular_qwen4_exp import (Qwen4ExpTextConfig,
 from strata_jax.core.errors import TensorShapeError
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.reader import metadata_view
-from strata_jax.model import hyper
-from strata_jax.model.hyper import HyperDims, HyperParams, LayerHyper
+from strata_jax.model.layers import hyper
+from strata_jax.model.layers.hyper import HyperDims, HyperParams, LayerHyper
 from strata_jax.model.kernels import Kernels
 
 D, HC, RANK = 64, 3, 32

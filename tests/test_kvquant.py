@@ -29,7 +29,7 @@ from strata_jax.engine.session import Session
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model import kvquant, memory
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.layers import attend
+from strata_jax.model.layers.attention import attend
 from strata_jax.offload.sizing import CTX_STEP
 
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}

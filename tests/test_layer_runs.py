@@ -194,8 +194,8 @@ def test_kv_cache_leaves_do_not_grow_with_layers(tmp_path):
 
     from strata_jax.bench.shapes import SHAPES
     from strata_jax.core.experts import split_provider
-    from strata_jax.model import decode as programs
-    from strata_jax.model.sampling import GREEDY, REPEAT_WINDOW
+    from strata_jax.engine import programs
+    from strata_jax.engine.sampling import GREEDY, REPEAT_WINDOW
 
     leaves, args = {}, {}
     for n in (4, 48):
@@ -253,8 +253,8 @@ def _products_of_sliced_operands(jaxpr, in_scan=False, xs=frozenset()) -> list[s
 def test_decode_scan_has_no_product_of_a_sliced_operand(tmp_path, shape, slots):
     """The decode step's layer scan (a qwen3moe and qwen4exp at 8 layers, bfloat16 as on a GPU, resident
     and offloaded) reads its layer's weights, KV cache and recurrent state by traced index without feeding
-    any of those slices straight into a matrix product (model/layers.py FEW_QUERIES: before it, attention's
-    two einsums over the sliced KV cache did)."""
+    any of those slices straight into a matrix product (model/layers/attention.py FEW_QUERIES: before it,
+    attention's two einsums over the sliced KV cache did)."""
     import dataclasses
 
     from strata_jax.bench.shapes import SHAPES

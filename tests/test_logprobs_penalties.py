@@ -16,8 +16,8 @@ import strata_jax
 from conftest import count_compiles
 from strata_jax.core.errors import ConfigError
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
-from strata_jax.model import decode as programs
-from strata_jax.model.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams,
+from strata_jax.engine import programs
+from strata_jax.engine.sampling import (REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode, SamplingParams,
                                        penalize, sample)
 from strata_jax.serving import protocol
 

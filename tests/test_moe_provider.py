@@ -17,7 +17,7 @@ from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.forward import KVCache, forward
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.moe import moe_block
+from strata_jax.model.layers.moe import moe_block
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.model.weights import WeightLoader, expert_infos, expert_spec, load_params
 

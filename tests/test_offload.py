@@ -302,7 +302,7 @@ def test_grouped_prefill_equals_dense(moe_path):
     product computes, on the real slot pool of a loaded model."""
     import jax.numpy as jnp
 
-    from strata_jax.model import moe
+    from strata_jax.model.layers import moe
     from strata_jax.model.kernels import Kernels
 
     m = strata_jax.load(moe_path, ctx=128)

@@ -1,4 +1,4 @@
-"""strata_jax/model/ple.py against transformers' qwen4_exp PLE (torch fp32): exact n-gram row indices at
+"""strata_jax/model/layers/ple.py against transformers' qwen4_exp PLE (torch fp32): exact n-gram row indices at
 the real model's hash scale, the layer's output on random weights mapped to the GGUF layout the way
 llama.cpp's converter maps them, chunked / decode / padding properties, and both table placements."""
 
@@ -22,7 +22,7 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
 from strata_jax.core.qtensor import QTensor
-from strata_jax.model import ple
+from strata_jax.model.layers import ple
 from strata_jax.model.dims import PLEDims
 from strata_jax.model.kernels import Kernels
 

@@ -1,4 +1,4 @@
-"""qwen4exp QSA token indexer (strata_jax/model/qsa.py) against transformers' Qwen4ExpTextQSAIndexer
+"""qwen4exp QSA token indexer (strata_jax/model/layers/qsa.py) against transformers' Qwen4ExpTextQSAIndexer
 (torch fp32, random weights), with the tensors mapped to the GGUF layout the way llama.cpp's converter
 does: the selection mask, the attention output under it (a plain reference attention here), the dense
 case, and that prefill, chunked prefill with bucket padding and decode agree."""
@@ -20,10 +20,10 @@ from transformers.models.qwen4_exp.modular_qwen4_exp import (Qwen4ExpTextConfig,
 
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf.reader import metadata_view
-from strata_jax.model import qsa
+from strata_jax.model.layers import qsa
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.dims import QSADims
-from strata_jax.model.qsa import QSAParams, QSAState
+from strata_jax.model.layers.qsa import QSAParams, QSAState
 
 D, HI, DI, R, BUDGET = 64, 8, 32, 4, 12  # 3 blocks of 4 positions per query
 HEAD_DIM, ROPE_FACTOR, THETA, EPS = 32, 0.5, 10000.0, 1e-6

@@ -81,7 +81,7 @@ def test_gated_attention_matches_transformers():
     from transformers import AutoModelForCausalLM
 
     from strata_jax.model.kernels import Kernels
-    from strata_jax.model.layers import gated_attention
+    from strata_jax.model.layers.attention import gated_attention
 
     tm = qwen4exp_model("dense")
     g, cfg, loader, params, spec = _load(tm)
@@ -198,8 +198,9 @@ def test_config_holds_the_layers_dims(variant):
     """ModelConfig holds the layer modules' own dims (one reader each, model/dims.py): the model-wide
     values they copy agree with the config's, the compress ratio is each layer's, the PLE row width is
     the table's, and the config stays hashable (a static jit argument)."""
-    from strata_jax.model import deltanet, hybrid, ple, qsa
+    from strata_jax.model import hybrid
     from strata_jax.model.config import ModelConfig
+    from strata_jax.model.layers import deltanet, ple, qsa
 
     g = GGUFFile(qwen4exp_model(variant).gguf_path)
     cfg = ModelConfig.from_gguf(g)
@@ -275,7 +276,7 @@ def test_qsa_selection_matches_transformers(variant):
     transformers. Where the budget cuts the block ranking, the last kept and first dropped scores are
     either exactly equal, both 0 (relu'd: every index head negative), or apart by more than float
     error. An exact tie is the only freedom: torch.topk picks among equals as it likes (not always
-    the lowest block), so the reference breaks ties to the lowest block as model/qsa.py does, and
+    the lowest block), so the reference breaks ties to the lowest block as model/layers/qsa.py does, and
     unpatched transformers is matched at every position before the first tie a cut goes through."""
     tm = qwen4exp_model(variant)
     ids = _ids(tm, SWEEP_TOKENS)

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import strata_jax
-import strata_jax.model.decode as programs
+import strata_jax.engine.programs as programs
 from strata_jax.dev.synthetic import write_synthetic_gguf
 from strata_jax.engine.session import Session
 from strata_jax.serving.engine import Engine, Job

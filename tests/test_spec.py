@@ -26,8 +26,8 @@ from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 from strata_jax.engine import lookup
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.lookup import Acceptance, lookup_draft
+from strata_jax.engine.sampling import REPEAT_WINDOW, PenaltyState, SamplingMode, SamplingParams, accept_drafts
 from strata_jax.engine.session import Session
-from strata_jax.model.sampling import REPEAT_WINDOW, PenaltyState, SamplingMode, SamplingParams, accept_drafts
 from strata_jax.serving.app import create_app
 from strata_jax.serving.engine import Engine
 

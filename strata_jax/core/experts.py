@@ -178,7 +178,7 @@ def n_distinct(ids_Nk: jax.Array) -> jax.Array:
 
 
 class ExpertProvider(Protocol):
-    """Where the MoE block (strata_jax.model.moe.moe_block) gets routed experts. A pytree passed through
+    """Where the MoE block (strata_jax.model.layers.moe.moe_block) gets routed experts. A pytree passed through
     the jitted forward pass and returned updated (it is donated between steps); every method is traced
     inside jit, takes a static Python int for the MoE layer or, inside a scanned run of alike layers
     (model/runs.py), a core.layer_ref.LayerRef over layers with the same `layer_key`, and returns the

@@ -36,8 +36,8 @@ Cache policies, the trace simulator and the routing model (offload/policies.py, 
   Xn  cache sizes scored at once (slots per layer)
   Pf  coordinates of a fitted model (unconstrained)
 
-qwen4exp (hyper-connections: model/hyper.py; gated DeltaNet: model/deltanet.py; QSA: model/qsa.py;
-PLE: model/ple.py):
+qwen4exp (hyper-connections: model/layers/hyper.py; gated DeltaNet: model/layers/deltanet.py;
+QSA: model/layers/qsa.py; PLE: model/layers/ple.py):
   Hc  hyper-connection residual streams (hc_count)
   r   hyper-connection low rank
   Hk  linear-attention key heads
@@ -52,7 +52,7 @@ PLE: model/ple.py):
   Di  QSA indexer head dim
   Gp  PLE n-gram hash heads (table rows gathered per token)
 
-deepseek2 (multi-head latent attention: model/mla.py; its cache is one key "head" of Dh = Rk + Dr):
+deepseek2 (multi-head latent attention: model/layers/mla.py; its cache is one key "head" of Dh = Rk + Dr):
   Rq  query latent rank (q_lora_rank)
   Rk  key/value latent rank (kv_lora_rank)
   Dn  per-head key dims without rope

@@ -27,7 +27,7 @@ log = logging.getLogger("strata_jax")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLS = ("per-layer", "shared")  # strata_jax.offload.slot_table.POOLS
-PLE_TABLES = ("auto", "device", "host")  # where qwen4exp's PLE table lives (model/ple.py's memory kinds)
+PLE_TABLES = ("auto", "device", "host")  # where qwen4exp's PLE table lives (model/layers/ple.py's memory kinds)
 # ple_table="auto" keeps a table up to this size on the device (unless the experts are offloaded): the
 # real one (tens of GB) never fits beside an expert cache, a test model's (KBs) costs nothing there
 PLE_DEVICE_MAX = 1 << 30

@@ -5,7 +5,7 @@ A grammar is compiled to llguidance's form and validated (without a model) when 
 checked, so a bad schema or GBNF is refused before anything runs. The Session then keeps one
 `Constraint` per constrained request: its bitmask (int32 words, 32 tokens each: the device's
 `allowed_BVw`) is computed on the host after every token and applied to the logits on the device
-before sampling (model/sampling.py apply_mask). Where the grammar may end, the tokenizer's stop ids are
+before sampling (engine/sampling.py apply_mask). Where the grammar may end, the tokenizer's stop ids are
 allowed; once it can take nothing more the request ends with finish_reason "stop".
 
 llguidance is an optional dependency (the `constrained` extra); without it a constrained request is

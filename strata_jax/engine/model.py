@@ -45,7 +45,7 @@ from strata_jax.offload.sizing import ContextPlan, describe_context, device_free
 log = logging.getLogger("strata_jax")
 
 
-PLE_TABLE_NAME = "per_layer_token_embd.weight"  # model/ple.py's TABLE_NAME (imported only for qwen4exp)
+PLE_TABLE_NAME = "per_layer_token_embd.weight"  # model/layers/ple.py's TABLE_NAME (imported only for qwen4exp)
 
 
 def ple_surely_host(choice: str, gguf: GGUFFile, cfg: ModelConfig) -> bool:

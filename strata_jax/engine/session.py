@@ -1,4 +1,4 @@
-"""Session: B rows of KV cache and decode state over one Model, driving model/decode.py's two programs.
+"""Session: B rows of KV cache and decode state over one Model, driving engine/programs.py's two programs.
 
 `Model.generate_stream` is a one-row session; `serve --parallel N` runs one session of N rows. A
 request is admitted into a free row and prefilled there alone (its first token is sampled by the same
@@ -23,13 +23,13 @@ the batch routes to once, shared by all rows.
 A request with a grammar (engine/constrained.py) gets its next token's mask from the host after each
 sampled token: it joins a decode call only when its previous tokens have arrived, for the tokens the
 grammar forces (fed without sampling, up to a chunk) and one masked sampled step (a capped row in
-model/decode.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
+engine/programs.py), while the other rows keep their chunks, and while one runs no call is queued ahead;
 its first token is masked in the prefill.
 
 Speculative decoding (EngineConfig.spec "lookup" or "draft:PATH", one-row sessions): a request's step
 drafts up to spec_max tokens by prompt lookup (engine/lookup.py) or a draft model's greedy decode
 (engine/draft.py) and verifies them in one multi-token pass of its
-row (model/decode.py verify). Each position's token is drawn on the device as plain decode draws it
+row (engine/programs.py verify). Each position's token is drawn on the device as plain decode draws it
 (same processed distribution, penalties included, same key and step); drafts are accepted while they
 equal those draws, plus the token drawn after them. For a deterministic drafter that is speculative
 sampling's rejection rule (accept with probability p(d), else draw from the residual), so sampled
@@ -57,23 +57,22 @@ import numpy as np
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.core.units import fmt_bytes
-from strata_jax.model import decode as programs
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
-from strata_jax.model.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
-                                      SamplingParams, allowed_mask, validate_sampling)
-from strata_jax.engine import compiling
+from strata_jax.engine import compiling, programs
 from strata_jax.engine.config import MIN_PREFILL_CHUNK, decode_xla_from_env
 from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.convcache import common_prefix, padded
 from strata_jax.engine.lookup import Acceptance, lookup_draft
+from strata_jax.engine.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
+                                       SamplingParams, allowed_mask, validate_sampling)
 from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
 
 SIMILARITY = 0.5  # share of a prompt a row's cached prefix must cover to be chosen over the LRU row
 MIN_ATTN_BUCKET = 256  # static attention spans are powers of two from here
-ATTN_BLOCK = 1024  # cache positions per step of the blocked attention loop (model/layers.py attend_blocked)
+ATTN_BLOCK = 1024  # cache positions per step of blocked attention (model/layers/attention.py attend_blocked)
 DECODE_STATIC_SPAN = 4096  # decode reads static spans up to here (no loop in a short step), then blocks
 QUEUED = 2  # decode calls in flight: the one the host waits for and one queued behind it
 

@@ -16,8 +16,8 @@ from typing import Any
 
 @dataclasses.dataclass
 class TokenLogprob:
-    """A generated token's log-probability under the model (raw logits: see sampling.py) and the most
-    likely alternatives at its position."""
+    """A generated token's log-probability under the model (raw logits: see engine/sampling.py) and the
+    most likely alternatives at its position."""
 
     token_id: int
     logprob: float

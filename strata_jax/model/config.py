@@ -64,7 +64,7 @@ LINEAR, ATTENTION = "linear", "attention"  # layer kinds (ModelConfig.layer_kind
 
 @dataclasses.dataclass(frozen=True)
 class MLADims:
-    """Multi-head latent attention (deepseek2: model/mla.py), from the GGUF's attention.* keys: the query
+    """Multi-head latent attention (deepseek2: model/layers/mla.py), from the GGUF's attention.* keys: the query
     through a rank-q_lora_rank latent (0: one projection, attn_q), keys and values of every head through
     one rank-kv_lora_rank latent; per head nope_dim + rope_dim key dims (key_length_mla; only the
     rope_dim part is rotated, its key shared by all heads) and v_dim value dims (value_length_mla).
@@ -87,8 +87,8 @@ class RopeScaling:
     frequency divided by factor. kind "yarn": frequencies interpolated by 1 / factor below the original
     context's correction range, extrapolated above it (ramp over dims [beta_fast, beta_slow] rotations,
     ext_factor of the mix), and a magnitude (mscale) correction; log_mul: rope.scaling.yarn_log_multiplier
-    without the converter's 0.1 factor (HF's mscale_all_dim; 0: none). model/layers.py's rope_freqs and
-    attn_mscale are the formulas."""
+    without the converter's 0.1 factor (HF's mscale_all_dim; 0: none). model/layers/attention.py's
+    rope_freqs and attn_mscale are the formulas."""
 
     kind: str
     factor: float
@@ -134,7 +134,7 @@ class ModelConfig:
     expert_groups_used: int = 0
     ffn_norm_tensor: str = "ffn_norm"  # blk.N.{this}.weight normalises the FFN block's input
     # routed experts' activation: "silu" (silu(g) * u) or "swiglu_oai" (gpt-oss: g clamped above and u
-    # on both sides at swiglu_limit, g * sigmoid(swiglu_alpha g) * (u + 1); model/moe.py expert_glu)
+    # on both sides at swiglu_limit, g * sigmoid(swiglu_alpha g) * (u + 1); model/layers/moe.py expert_glu)
     expert_act: str = "silu"
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0

@@ -1,10 +1,10 @@
 """The hybrid layer kinds' dimensions, one class per kind, each with its one GGUF reader: gated DeltaNet
-(model/deltanet.py), the QSA indexer (model/qsa.py) and PLE (model/ple.py). ModelConfig holds these very
-objects (cfg.linear, cfg.qsa, cfg.ple) and the layers take them as they are.
+(model/layers/deltanet.py), the QSA indexer (model/layers/qsa.py) and PLE (model/layers/ple.py).
+ModelConfig holds these very objects (cfg.linear, cfg.qsa, cfg.ple) and the layers take them as they are.
 
-They live here, not in their layer modules, because config.py must import them and the layer modules
-import model/layers.py, which imports config.py: a cycle. Frozen and hashable (ModelConfig is a static
-jit argument); model-wide values a layer needs (d_model, rms_eps, rope) are copied in at read time.
+They live here, not in their layer modules, because config.py must import them and a layer module may
+import config.py (qsa.py through model/layers/attention.py): a cycle. Frozen and hashable (ModelConfig is
+a static jit argument); model-wide values a layer needs (d_model, rms_eps, rope) are copied in at read time.
 """
 
 from __future__ import annotations

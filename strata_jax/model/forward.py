@@ -1,7 +1,9 @@
 """The whole-model forward pass of every architecture: one pure function, jitted per (batch, token-bucket)
 shape. embed (+ hyper-connection streams) -> blocks -> head, a block being PLE where the layer has it, a
 token mixer (attention, MLA, gated attention with QSA, or gated DeltaNet) and a MoE block or MLP, each
-behind a pre-norm residual or a hyper-connection mix.
+behind a pre-norm residual or a hyper-connection mix. Each layer kind is a module of model/layers/
+(basic.py: the norms, projections, MLP and head they share); the hybrid family's per-layer params and
+state are in model/hybrid.py. The programs that jit this function, and sampling, are in engine/.
 
 Every layer runs inside one program (no Python between layers, no host sync inside a step): alike
 layers as one scanned body over their stacked params (model/runs.py), the others unrolled. The KV cache
@@ -23,11 +25,13 @@ from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertProvider
 from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import deltanet, hybrid, hyper, kvquant, mla, ple, qsa, runs
+from strata_jax.model import hybrid, kvquant, runs
+from strata_jax.model.layers import deltanet, hyper, mla, ple, qsa
 from strata_jax.model.kvquant import QuantKV
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import attention, gated_attention, lm_head, rms_norm, swiglu
-from strata_jax.model.moe import finish_routing, moe_block, route
+from strata_jax.model.layers.attention import attention, gated_attention
+from strata_jax.model.layers.basic import lm_head, rms_norm, swiglu
+from strata_jax.model.layers.moe import finish_routing, moe_block, route
 
 
 @struct.dataclass
@@ -55,7 +59,7 @@ class KVCache:
     kind (None otherwise, so other models' programs are what they were). K and V are each a plain array
     (kv type f16: the compute dtype) or a kvquant.QuantKV (q8_0, q4_0: quantized on write, dequantized
     where attention reads).
-    v_LBSKDh is None where the keys carry the values (deepseek2's latent cache, model/mla.py). All are
+    v_LBSKDh is None where the keys carry the values (deepseek2's latent cache, model/layers/mla.py). All are
     donated and updated in place by the two programs."""
 
     k_LBSKDh: jax.Array | QuantKV
@@ -122,7 +126,8 @@ def forward(
     attn_len (static): attention reads only the first attn_len cache positions; every position this
     step writes must lie below it.
     attn_block (static): attention runs over those positions in blocks of attn_block, as many as the
-    furthest position needs at run time (model/layers.py attend_blocked): one program for every span.
+    furthest position needs at run time (model/layers/attention.py attend_blocked): one program for
+    every span.
     forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
     (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
 

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core import layer_ref
-from strata_jax.model import deltanet, hyper, ple, qsa
 from strata_jax.model.config import ATTENTION, ModelConfig
+from strata_jax.model.layers import deltanet, hyper, ple, qsa
 
 
 @struct.dataclass
@@ -44,8 +44,8 @@ class HybridLayerParams:
     sub-blocks (and PLE before a few: HybridParams.ple); the others: the two pre-norms of a plain residual."""
 
     attn: GatedAttnParams | None
-    linear: Any  # model/deltanet.py's DeltaNetParams on linear layers, else None
-    hc: Any  # model/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
+    linear: Any  # model/layers/deltanet.py's DeltaNetParams on linear layers, else None
+    hc: Any  # model/layers/hyper.py's LayerHyper (hc_attn_*, hc_ffn_*): qwen4exp, else None
     moe: MoEParams | None
     mlp: MLPParams | None = None  # qwen35's dense SwiGLU
     attn_norm_D: jax.Array | None = None  # attn_norm (no hyper-connections)
@@ -60,7 +60,7 @@ class HybridParams:
     lm_head: QTensor  # [V, D]; the embedding when tied
     out_norm_D: jax.Array | None = None  # output_norm (no hyper-connections)
     nextn: tuple[NextNParams, ...] = ()  # MTP blocks (cfg.n_nextn_layers) the file has, not run
-    # qwen4exp: model/ple.py's PLEParams (the n-gram table included) per PLE layer (cfg.ple.layers order),
+    # qwen4exp: model/layers/ple.py's PLEParams (the n-gram table included) per PLE layer (cfg.ple.layers order),
     # kept out of the layers so a PLE layer stacks with its alike layers (the forward runs PLE before it)
     ple: tuple[Any, ...] = ()
 

@@ -19,10 +19,10 @@ class Kernels:
     # (GPU, K-quants, enough programs: qmatvec.use_kernel), "on" wherever it supports the type (on CPU
     # through Pallas' interpreter: tests), "off" never
     qmatvec: str = "auto"
-    # the prefill MoE formulation (model/moe.py): "dense" (every token through every expert, a scan over
+    # the prefill MoE formulation (model/layers/moe.py): "dense" (every token through every expert, a scan over
     # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)
     moe_prefill: str = "dense"
-    # deepseek2's latent attention (model/mla.py): "absorbed" (queries against the cached latents),
+    # deepseek2's latent attention (model/layers/mla.py): "absorbed" (queries against the cached latents),
     # "naive" (the latents expanded to every head's keys and values), or "auto": per step, the form with
     # fewer multiply-adds for its tokens per row (decode absorbed, long prefill chunks naive)
     mla: str = "auto"

@@ -27,11 +27,13 @@ from strata_jax.gguf import quant
 from strata_jax.gguf.reader import GGUFFile, TensorInfo
 from strata_jax.model.config import ATTENTION, ModelConfig
 from strata_jax.model.forward import LayerParams, Params
-from strata_jax.model import deltanet, hybrid, hyper, ple, qsa
+from strata_jax.model import hybrid
+from strata_jax.model.layers import deltanet, hyper, ple, qsa
 from strata_jax.model.hybrid import HybridLayerParams, HybridParams
-from strata_jax.model.layers import AttnParams, GatedAttnParams, MLPParams, Projections
-from strata_jax.model.mla import MLAParams
-from strata_jax.model.moe import MoEParams
+from strata_jax.model.layers.attention import AttnParams, GatedAttnParams
+from strata_jax.model.layers.basic import MLPParams, Projections
+from strata_jax.model.layers.mla import MLAParams
+from strata_jax.model.layers.moe import MoEParams
 
 log = logging.getLogger("strata_jax")
 
@@ -256,7 +258,7 @@ def _hybrid_nextn_block(loader: WeightLoader, p: str) -> HybridLayerParams:
 
 
 def load_hybrid_params(loader: WeightLoader, ple_table_memory: str = "device") -> HybridParams:
-    """The hybrid family's params (model/hybrid.py); the layer modules build their own (model/deltanet.py,
+    """The hybrid family's params (model/hybrid.py); the layer modules build their own (model/layers/deltanet.py,
     qsa.py, ple.py, hyper.py). ple_table_memory: where qwen4exp's per_layer_token_embd lives ("device",
     or "pinned_host": gathered on the host)."""
 

@@ -4,7 +4,7 @@
 loop whose trip count is the (traced) number of misses: at a high hit rate a step moves few bytes and
 pays no per-expert branch. Writes go into the donated slot pool, in place. `stream_layer` brings a
 whole layer's experts over at once (the grouped prefill); `stream_group` a group of consecutive
-experts (the dense prefill, one group per step of its scan: model/moe.py).
+experts (the dense prefill, one group per step of its scan: model/layers/moe.py).
 
 Each takes the store and a MoE layer: an int, or a LayerRef (traced inside a scanned run of layers:
 model/runs.py). The store stacks the layers of a row layout in one host array, so a traced layer is

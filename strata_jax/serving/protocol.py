@@ -21,9 +21,9 @@ from strata_jax.engine.constrained import request_grammar
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
 MAX_CHOICES = 16  # n: each choice holds a KV row while it runs (with --parallel 1 they run one after another)
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; model/sampling.py's TOP_LOGPROBS)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; engine/sampling.py's TOP_LOGPROBS)
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
-REPEAT_WINDOW = 256  # the longest repeat_last_n (model/sampling.py's REPEAT_WINDOW)
+REPEAT_WINDOW = 256  # the longest repeat_last_n (engine/sampling.py's REPEAT_WINDOW)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # set by the server itself, or parameter names of Model.prompt_tokens / apply_chat_template
 RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "prompt_or_messages", "self",

@@ -26,7 +26,7 @@ from flax import struct
 from strata_jax.core.errors import TensorShapeError
 from strata_jax.core.qtensor import QTensor
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import linear, rms_norm
+from strata_jax.model.layers.basic import linear, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,8 @@ from strata_jax.core.errors import TensorShapeError
 from strata_jax.core.qtensor import QTensor
 from strata_jax.model.dims import QSADims
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import linear, rms_norm, rope
+from strata_jax.model.layers.attention import rope
+from strata_jax.model.layers.basic import linear, rms_norm
 
 
 @struct.dataclass

@@ -26,12 +26,13 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model.config import MLADims, ModelConfig
 from strata_jax.model.kernels import Kernels
 from strata_jax.model import kvquant
-from strata_jax.model.layers import attend, attend_keys, attn_mscale, linear, project, rms_norm, rope
+from strata_jax.model.layers.attention import attend, attend_keys, attn_mscale, rope
+from strata_jax.model.layers.basic import linear, project, rms_norm
 
 
 @struct.dataclass
 class MLAParams:
-    """deepseek2's multi-head latent attention (model/mla.py; dims: ModelConfig.mla). `qkv_a` is the two
+    """deepseek2's multi-head latent attention (model/layers/mla.py; dims: ModelConfig.mla). `qkv_a` is the two
     products of the normed input: the query latent attn_q_a [Rq, D] (or, without one, the whole query
     attn_q [H*(Dn+Dr), D]) and attn_kv_a_mqa [Rk+Dr, D] (the kv latent, then the shared rope key)."""
 

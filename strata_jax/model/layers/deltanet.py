@@ -33,7 +33,7 @@ from flax import struct
 from strata_jax.core.qtensor import QTensor
 from strata_jax.model.dims import DeltaNetDims
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import linear, rms_norm
+from strata_jax.model.layers.basic import linear, rms_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence accumulates over the sequence: no TF32 products
 

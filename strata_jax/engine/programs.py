@@ -38,8 +38,8 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward, rewind
-from strata_jax.model.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts, next_token,
-                                      no_logprobs, token_logprobs)
+from strata_jax.engine.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts,
+                                       next_token, no_logprobs, token_logprobs)
 
 STEP_STATIC = ("cfg", "dtype", "kernels", "attn_len", "attn_block")  # both programs' static arguments
 STEP_DONATE = ("kv", "experts", "rows")  # and their donated state, updated in place

@@ -1,12 +1,15 @@
-"""Transformer blocks as pure functions: RMSNorm, RoPE, GQA attention over a KV cache, SwiGLU MLP.
+"""Attention as pure functions: RoPE (linear, YaRN), GQA attention over a KV cache (whole, or in blocks
+with a run-time trip count), gpt-oss's sliding window and sinks, and the hybrid family's gated attention.
+The shared pieces (projections, RMSNorm, linear) are in basic.py.
 
 Shape legend: strata_jax/core/shapes.py
-Norms, RoPE angles, attention scores and softmax run in float32 whatever the compute dtype.
+RoPE angles, attention scores and softmax run in float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,23 +18,10 @@ import numpy as np
 
 from strata_jax.core import layer_ref
 from strata_jax.core.qtensor import QTensor
-from strata_jax.gguf.quant import dequant
-from strata_jax.model import kvquant, qmatvec
+from strata_jax.model import kvquant
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-
-
-@struct.dataclass
-class Projections:
-    """Several projections of one input. Matrices of one GGML type that follow each other are stacked
-    row-wise into one QTensor (GGML rows are quantized independently, so the bytes just concatenate):
-    decode then runs one product per type, not one per matrix (q, k, v of the B30 shape: one fused
-    kernel instead of three products; Qwen2.5's Q4_K_M file: one, or two where v is Q8_0 and q, k Q5_0). Biases are stacked
-    the same way (None for a group without any). sizes: per group, the output rows of its matrices."""
-
-    mats: tuple[QTensor, ...]
-    biases: tuple[jax.Array | None, ...]
-    sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
+from strata_jax.model.layers.basic import Projections, linear, project, rms_norm
 
 
 @struct.dataclass
@@ -46,14 +36,6 @@ class AttnParams:
 
 
 @struct.dataclass
-class MLPParams:
-    """A dense SwiGLU MLP: also the shape of qwen2moe's shared expert."""
-
-    gate_up: Projections  # gate [F, D], up [F, D]
-    w_down: QTensor  # [D, F]
-
-
-@struct.dataclass
 class GatedAttnParams:
     """qwen4exp's full attention: attn_q holds per head Dh query rows then Dh gate rows (HF's q_proj
     viewed as [H, 2 * Dh], which the converter keeps), so `qkv`'s first output is [H * 2 * Dh]."""
@@ -62,36 +44,7 @@ class GatedAttnParams:
     wo: QTensor  # [D, H*Dh]
     q_norm: jax.Array  # [Dh], (1 + w) folded in by the converter
     k_norm: jax.Array
-    indexer: Any  # model/qsa.py's QSAParams, or None where the layer's compress ratio is 0
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
-
-
-def linear(x: jax.Array, w: QTensor, kernels: Kernels, bias: jax.Array | None = None) -> jax.Array:
-    """x @ W.T with W dequantized inside the jitted program (W is [out, in] GGML blocks): for a few token
-    rows (decode) by the fused kernel that reads the blocks once (qmatvec), else dequantize + matmul."""
-    n_rows = math.prod(x.shape[:-1])
-    if qmatvec.linear_ok(w, n_rows, kernels):
-        y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w, kernels).reshape(*x.shape[:-1], -1)
-    else:
-        y = jnp.einsum("...d,fd->...f", x, dequant(w, x.dtype), preferred_element_type=jnp.float32)
-    if bias is not None:
-        y = y + bias
-    return y.astype(x.dtype)
-
-
-def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:
-    """Each projection of x (see Projections): one product per stacked group, then split."""
-    outs = []
-    for w, b, sizes in zip(p.mats, p.biases, p.sizes):
-        y = linear(x, w, kernels, b)
-        at = [sum(sizes[:i]) for i in range(1, len(sizes))]
-        outs += jnp.split(y, at, axis=-1) if at else [y]
-    return outs
+    indexer: Any  # model/layers/qsa.py's QSAParams, or None where the layer's compress ratio is 0
 
 
 def rope_freqs(cfg: ModelConfig) -> tuple[jax.Array, float]:
@@ -365,18 +318,3 @@ def gated_attention(
                                      select_BTS, attn_block)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
     return linear(out.astype(x_BTD.dtype), p.wo, kernels), k_LBSKDh, v_LBSKDh
-
-
-def lm_head(x_BTD: jax.Array, w: QTensor, dtype, kernels: Kernels) -> jax.Array:
-    """float32 logits [B, T, V] of the normed final states: for a few rows (decode) the fused kernel reads
-    the head's blocks once, else dequantize + matmul."""
-    n_rows = x_BTD.shape[0] * x_BTD.shape[1]
-    if qmatvec.linear_ok(w, n_rows, kernels):
-        return qmatvec.linear(x_BTD.reshape(n_rows, -1), w, kernels).reshape(*x_BTD.shape[:2], -1)
-    return jnp.einsum("btd,vd->btv", x_BTD, dequant(w, dtype), preferred_element_type=jnp.float32)
-
-
-def swiglu(x: jax.Array, p: MLPParams, kernels: Kernels) -> jax.Array:
-    g, u = project(x, p.gate_up, kernels)
-    h = jax.nn.silu(g) * u
-    return linear(h, p.w_down, kernels)

@@ -27,7 +27,7 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import swiglu
+from strata_jax.model.layers.basic import swiglu
 
 
 @struct.dataclass

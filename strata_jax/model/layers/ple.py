@@ -36,7 +36,7 @@ from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf import quant
 from strata_jax.model.dims import PLEDims
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers import linear, rms_norm
+from strata_jax.model.layers.basic import linear, rms_norm
 
 TABLE_NAME = "per_layer_token_embd.weight"
 MEMORY_KINDS = ("device", "pinned_host")
