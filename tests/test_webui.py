@@ -37,7 +37,8 @@ def moe_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(moe_path, tmp_path_factory):
-    srv = ServerProcess(moe_path, tmp_path_factory.mktemp("log") / "server.log", "--ctx", "16384", api_key=KEY)
+    srv = ServerProcess(moe_path, tmp_path_factory.mktemp("log") / "server.log", "--ctx", "16384",
+                        "--conversation-cache-mib", "64", api_key=KEY)
     try:
         srv.wait_ready()
         yield srv
@@ -248,6 +249,8 @@ def test_webui_chat_stop_and_live_monitor(server, browser):
     assert after["decode-last"] != "-" and float(after["decode-last"]) > 0 and after["bytes"] != before["bytes"]
     assert text(page, "#m-hit").endswith("%") and page.locator("#m-layers span").count() == SPEC.n_layers
     assert not page.is_visible("#m-dense")
+    page.wait_for_function("document.getElementById('m-conv').textContent.startsWith('RAM ')")
+    assert text(page, "#m-conv-hits").endswith("restored") and "of 64 MiB" in text(page, "#m-conv")
 
     # Stop ends a long generation: the stream is aborted, the server frees the row
     set_field(page, "#max_tokens", LONG)

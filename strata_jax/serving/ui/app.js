@@ -327,6 +327,14 @@ function updateMonitor(ev) {
     $("m-kv-bar").style.width = (100 * Math.min(ev.kv_usage, 1)).toFixed(1) + "%";
     $("m-kv").textContent = `${ev.kv_tokens} of ${ev.ctx} tokens`;
   }
+  const conv = ev.conversation;  // --conversation-cache-mib / -dir: restores, and each tier's fill
+  $("m-conv-card").hidden = !conv;
+  if (conv) {
+    $("m-conv-hits").textContent = `${(conv.ram_hits || 0) + (conv.disk_hits || 0)} restored`;
+    $("m-conv").textContent = ["ram", "disk"].filter((t) => (t + "_entries") in conv)
+      .map((t) => `${t.toUpperCase()} ${conv[t + "_entries"]}: ${fmtBytes(conv[t + "_bytes"])} of ${fmtBytes(conv[t + "_capacity"])}`)
+      .join(" · ");
+  }
   const mem = ev.memory;
   if (mem && mem.total) {
     for (const use of ["experts", "kv", "dense"]) {
