@@ -139,6 +139,8 @@ def test_the_disk_tier_survives_a_restart_and_refuses_foreign_or_corrupt_files(t
     third = ConversationCache(None, DiskTier(tmp_path, 1 << 20, "model-a", _template()))
     assert third.best(list(range(70, 80)) + [1], limit=10) == (None, 0, "")
     assert "another model" in caplog.text and not (tmp_path / "model-a" / foreign.name).exists()
+    # a row that already holds as much is not beaten: no file is read (the corrupt one is not found out yet)
+    assert third.best(list(range(8)) + [9], limit=8, beat=8) == (None, 0, "") and third.disk.stats.refused == 1
     hits = [third.best(list(range(8)) + [9], limit=8), third.best(list(range(50, 60)) + [1], limit=10)]
     assert sorted(n for _, n, _ in hits) == [0, 10] and "checksum" in caplog.text
     assert third.disk.stats.refused == 2 and len(third.disk) == 1

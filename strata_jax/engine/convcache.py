@@ -333,17 +333,18 @@ class ConversationCache:
             for t in tiers:
                 t.add(entry)
 
-    def best(self, ids: Sequence[int], limit: int) -> tuple[Entry | None, int, str]:
-        """The entry serving the longest prefix of ids (at most limit tokens), that length and its tier."""
+    def best(self, ids: Sequence[int], limit: int, beat: int = 0) -> tuple[Entry | None, int, str]:
+        """The entry serving the longest prefix of ids (at most limit tokens), that length and its tier, if
+        longer than `beat` (what the row already holds: no file is read for less)."""
         key_r, n_r = self.ram.best_key(ids, limit) if self.ram is not None else (None, 0)
         key_d, n_d = self.disk.best_key(ids, limit) if self.disk is not None else (None, 0)
-        if key_d is not None and n_d > n_r:
+        if key_d is not None and n_d > max(n_r, beat):
             entry = self.disk.load(key_d)
             if entry is not None:
                 if self.ram is not None:
                     self.ram.add(entry)
                 return entry, n_d, "disk"
-        if key_r is not None:
+        if key_r is not None and n_r > beat:
             return self.ram.get(key_r), n_r, "ram"
         return None, 0, ""
 

@@ -318,7 +318,7 @@ class Session:
             self._cached[row] = list(snap[0])
             n_cached = len(snap[0])
         if self._conv is not None and cache_prompt:
-            entry, n, tier = self._conv.best(ids, len(ids) - 1)
+            entry, n, tier = self._conv.best(ids, len(ids) - 1, beat=n_cached)
             if n > n_cached:
                 self._spill(row)
                 self._restore(row, entry, n, tier)
