@@ -79,9 +79,9 @@ QUEUED = 2  # decode calls in flight: the one the host waits for and one queued 
 _take_row = jax.jit(lambda kv, row: kv.take_row(row))  # a row's cache, to spill it
 _put_row = jax.jit(lambda kv, row, one: kv.put_row(row, one), donate_argnums=0)  # in place
 _take_rec = jax.jit(lambda kv, row: kv.take_row(row).rec)  # a row's recurrent state
-_put_rec = jax.jit(lambda kv, row, rec: dataclasses.replace(kv, rec=jax.tree.map(  # only the state, in place
-    lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), row, axis=1), kv.rec, rec)),
-    donate_argnums=0)
+# only the recurrent state, in place: put_row over a cache of the state alone
+_put_rec = jax.jit(lambda kv, row, rec: dataclasses.replace(
+    kv, rec=KVCache(None, None, kv.rec).put_row(row, KVCache(None, None, rec)).rec), donate_argnums=0)
 
 
 def attn_bucket(end: int, ctx: int) -> int:
@@ -311,8 +311,8 @@ class Session:
             # last prompt (its state was kept at that point: a client that re-renders the last reply, a
             # turn that ended on a stop string); the others prefill from 0
             n_cached = 0
-        snap = self._snaps[row] if m.config.has_recurrent_state and cache_prompt else None
-        if snap is not None and n_cached < len(snap[0]) == common_prefix(ids, snap[0]) < len(ids):
+        if m.config.has_recurrent_state and cache_prompt and self._snap_reuse(row, ids) > n_cached:
+            snap = self._snaps[row]
             self._spill(row)
             self._kv = _put_rec(self._kv, np.int32(row), jax.device_put(snap[1], m.device))
             self._cached[row] = list(snap[0])

@@ -15,14 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from strata_jax.offload.simulate import simulate, unique_requests
+from strata_jax.offload.simulate import n_experts_of, simulate, unique_requests
 
 POLICIES = ("lru", "lfu", "lrfu", "static", "belady")
 FRACTIONS = (0.125, 0.25, 0.5)  # of all experts cached: the report's columns
-
-
-def n_experts_of(trace_TLk) -> int:
-    return max(int(np.max(trace_TLk, initial=-1)) + 1, 1)
 
 
 def used_TLE(trace_TLk, n_experts: int | None = None) -> np.ndarray:

@@ -38,6 +38,11 @@ def load_trace(path, prompt: str | None = None) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
+def n_experts_of(trace_TLk) -> int:
+    """Experts per layer a trace implies: its largest id + 1 (at least 1)."""
+    return max(int(np.max(trace_TLk, initial=-1)) + 1, 1)
+
+
 def unique_requests(trace_TLk) -> np.ndarray:
     """int32 [T, L, K]: each (token, layer) row's distinct ids in router order, -1 padding at the end
     (duplicates are legal in a trace but `admit` needs unique requests)."""
@@ -122,7 +127,7 @@ def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool =
     if trace_TLk.ndim != 3:
         raise ValueError(f"trace must be [tokens, layers, k], got shape {trace_TLk.shape}")
     T, L, K = trace_TLk.shape
-    E = int(n_experts) if n_experts is not None else max(int(trace_TLk.max(initial=-1)) + 1, 1)
+    E = int(n_experts) if n_experts is not None else n_experts_of(trace_TLk)
     if trace_TLk.size and (trace_TLk.min() < -1 or trace_TLk.max() >= E):
         raise ValueError(f"trace ids must lie in [-1, {E})")
     ids_TLU = unique_requests(trace_TLk)
