@@ -30,6 +30,17 @@ def _positive_int(name):
     return _int_at_least(name, 1)
 
 
+def _fractions(text: str) -> list[float]:
+    """--fractions: comma-separated shares of all experts, each in (0, 1]."""
+    try:
+        out = [float(f) for f in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of shares in (0, 1], e.g. 0.125,0.25,0.5")
+    return out
+
+
 MODEL_HELP = ("GGUF file (a split set's first shard), or REPO[@REV]:FILE on a Hugging Face-compatible hub, pulled "
               "into the cache and verified on first use (default: the embedded Qwen2.5-Coder-0.5B-Instruct Q4_K_M)")
 
@@ -310,8 +321,7 @@ def _cmd_trace_report(args) -> int:
     from strata_jax.offload.traces import read_trace
 
     trace, meta = read_trace(args.trace, args.prompt)
-    fractions = [float(f) for f in args.fractions.split(",")]
-    r = analysis.report(trace, fractions, per_layer=args.per_layer, n_experts=meta.get("experts"))
+    r = analysis.report(trace, args.fractions, per_layer=args.per_layer, n_experts=meta.get("experts"))
     if args.json:
         print(json.dumps(r))
     else:
@@ -426,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "policy's hit rate against Belady's optimum")
     rep.add_argument("trace", help="a trace from `trace record` (.npz) or a shared JSON trace")
     rep.add_argument("--prompt", default=None, help="only this prompt of the trace")
-    rep.add_argument("--fractions", default="0.125,0.25,0.5",
+    rep.add_argument("--fractions", type=_fractions, default="0.125,0.25,0.5",
                      help="cache sizes as shares of all experts (default 0.125,0.25,0.5)")
     rep.add_argument("--per-layer", action="store_true", help="a cache per layer instead of one shared cache")
     rep.add_argument("--plots", default=None, metavar="DIR", help="also write PNG plots there (needs matplotlib)")

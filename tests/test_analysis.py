@@ -92,3 +92,21 @@ def test_bad_trace_files_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="prompt 'b' is not in"):
         read_trace(tmp_path / "ok.npz", "b")
     np.testing.assert_array_equal(read_trace(tmp_path / "ok.npz", "a")[0], HAND)
+
+
+def test_bad_trace_command_input_is_refused_with_the_fix(tmp_path, capsys):
+    trace = save_trace(tmp_path / "ok.npz", HAND, model="m", fingerprint="f", experts=3, prompts=[])
+    with pytest.raises(SystemExit):
+        main(["trace", "report", str(trace), "--fractions", "half"])
+    assert "not a list of shares in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trace", "report", str(trace), "--fractions", "0.5,2"])
+    assert main(["trace", "report", str(tmp_path / "none.npz")]) == 2
+    assert "no trace file" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    out = str(tmp_path / "t.npz")
+    assert main(["trace", "record", "--model", "x.gguf", "--prompts", str(tmp_path / "missing.txt"), "--out", out]) == 2
+    assert "no prompts file" in capsys.readouterr().err
+    assert main(["trace", "record", "--model", "x.gguf", "--prompts", str(empty), "--out", out]) == 2
+    assert "has no prompts: write one per line" in capsys.readouterr().err

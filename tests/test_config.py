@@ -30,6 +30,9 @@ def clean_env(monkeypatch):
 
 @pytest.mark.parametrize("options, match", [
     (dict(ctx=0), r"ctx=0 is invalid: it must be a positive context length"),
+    (dict(conversation_cache_mib=-1), r"conversation_cache_mib=-1 is invalid: it must be an integer >= 0"),
+    (dict(conversation_cache_disk_mib=0), r"conversation_cache_disk_mib=0 is invalid: it must be a positive"),
+    (dict(conversation_cache_dir=""), r"conversation_cache_dir='' is invalid: it must be a folder path"),
     (dict(ctx="64"), r"ctx='64' is invalid"),
     (dict(dtype="int8"), r"dtype='int8' is invalid: it must be one of auto, float32, bfloat16, float16"),
     (dict(kv="q5_0"), r"kv='q5_0' is invalid: it must be one of f16, q8_0, q4_0 .* or K,V .* such as q8_0,q4_0"),
