@@ -137,7 +137,7 @@ pipeline3() {
   rm -rf "$S/dump"
   local unroll=--xla_gpu_command_buffer_unroll_loops=true
   STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
-  # 1.5 GB/s in PART=2: are the reads slow, or the writes into pinned memory? (read_*_GB_s)
+  # the load was slow in PART=2 (docs/benchmarks.md): are the reads slow, or the pinned writes? (read_*_GB_s)
   phase load-store 120 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 6 --reps 2 --path /tmp/strata_load/b30x6.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
   phase b30-unroll-vlog 150 env STRATA_JAX_XLA_DECODE="$unroll" TF_CPP_MIN_LOG_LEVEL=0 \
