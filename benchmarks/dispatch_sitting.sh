@@ -145,6 +145,19 @@ pipeline3() {
     --resident-only --out "$S/results-b30-unroll-vlog.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|unroll" "$S/b30-unroll-vlog.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-unroll.txt"
+  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
+  # QSEED=1: qseed under 32 GiB with the defaults: cold start, a 16K-token conversation's second turn
+  # (issue 34: cold / RAM tier / disk tier), then the bench
+  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
+  local qfile
+  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
+  phase cold-qseed 300 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 \
+    --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
+  phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$qfile" --turn1 16384 --vram-budget 32GiB \
+    --out "$S/data-conv-qseed.json"
+  phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+    --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/data-bench-qseed.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 3 ] && { pipeline() { pipeline3; }; RETURNED="progress phases.tsv data-*.json hlo-decode.tar.gz cb-unroll.txt"; }
