@@ -162,4 +162,16 @@ pipeline3() {
 }
 [ "${PART:-1}" = 3 ] && { pipeline() { pipeline3; }; RETURNED="progress phases.tsv data-*.json hlo-decode.tar.gz cb-unroll.txt"; }
 
+# PART=4: the 16K-token conversation alone (PART=3's failed on bfloat16 KV in the disk tier, now fixed)
+pipeline4() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
+  local qfile
+  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
+  phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$qfile" \
+    --turn1 16384 --vram-budget 32GiB --out "$S/data-conv-qseed.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 4 ] && { pipeline() { pipeline4; }; RETURNED="progress phases.tsv data-*.json"; }
+
 sitting_main "$@"

@@ -149,6 +149,23 @@ def test_the_disk_tier_survives_a_restart_and_refuses_foreign_or_corrupt_files(t
     assert small.best(list(range(50, 60)) + [1], limit=10) == (None, 0, "")
 
 
+def test_the_disk_tier_keeps_a_bfloat16_cache(tmp_path):
+    # a GPU's KV cache is bfloat16, whose arrays the buffer protocol refuses (the H100 sitting's failure)
+    import ml_dtypes
+
+    def row(length=32):
+        k = (np.arange(2 * length * 4, dtype=np.float32).reshape(2, 1, length, 2, 2) / 7).astype(ml_dtypes.bfloat16)
+        return KVCache(k, k + 1, None)
+
+    template = jax.eval_shape(row)
+    cache = ConversationCache(None, DiskTier(tmp_path, 1 << 20, "m", template))
+    cache.spill(tuple(range(8)), row, whole_only=False)
+    cache.flush()
+    got, n, tier = ConversationCache(None, DiskTier(tmp_path, 1 << 20, "m", template)).best(list(range(9)), limit=8)
+    assert (n, tier) == (8, "disk") and got.kv.k_LBSKDh.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.kv.k_LBSKDh, row().k_LBSKDh[:, :, :8])
+
+
 def test_the_disk_tier_keeps_to_its_cap(tmp_path):
     disk = DiskTier(tmp_path, 1 << 20, "m", _template())
     _spill(ConversationCache(None, disk), tuple(range(8)))

@@ -264,7 +264,7 @@ class DiskTier(_Tier):
             with open(tmp, "wb") as f:
                 f.write(MAGIC + bstruct.pack("<Q", len(blob)) + blob)
                 for a in leaves:
-                    f.write(np.ascontiguousarray(a).data)
+                    f.write(_raw(a))
             os.replace(tmp, path)
         except OSError as e:  # a full disk loses this conversation, nothing else
             # (its index entry stays: reading it later finds no file, a miss that drops it)
@@ -284,10 +284,15 @@ class DiskTier(_Tier):
         path.unlink(missing_ok=True)
 
 
+def _raw(a: np.ndarray) -> memoryview:
+    """The array's bytes; as uint8, since the buffer protocol refuses ml_dtypes' bfloat16 (a GPU's KV cache)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
 def _digest(leaves: Sequence[np.ndarray]) -> str:
     h = hashlib.sha256()
     for a in leaves:
-        h.update(np.ascontiguousarray(a).data)
+        h.update(_raw(a))
     return h.hexdigest()
 
 
