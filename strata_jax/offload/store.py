@@ -162,12 +162,15 @@ def _read_rows(fd: int, offset: int, dst_RB: np.ndarray, src_RB: np.ndarray) -> 
 def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple[jax.Array, ...]:
     parts, layer_group, _ = store_groups(spec)
     groups = []
+    alloc_s = 0.0  # the load's time spent allocating (logged: on the GPU the reads alone run at 36 GB/s)
     files = {path: os.open(path, os.O_RDONLY) for path in gguf.shard_paths}
     try:
         with ThreadPoolExecutor(READERS) as pool:
             for g, p in enumerate(parts):
                 layers = tuple(i for i, q in enumerate(layer_group) if q == g)
+                t0 = time.perf_counter()
                 data_LEP, view_LEP = _host_array((len(layers), spec.n_experts, sum(x.nbytes for x in p)), sharding)
+                alloc_s += time.perf_counter() - t0
                 futures = {pool.submit(copy): n for copy, n in _copy_tasks(gguf, spec, layers, view_LEP, files)}
                 for f in as_completed(futures):
                     f.result()
@@ -177,6 +180,7 @@ def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple
     finally:
         for fd in files.values():
             os.close(fd)
+    log.info("experts: %.2f s of the load allocating host memory", alloc_s)
     return tuple(groups)
 
 
