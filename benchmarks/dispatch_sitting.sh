@@ -51,6 +51,16 @@ variant() {  # variant NAME FLAGS: B30 resident decode under XLA_FLAGS=FLAGS
   bench_b30 "$1" "$2"
 }
 
+qseed_file() {  # qseed's synthetic GGUF, written once (phase write-qseed); QFILE: its path
+  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
+  QFILE=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
+}
+
+conv_qseed() {  # issue 34: a 16K-token conversation's second turn, cold / RAM tier / disk tier
+  phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$QFILE" \
+    --turn1 16384 --vram-budget 32GiB --out "$S/data-conv-qseed.json"
+}
+
 pipeline() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
@@ -76,10 +86,8 @@ pipeline() {
   phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
   [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
-  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
-  local qfile
-  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
-  phase cold-qseed 300 env XLA_FLAGS="$flags" "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 \
+  qseed_file
+  phase cold-qseed 300 env XLA_FLAGS="$flags" "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 \
     --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
   phase bench-qseed 420 env XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" \
     --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
@@ -112,10 +120,8 @@ pipeline2() {
   rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
   phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
-  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
-  local qfile
-  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
-  phase cold-qseed 300 "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 --out "$S/data-cold-qseed.json" \
+  qseed_file
+  phase cold-qseed 300 "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 --out "$S/data-cold-qseed.json" \
     -- --vram-budget 32GiB
   phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
     --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
@@ -149,13 +155,10 @@ pipeline3() {
   [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
   # QSEED=1: qseed under 32 GiB with the defaults: cold start, a 16K-token conversation's second turn
   # (issue 34: cold / RAM tier / disk tier), then the bench
-  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
-  local qfile
-  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
-  phase cold-qseed 300 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/cold_start.py --model "$qfile" --tokens 64 \
+  qseed_file
+  phase cold-qseed 300 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 \
     --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
-  phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$qfile" --turn1 16384 --vram-budget 32GiB \
-    --out "$S/data-conv-qseed.json"
+  conv_qseed
   phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
     --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/data-bench-qseed.json"
   note "pipeline: done"
@@ -165,11 +168,8 @@ pipeline3() {
 # PART=4: the 16K-token conversation alone (PART=3's failed on bfloat16 KV in the disk tier, now fixed)
 pipeline4() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  phase write-qseed 400 "$PY" "${WRITE[@]}" qseed
-  local qfile
-  qfile=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
-  phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$qfile" \
-    --turn1 16384 --vram-budget 32GiB --out "$S/data-conv-qseed.json"
+  qseed_file
+  conv_qseed
   note "pipeline: done"
 }
 [ "${PART:-1}" = 4 ] && { pipeline() { pipeline4; }; RETURNED="progress phases.tsv data-*.json"; }
