@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
-# Carry .whl. Knobs: SITTING_S (default 560), B30_SHAPE (b30), QSEED=1, NO_WHEELS=1.
+# Carry .whl (benchmarks/sitting_wheels.sh). Knobs: SITTING_S (default 560), B30_SHAPE (b30), QSEED=1, NO_WHEELS=1.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/sitting_lib.sh "/tmp/dsit${PART:-}" 560  # each part its own folder: `wait` finds it
