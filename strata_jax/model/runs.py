@@ -203,6 +203,27 @@ def layer_at(segments: Sequence[Any], i: int) -> Any:
     raise IndexError(f"no layer {i}")
 
 
+def _loop(step: Callable[[Any, jax.Array], tuple[Any, Any]], carry: Any, n: int) -> tuple[Any, Any]:
+    """lax.scan(step, carry, arange(n)) without the scan's own memcpy-like fusions: the index travels in the
+    carry (not read from an arange) and each step's outputs go into their stacks by a select (not a dynamic
+    update). On the GPU, XLA runs a plain dynamic slice or update with a loop-dependent offset as a
+    DynamicSliceFusionV2 thunk, which keeps the whole loop out of the command buffers: the host then
+    launches every layer (docs/benchmarks.md, "Unrolling in the graph"). The outputs here are small (a
+    layer's routed ids, counts), so rewriting their stacks each step costs little."""
+    shapes = jax.eval_shape(lambda c: step(c, jnp.int32(0))[1], carry)
+    stacks = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
+    slots = jnp.arange(n, dtype=jnp.int32)
+
+    def body(state, _):
+        carry, i, stacks = state
+        carry, out = step(carry, i)
+        put = lambda st, o: jnp.where((slots == i).reshape((n,) + (1,) * o.ndim), o[None], st)  # noqa: E731
+        return (carry, i + 1, jax.tree.map(put, stacks, out)), None
+
+    (carry, _, stacks), _ = jax.lax.scan(body, (carry, jnp.int32(0), stacks), None, length=n)
+    return carry, stacks
+
+
 Block = Callable[[Any, Any, "int | LayerRef"], tuple[Any, Any]]
 
 
@@ -254,21 +275,21 @@ def run_layers(segments: Sequence[Any], carry: Any, block: Block, *, unroll: boo
             keys[g] = side[0]
             return carry, (o, side[1])
 
-        def body(carry, r, seg=seg, run=run):
+        def period(carry, r, seg=seg, run=run):
             ys, values = [], []
             for g, c in enumerate(run.group_sizes):
                 ids = run.group_layers(g)
                 if c == 1:
                     carry, (o, v) = one(carry, view(seg.stacked[g], r), LayerRef(ids, r), g)
-                else:  # the group's layers: a scan inside the period's, index r * c + s into its stack
+                else:  # the group's layers: a loop inside the period's, index r * c + s into its stack
                     inner = lambda carry, s, g=g, c=c, ids=ids: one(  # noqa: E731
                         carry, view(seg.stacked[g], r * c + s), LayerRef(ids, r * c + s), g)
-                    carry, (o, v) = jax.lax.scan(inner, carry, jnp.arange(c, dtype=jnp.int32))
+                    carry, (o, v) = _loop(inner, carry, c)
                 ys.append(o)
                 values.append(v)
             return carry, (ys, values)
 
-        carry, (ys, values) = jax.lax.scan(body, carry, jnp.arange(run.repeats, dtype=jnp.int32))
+        carry, (ys, values) = _loop(period, carry, run.repeats)
         # a group's outputs and counts come back [repeats, count, ...] (count > 1) or [repeats, ...]:
         # flat in its stacking order
         flat = lambda y, c: y.reshape((run.repeats * c,) + y.shape[2:]) if c > 1 else y  # noqa: E731
