@@ -56,6 +56,11 @@ qseed_file() {  # qseed's synthetic GGUF, written once (phase write-qseed); QFIL
   QFILE=$(ls "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf 2>/dev/null | head -1)
 }
 
+cold_qseed() {  # qseed's cold start under 32 GiB (benchmarks/cold_start.py), XLA_FLAGS as given
+  phase cold-qseed 300 env XLA_FLAGS="${1:-}" PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/cold_start.py --model "$QFILE" \
+    --tokens 64 --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
+}
+
 conv_qseed() {  # issue 34: a 16K-token conversation's second turn, cold / RAM tier / disk tier
   phase conv-qseed 480 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/conversation_ttft.py --model "$QFILE" \
     --turn1 16384 --vram-budget 32GiB --out "$S/data-conv-qseed.json"
@@ -87,8 +92,7 @@ pipeline() {
   rm -rf /tmp/strata_load
   [ -n "${QSEED:-}" ] || { note "pipeline: done"; return; }
   qseed_file
-  phase cold-qseed 300 env XLA_FLAGS="$flags" "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 \
-    --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
+  cold_qseed "$flags"
   phase bench-qseed 420 env XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" \
     --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
   note "pipeline: done"
@@ -121,8 +125,7 @@ pipeline2() {
   phase load-store 300 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/load_store.py --layers 12 --reps 2 --path /tmp/strata_load/b30x12.gguf > '$S/data-load.json'"
   rm -rf /tmp/strata_load
   qseed_file
-  phase cold-qseed 300 "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 --out "$S/data-cold-qseed.json" \
-    -- --vram-budget 32GiB
+  cold_qseed
   phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
     --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/results-qseed.json"
   note "pipeline: done"
@@ -156,8 +159,7 @@ pipeline3() {
   # QSEED=1: qseed under 32 GiB with the defaults: cold start, a 16K-token conversation's second turn
   # (issue 34: cold / RAM tier / disk tier), then the bench
   qseed_file
-  phase cold-qseed 300 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/cold_start.py --model "$QFILE" --tokens 64 \
-    --out "$S/data-cold-qseed.json" -- --vram-budget 32GiB
+  cold_qseed
   conv_qseed
   phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
     --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/data-bench-qseed.json"
@@ -173,5 +175,33 @@ pipeline4() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 4 ] && { pipeline() { pipeline4; }; RETURNED="progress phases.tsv data-*.json"; }
+
+# PART=5: the layer loops without lax.scan's own dynamic slice/update (model/runs.py `_loop`): B30's host
+# time per step, scan on and off, and the conversion pass's log (is the loop a command buffer now?); how
+# fast a fresh process gets pinned memory, three ways (benchmarks/pinned_alloc.py); then qseed: cold start
+# (its load logs its allocation seconds), the 16K-token conversation (issue 34) and the bench
+pipeline5() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
+  bench_b30 b30-scan ""
+  bench_b30 b30-off "" --layer-scan off
+  phase b30-vlog 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 "$PY" -m strata_jax.cli \
+    bench --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-vlog.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|unroll" "$S/b30-vlog.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-scan.txt"
+  bench_b30 b30-scan-2 ""
+  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  local way
+  for way in put threads jit; do
+    phase "alloc-$way" 90 env PYTHONPATH="$PYTHONPATH:." sh -c "'$PY' benchmarks/pinned_alloc.py --way $way --gb 16 >> '$S/data-alloc.jsonl'"
+  done
+  qseed_file
+  cold_qseed
+  conv_qseed
+  phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+    --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/data-bench-qseed.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 5 ] && { pipeline() { pipeline5; }; RETURNED="progress phases.tsv results-*.json data-*.json* cb-scan.txt"; RESULTS_ARCHIVE=; }
 
 sitting_main "$@"
