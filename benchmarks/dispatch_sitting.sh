@@ -207,34 +207,19 @@ pipeline5() {
 
 # PART=6 (after PART=5: with `_loop` the scanned B30 decode call returns in 0.06 ms, yet the conversion pass
 # still logs one loop "not convertible ... DynamicSliceFusionV2Thunk" and the step is slower, 195 tok/s):
-# B30 scan on/off; an HLO dump (decode and prefill) with the conversion log, to name the loop that stays
-# out; B30 with the KV write of a one-token step clipped instead of dropped (the drop reads the old entry
-# first, a plain dynamic slice at the traced layer: the suspect); then qseed's bench (host time per step
-# with `_loop`) and the 16K-token conversation (issue 34)
-kv_clip() {  # kv_clip: $S/kv_clip.py, strata-jax's CLI with kvquant.write's one-token scatter clipped, not dropped
-  cat > "$S/kv_clip.py" <<'PY'
-import sys
-import jax.numpy as jnp
-import strata_jax.model.kvquant as kq
-from strata_jax.cli import main
-drop = kq.write
-def write(c, layer, pos_BT, new):
-    if pos_BT.shape[1] != 1 or isinstance(c, kq.QuantKV):
-        return drop(c, layer, pos_BT, new)
-    b_idx = jnp.arange(pos_BT.shape[0])[:, None]
-    return c.at[layer, b_idx, pos_BT].set(new.astype(c.dtype), mode="clip")
-kq.write = write
-sys.exit(main(sys.argv[1:]))
-PY
-}
-
+# B30 scan on, and with the decode loop unrolled inside the graph; an HLO dump (decode and prefill) with the
+# conversion log, to name the loop that stays out; then qseed: cold start with the store loading while
+# the first prefill compiles (offload/manager.py), the bench (host time per step with `_loop`) and the
+# 16K-token conversation (issue 34)
 pipeline6() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
   local unroll=--xla_gpu_command_buffer_unroll_loops=true
   phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
   bench_b30 b30-scan ""
-  bench_b30 b30-off "" --layer-scan off
+  # with the DSF gone from the decode loop's body, XLA may unroll it inside the graph: no conditional node
+  # per layer (decode program alone: it broke prefill process-wide)
+  STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
   # compiled afresh (no compilation cache), or the conversion pass does not run and logs nothing
   phase b30-dump 150 env "${vlog[@]}" \
     XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(decode|prefill).*" \
@@ -242,24 +227,12 @@ pipeline6() {
   { echo "== b30-dump"; grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|Convert\|module" "$S/b30-dump.log" \
     | sed 's/^[^]]*] //' | head -200; } > "$S/cb-dump.txt"
   (cd "$S/dump" && tar -czf "$S/hlo-dump.tar.gz" *after_optimizations.txt 2>/dev/null)
-  rm -rf "$S/dump"
-  # with the DSF gone from the decode loop's body, XLA may unroll it inside the graph: no conditional node
-  # per layer (decode program alone: it broke prefill process-wide)
-  STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
-  kv_clip
-  phase b30-clip 150 env "${vlog[@]}" PYTHONPATH="$PYTHONPATH:." "$PY" "$S/kv_clip.py" bench --shape "$B30" \
-    "${COMMON[@]}" --resident-only --out "$S/results-b30-clip.json"
-  { echo "== b30-clip: the one-token KV write clipped"; grep -h "not convertible\|Unsupported thunk\|not enabled by the user" \
-    "$S/b30-clip.log" | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40; } >> "$S/cb-dump.txt"  # 8 files at most go back
-  bench_b30 b30-scan-2 ""
-  STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll-2 "" --label unroll
-  rm -f "$STRATA_JAX_CACHE/synthetic/$B30-"*
+  rm -rf "$S/dump" "$STRATA_JAX_CACHE/synthetic/$B30-"*
   qseed_file
-  phase bench-qseed 420 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+  cold_qseed  # the store loads in the background while the first prefill compiles
+  phase bench-qseed 300 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
     --prefill-len 512 --vram-budget 32GiB --no-resident --out "$S/data-bench-qseed.json"
   conv_qseed
-  phase bench-qseed-unroll 420 env STRATA_JAX_XLA_DECODE="$unroll" "$PY" -m strata_jax.cli bench --shape qseed \
-    "${COMMON[@]}" --routing realistic --vram-budget 32GiB --no-resident --label unroll --out "$S/data-bench-qseed-unroll.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 6 ] && { pipeline() { pipeline6; }; RETURNED="progress phases.tsv data-*.json cb-dump.txt hlo-dump.tar.gz"; }

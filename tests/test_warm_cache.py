@@ -27,7 +27,8 @@ GEN = dict(max_tokens=6, temperature=0)
 
 
 def load(path, state, **options):
-    return strata_jax.load(path, ctx=128, expert_cache_state=state, **options)
+    # the saved state is read at load and restored into the slots once the store is in: wait for that
+    return strata_jax.load(path, ctx=128, expert_cache_state=state, **options).wait_loaded()
 
 
 def messages(caplog) -> list[str]:

@@ -150,7 +150,7 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             gc.collect()  # the previous model's device memory, before the next takes its share
             t0 = time.perf_counter()
             try:
-                model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, **conf.load_kw)
+                model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, **conf.load_kw).wait_loaded()
             except Exception as e:  # noqa: BLE001 - out-of-memory is an XlaRuntimeError, sizing a StrataError
                 log.exception("%s: load failed", conf.name)
                 row["error"] = _error("load", e)

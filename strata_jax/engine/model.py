@@ -272,6 +272,13 @@ class Model:
         self.host = HostTiming()
         self._session: Session | None = None  # generate's one-row session, made on first use
 
+    def wait_loaded(self) -> "Model":
+        """Until the whole model is in memory; returns the model. The expert store of an offloading model
+        loads in the background: a step waits for it on its own, compiling meanwhile (engine/session.py)."""
+        if self.experts is not None:
+            self.experts.wait()
+        return self
+
     # -- telemetry --------------------------------------------------------------------------------
     @property
     def cache_plan(self):

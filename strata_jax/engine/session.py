@@ -331,6 +331,11 @@ class Session:
                                   PenaltyState.window(ids), np.int32(max_tokens), np.array(mode, bool),
                                   constraint.mask() if constraint else allowed_mask(m.config.vocab_size))
         self._touch(row)
+        if constraint is None and self.spec is None and m.forced_TMk is None:
+            # while the store loads, the plain decode call that follows this prompt compiles too
+            n = min(self.decode_chunk, max_tokens)
+            self._compile_ahead(self._decode, (np.zeros(self.n_rows, bool), self._stop_St, np.int32(n)),
+                                len(ids) + n, False, dict(mode=mode, n_max=self.decode_chunk))
         t0 = time.perf_counter()
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
@@ -610,14 +615,15 @@ class Session:
         after; end - 1: the furthest position it writes. Returns the call's first output and its routed
         ids."""
         m, e = self.model, self.model.experts
-        kv, self._kv = self._kv_now(), None
-        rows, self._rows = self._rows, None
-        if rows is None:  # committed like the state the programs return, or the second call compiles again
-            rows = jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
-        provider = e.take() if e is not None else None
-        experts, fixed = split_provider(provider)  # only the changing part is donated
         span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
         shape = f"attention over {span['attn_len']:,} positions"
+        self._compile_ahead(fn, args, end, prefill, static)
+        if e is not None:
+            e.wait()  # a failed load raises here, with the rows' state still held
+        kv, self._kv = self._kv_now(), None
+        rows, self._rows = self._rows_now(), None
+        provider = e.take() if e is not None else None
+        experts, fixed = split_provider(provider)  # only the changing part is donated
         try:
             with compiling.watch(fn.__name__, shape):
                 out, kv_out, experts_out, routed, rows_out = fn(
@@ -640,6 +646,28 @@ class Session:
             e.put(join_provider(experts_out, fixed))
         self._kv, self._rows = kv_out, rows_out
         return out, routed
+
+    def _compile_ahead(self, fn, args: tuple, end: int, prefill: bool, static: dict) -> None:
+        """While the expert store loads: compile the call `_call(fn, *args, end=end, prefill=prefill,
+        **static)` against the store's shapes. The program goes into the persistent compilation cache, so
+        the call itself, once the store is in, reads it back instead of compiling (a no-op without the
+        cache, or after the load)."""
+        m, e = self.model, self.model.experts
+        if e is None or not e.loading or not jax.config.jax_compilation_cache_dir:
+            return
+        span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
+        self._kv, self._rows = self._kv_now(), self._rows_now()
+        with compiling.watch(fn.__name__, f"attention over {span['attn_len']:,} positions"):
+            fn.lower(m.params, *split_provider(e.ahead()), self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
+                     kernels=m.kernels, **span, **static).compile()
+
+    def _rows_now(self) -> programs.RowState:
+        """The rows' decode state; made at first use committed like the state the programs return, or the
+        second call would compile again."""
+        m = self.model
+        if self._rows is not None:
+            return self._rows
+        return jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
 
     def _kv_now(self) -> KVCache:
         """The rows' cache, allocated at its first use."""

@@ -10,6 +10,8 @@ offload/provider.py), so a token costs one dispatch and no host round trip per l
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -23,12 +25,26 @@ from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
-from strata_jax.offload.store import ExpertStore, load_expert_store
-from strata_jax.offload.warm import cache_identity, restore_slot_table, save_cache_state
+from strata_jax.offload.store import ExpertStore, load_expert_store, store_shapes
+from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
 
 log = logging.getLogger("strata_jax")
 
 LOW_FREE_VRAM = 512 << 20
+
+
+def _in_background(fn, *args) -> Future:
+    """fn(*args) on a daemon thread: the process can exit (a Ctrl-C) without waiting for it."""
+    out: Future = Future()
+
+    def run() -> None:
+        try:
+            out.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - re-raised by whoever waits on it
+            out.set_exception(e)
+
+    threading.Thread(target=run, name="strata-jax store", daemon=True).start()
+    return out
 
 
 def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = "per-layer", batch_rows: int = 1,
@@ -100,26 +116,27 @@ class OffloadManager:
         store: ExpertStore | None = None
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
+        self._loading: Future | None = None  # the store's load, until `wait` takes it
         if self.plan.resident:
             slots = resident_slot_table(gguf, spec, self.device)
             if cache_state is not None:
                 log.info("expert cache state %s not used: every expert is resident, there is no cache to warm",
                          cache_state)
         else:
-            store = load_expert_store(gguf, spec, self.device)
+            # the store loads in the background (most of a cold start: allocating pinned memory and reading
+            # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
+            self._loading = _in_background(load_expert_store, gguf, spec, self.device)
+            store = store_shapes(spec, self.device)
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
                                      stacked=stacked and expert_pools == "per-layer")
             if len(slots.pools) != len(self.plan.slots_per_pool):
                 log.info("expert pools: the %d per-layer caches in %d pool%s of alike layers (layer scan)",
                          len(self.plan.slots_per_pool), len(slots.pools), "s" if len(slots.pools) > 1 else "")
             self._identity = cache_identity(gguf, spec.n_experts, slots, self.policy.name)
-            if cache_state is not None:
-                slots = restore_slot_table(cache_state, slots, store, self._identity)
-            self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
-            row_bytes = spec.bytes_per_expert(0)
-            log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
-                     fmt_bytes(row_bytes), row_bytes / self.fetch_s / 1e9)
-        self.store_memory_kind = store.memory_kind if store is not None else None
+            # read (and checked) now, so a state that does not fit is reported at load; filled once the store is in
+            self._saved = None if cache_state is None else load_cache_state(cache_state, slots.caches, self._identity)
+            self._cache_state = cache_state
+        self.store_memory_kind = None  # the store's, once it is in (`wait`)
         self.device_bytes = sum(p.data.nbytes for p in slots.pools)  # what the slot pools take on the device
         self._n_layers = len(spec.moe_layers)
         # Step inputs are committed to the device up front: jit's cache key includes committedness and
@@ -145,15 +162,49 @@ class OffloadManager:
 
     @property
     def slots(self) -> SlotTable | None:
-        """The slot table (None while a step holds the provider)."""
+        """The slot table, once the store is in (None while a step holds the provider)."""
+        if self._experts is not None:
+            self.wait()
         return self._experts.table if self._experts is not None else None
 
     @property
     def store(self) -> ExpertStore | None:
+        if self._experts is not None:
+            self.wait()
         return self._experts.store if self._experts is not None else None
 
+    @property
+    def loading(self) -> bool:
+        """Whether the store is still loading (`wait` ends it)."""
+        return self._loading is not None
+
+    def ahead(self) -> SlotExperts:
+        """While the store loads: the provider with the store's shapes, to lower and compile a step with
+        (jit(...).lower(...).compile()); it cannot run. Between steps only."""
+        return self._experts
+
+    def wait(self) -> None:
+        """Until the store is in (a no-op after): then warm the cache from the saved state and time the
+        in-step fetch. A failed load raises here, at every call. Between steps only."""
+        if self._loading is None:
+            return
+        store = self._loading.result()
+        slots = self._experts.table
+        if self._saved is not None:
+            slots = jax.device_put(restore_slot_table(self._cache_state, self._saved, slots, store), self.device)
+            self._saved = None
+        self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
+        row_bytes = self.spec.bytes_per_expert(0)
+        log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
+                 fmt_bytes(row_bytes), row_bytes / self.fetch_s / 1e9)
+        self.store_memory_kind = store.memory_kind
+        self._experts = self._experts.replace(table=slots, store=store)
+        self._loading = None
+
     def take(self) -> SlotExperts:
-        """The donated expert provider for one jitted step; the manager holds nothing until `put`."""
+        """The donated expert provider for one jitted step (after the store is in); the manager holds
+        nothing until `put`."""
+        self.wait()
         experts, self._experts = self._experts, None
         return experts
 
@@ -168,6 +219,7 @@ class OffloadManager:
             return False
         if self._experts is None:
             raise RuntimeError("save_cache_state during a step: the step holds the slot table")
+        self.wait()
         save_cache_state(path, self._experts.table.caches, self._identity)
         return True
 

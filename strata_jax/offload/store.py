@@ -184,6 +184,16 @@ def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple
     return tuple(groups)
 
 
+def store_shapes(spec: ExpertSpec, device, memory_kind: str = "pinned_host") -> ExpertStore:
+    """The store load_expert_store makes, as shapes (jax.ShapeDtypeStruct leaves, same shardings): what a
+    step's program is lowered and compiled against while the bytes are still being read."""
+    parts, layer_group, layer_local = store_groups(spec)
+    sharding = _host_sharding(device, memory_kind)
+    groups = tuple(jax.ShapeDtypeStruct((layer_group.count(g), spec.n_experts, sum(x.nbytes for x in p)), np.uint8,
+                                        sharding=sharding) for g, p in enumerate(parts))
+    return ExpertStore(groups, parts, layer_group, layer_local, memory_kind)
+
+
 def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "pinned_host") -> ExpertStore:
     """Copy every routed expert from the memory-mapped GGUF file (strata_jax.gguf.reader.GGUFFile) into
     host memory of `memory_kind`, falling back to pageable memory (with a warning naming the cost) if

@@ -114,12 +114,9 @@ def load_cache_state(path: str, template: tuple[CacheState, ...],
             mgr.close()
 
 
-def restore_slot_table(path: str, table: SlotTable, store: ExpertStore, identity: dict[str, Any]) -> SlotTable:
-    """`table` (empty, just built) with the states saved in PATH and every owned slot refilled from the
-    store; `table` itself when nothing fits."""
-    got = load_cache_state(path, table.caches, identity)
-    if got is None:
-        return table
+def restore_slot_table(path: str, got: tuple, table: SlotTable, store: ExpertStore) -> SlotTable:
+    """`table` (empty, just built) with the states load_cache_state read from PATH (`got`) and every
+    owned slot refilled from the store."""
     caches, saved = got
     table = table.replace(caches=caches)
     table = fill_pools(table, store)

@@ -252,6 +252,7 @@ class Engine:
             session = model.session() if self.parallel == 1 else Session(model, self.parallel)
             if self._warmup:
                 self._warm(session)
+            model.wait_loaded()  # ready means every expert is in
         except BaseException as e:  # noqa: BLE001 - reported through /health and the callback
             self.load_error = str(e) if isinstance(e, StrataError) else f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.load_error)
