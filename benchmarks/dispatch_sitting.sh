@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..6 are later sittings (each described above its pipeline), PART=6 the newest.
+# PART=2..7 are later sittings (each described above its pipeline), PART=7 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -236,5 +236,27 @@ pipeline6() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 6 ] && { pipeline() { pipeline6; }; RETURNED="progress phases.tsv data-*.json cb-dump.txt hlo-dump.tar.gz"; }
+
+# PART=7: the miss fetch as one kernel call per layer reading the pinned store (offload/hostrows.py): its
+# tests on the GPU (exact bytes, kernel == loop); then qseed under 32 GiB: the bench with the kernel compiled
+# afresh with the conversion log (is the offloaded step's loop a command buffer now?), the cold start, and
+# the bench with the loop of copies for the same-machine baseline
+pipeline7() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
+  phase kernel-tests 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/test_offload.py -k fetch_kernel
+  qseed_file
+  phase bench-qseed-kernel 420 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel \
+    --out "$S/data-bench-qseed-kernel.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed-kernel.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
+  cold_qseed
+  phase bench-qseed-loop 300 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
+    --out "$S/data-bench-qseed-loop.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 7 ] && { pipeline() { pipeline7; }; RETURNED="progress phases.tsv data-*.json cb-qseed.txt"; }
 
 sitting_main "$@"

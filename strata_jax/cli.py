@@ -65,7 +65,7 @@ def model_or_default(ref):
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     # values stay text here: engine_config() validates them all (EngineConfig, errors naming the flag)
-    from strata_jax.engine.config import DTYPES, LAYER_SCAN, PLE_TABLES, POOLS, SPEC_DRAFTERS
+    from strata_jax.engine.config import DTYPES, EXPERT_FETCH, LAYER_SCAN, PLE_TABLES, POOLS, SPEC_DRAFTERS
     from strata_jax.model.config import ROPE_SCALINGS
 
     p.add_argument("--model", "-m", metavar="PATH|REPO:FILE", help=MODEL_HELP)
@@ -121,6 +121,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(default 0 = off: without copy/compute overlap it is slower, docs/benchmarks.md)")
     c.add_argument("--expert-pools", choices=POOLS, default="per-layer",
                    help="a slot pool per MoE layer (default) or one shared by layers of the same expert types")
+    c.add_argument("--expert-fetch", default="auto", choices=EXPERT_FETCH,
+                   help="how a step copies its cache misses from host RAM: kernel (one call per layer reading the "
+                        "pinned store, no host sync), loop (one copy per miss) or auto (default: kernel on a GPU)")
     c.add_argument("--expert-cache-state", default=None, metavar="DIR",
                    help="keep the expert cache warm across restarts: its state is restored from DIR at load (when "
                         "saved for this model, slot plan and policy) and saved there at the end of generate or on "
@@ -140,6 +143,7 @@ def engine_config(args):
                                decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
+                               expert_fetch=getattr(args, "expert_fetch", "auto"),
                                expert_cache_state=getattr(args, "expert_cache_state", None),
                                parallel=getattr(args, "parallel", 1),
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),

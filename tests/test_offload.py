@@ -398,3 +398,52 @@ def test_step_arguments_do_not_grow_with_layers(tmp_path, pools):
             m.experts.put(experts)
     assert leaves[2][0] == 1 and leaves[2] == leaves[8], leaves
     assert layers == {2: [2], 8: [8]}, layers
+
+
+@pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 8, "on"), ("per-layer", 12, "off")])
+def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
+    """The misses copied by one call of the fetch kernel per layer (offload/hostrows.py; on CPU its
+    memcpy build, the same call and addresses as the CUDA one) decode the resident tokens, fetching the
+    same experts as the loop of copies does."""
+    from strata_jax.offload import hostrows
+
+    if not hostrows.available(jax.devices()[0]):
+        pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
+    ids, ref_logits, ref_tokens = reference
+    got = {}
+    for fetch in ("kernel", "loop"):
+        m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, expert_pools=pools, layer_scan=scan,
+                            expert_fetch=fetch)
+        assert m.experts.fetch_kernel == (fetch == "kernel")
+        assert bool(m.experts.store.addr) == (fetch == "kernel")
+        np.testing.assert_array_equal(m.logits(ids), ref_logits)
+        assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
+        st = m.stats()
+        assert st["misses"] > 0 and st["expert_fetch"] == fetch
+        got[fetch] = (st["hits"], st["misses"], np.asarray(m.experts.slots.pools[0].data))
+    assert got["kernel"][:2] == got["loop"][:2]
+    np.testing.assert_array_equal(got["kernel"][2], got["loop"][2])  # the same bytes in the same slots
+
+
+def test_fetch_kernel_skips_what_it_must(tmp_path):
+    """The call copies exactly the rows marked as misses, into their slots, and leaves a request outside
+    the store or the pool alone (a padded id, a slot of -1)."""
+    from strata_jax.offload import hostrows
+
+    dev = jax.devices()[0]
+    if not hostrows.available(dev):
+        pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(dev)}")
+    rng = np.random.default_rng(0)
+    store = jax.device_put(rng.integers(0, 255, (2, 5, 48), dtype=np.uint8),
+                           jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    (addr,) = hostrows.addresses([store], dev)
+    pool = np.zeros((4, 48), np.uint8)
+    row = np.array([7, 2, 9, -1, 3, 4], np.int32)  # flat store rows (layer * 5 + expert)
+    dst = np.array([0, 1, 3, 2, -1, 2], np.int32)
+    miss = np.array([1, 0, 1, 1, 1, 1], bool)
+    out = jax.jit(lambda a, p, r, d, m: hostrows.host_rows(a, p, r, d, m, 10), donate_argnums=1)(
+        addr, jax.device_put(pool, dev), row, dst, miss)
+    flat = np.asarray(store).reshape(10, 48)
+    want = pool.copy()
+    want[0], want[3], want[2] = flat[7], flat[9], flat[4]
+    np.testing.assert_array_equal(np.asarray(out), want)

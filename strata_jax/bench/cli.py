@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode_chunk)")
     p.add_argument("--layer-scan", choices=["on", "off"], default="on",
                    help="alike layers compiled once as a scan (default on) or every layer unrolled")
+    p.add_argument("--expert-fetch", choices=["auto", "kernel", "loop"], default="auto",
+                   help="how offloaded configurations copy their misses: kernel, loop or auto (the engine's "
+                        "default: kernel on a GPU)")
     p.add_argument("--no-resident", dest="resident", action="store_false", help="no all-resident reference run")
     p.add_argument("--resident-process", choices=["auto", "same", "child"], default="auto",
                    help="where the resident reference runs: auto = a child process without the VRAM cap when "
@@ -244,7 +247,7 @@ def check_engine_options(args) -> None:
     for depth in args.prefetch_depth:
         EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
-                            layer_scan=args.layer_scan)
+                            layer_scan=args.layer_scan, expert_fetch=args.expert_fetch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
     if not args.resident_only:
         configs += _cache_configs(args, total_experts, budget)
     shared = {"layer_scan": args.layer_scan}
+    if getattr(args, "expert_fetch", "auto") != "auto":
+        shared["expert_fetch"] = args.expert_fetch
     if args.decode_chunk is not None:  # else the engine's default for the device; each row records what ran
         shared["decode_chunk"] = args.decode_chunk
     return [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
@@ -101,6 +103,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "prefetch_precision": st.get("prefetch_precision"), "prefetch_recall": st.get("prefetch_recall"),
         "expert_slots": st.get("expert_slots"), "total_experts": st.get("total_experts"),
         "resident": st.get("resident", True), "store_memory": st.get("store_memory"),
+        "expert_fetch": st.get("expert_fetch"),
         "host_dispatch_ms_per_step": host["dispatch_ms_per_step"], "host_wait_ms_per_step": host["wait_ms_per_step"],
         "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"),
         "token_ids": gen.token_ids,

@@ -43,6 +43,7 @@ def default_decode_chunk(platform: str) -> int:
     return DECODE_CHUNK_GPU if platform == "gpu" else 1
 
 LAYER_SCAN = ("on", "off")
+EXPERT_FETCH = ("auto", "kernel", "loop")
 
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
@@ -50,6 +51,7 @@ FLAGS = {
     "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
+    "expert_fetch": "--expert-fetch",
     "expert_cache_state": "--expert-cache-state",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
@@ -60,7 +62,7 @@ FLAGS = {
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
 # vram_budget and vram_reserve size every model's context too)
 _EXPERT_OPTIONS = {"expert_slots": None, "policy": "lru", "prefetch": 0, "expert_pools": "per-layer",
-                   "expert_cache_state": None}
+                   "expert_cache_state": None, "expert_fetch": "auto"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,9 @@ class EngineConfig:
     prefetch: int = 0
     # MoE: a slot pool per MoE layer (an equal share each) or one shared by layers of the same expert types
     expert_pools: str = "per-layer"
+    # how a step copies its misses from the host store: "kernel" one call per layer reading the pinned store
+    # (offload/hostrows.py), "loop" a copy per miss; "auto" the kernel on a GPU where it builds
+    expert_fetch: str = "auto"
     # MoE, offloading: a directory for the expert cache's state (which expert sits in which slot, the
     # policy's metadata), restored at load when it was saved for this model, slot plan and policy, and
     # saved by Model.save_expert_cache (serve on shutdown, generate at its end); None = start cold
@@ -465,5 +470,6 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "kernels": lambda v: _kernels(v, n("kernels")),
         "compilation_cache": lambda v: _bool(v, n("compilation_cache")),
         "layer_scan": lambda v: _choice(v, n("layer_scan"), LAYER_SCAN),
+        "expert_fetch": lambda v: _choice(v, n("expert_fetch"), EXPERT_FETCH),
     }
     return {k: checks[k](options[k]) for k in checks if k in options}

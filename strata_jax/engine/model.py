@@ -248,7 +248,7 @@ class Model:
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
                                           batch_rows=config.parallel, cache_state=config.expert_cache_state,
-                                          stacked=config.layer_scan == "on")
+                                          stacked=config.layer_scan == "on", fetch=config.expert_fetch)
             loader.bytes_loaded += self.experts.device_bytes
         self.layer_runs = _layer_runs(self.params, cfg, self.experts, config.layer_scan)
         if self.layer_runs is not None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertRows
+from strata_jax.offload.hostrows import host_rows
 from strata_jax.offload.policies import Plan
 from strata_jax.offload.store import ExpertStore
 
@@ -33,7 +35,15 @@ def read_rows(store: ExpertStore, moe_idx, start, n: int) -> jax.Array:
 
 
 def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base=0) -> ExpertRows:
-    """The pool with plan's misses copied from MoE layer moe_idx's store rows into slots base + plan.slot_U."""
+    """The pool with plan's misses copied from MoE layer moe_idx's store rows into slots base + plan.slot_U:
+    by one call of the fetch kernel where the store has its addresses (offload/hostrows.py), else a loop."""
+    if store.addr:
+        g = store.group(moe_idx)
+        _, E, _ = store.groups[g].shape
+        at = layer_ref.value(layer_ref.mapped(moe_idx, store.layer_local))
+        data = host_rows(store.addr[g], pool.data, at * E + plan.ids_U, base + plan.slot_U, plan.miss_U,
+                         store.groups[g].shape[0] * E)
+        return ExpertRows(data, pool.parts)
     order_U = jnp.argsort(~plan.miss_U, stable=True)  # misses first
 
     def body(i, data_XP):

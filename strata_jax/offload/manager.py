@@ -25,6 +25,7 @@ from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
+from strata_jax.offload import hostrows
 from strata_jax.offload.store import ExpertStore, load_expert_store, store_shapes
 from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
 
@@ -86,7 +87,7 @@ class OffloadManager:
     def __init__(self, gguf, spec: ExpertSpec, device, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
-                 batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False):
+                 batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False, fetch: str = "auto"):
         self.device = device if device is not None else jax.devices()[0]
         self.spec = spec
         self.policy = get_policy(policy)
@@ -95,6 +96,8 @@ class OffloadManager:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch={prefetch!r} is invalid: give True/False or a depth >= 0 "
                               "(MoE layers ahead to prefetch).")
+        if fetch not in ("auto", "kernel", "loop"):
+            raise ConfigError(f"fetch={fetch!r} is invalid: give 'auto', 'kernel' or 'loop'.")
         self.prefetch = prefetch  # depth: MoE layers ahead whose predicted experts each layer fetches
         if prefetch > 1 and self.device.platform == "gpu":
             log.warning("prefetch depth %d is not exact on GPU: greedy tokens may differ from the all-resident "
@@ -113,6 +116,10 @@ class OffloadManager:
                      "s" if len(self.plan.slots_per_pool) > 1 else "", "/".join(f"{n:,}" for n in sizes),
                      "; LRU hit rates measured higher with a cache per layer, see docs/benchmarks.md"
                      if expert_pools == "per-layer" else "")
+        # misses fetched by one kernel call per layer (offload/hostrows.py), else by a loop of copies; auto:
+        # the kernel on a GPU, where the loop holds the host once per miss
+        self.fetch_kernel = not self.plan.resident and (
+            fetch == "kernel" or (fetch == "auto" and self.device.platform == "gpu")) and hostrows.available(self.device)
         store: ExpertStore | None = None
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
@@ -127,6 +134,8 @@ class OffloadManager:
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
             self._loading = _in_background(load_expert_store, gguf, spec, self.device)
             store = store_shapes(spec, self.device)
+            if self.fetch_kernel:
+                store = store.replace(addr=hostrows.address_shapes(len(store.groups), self.device))
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
                                      stacked=stacked and expert_pools == "per-layer")
             if len(slots.pools) != len(self.plan.slots_per_pool):
@@ -189,14 +198,23 @@ class OffloadManager:
         if self._loading is None:
             return
         store = self._loading.result()
+        if self.fetch_kernel:
+            addr = hostrows.addresses(store.groups, self.device)
+            if addr is None:
+                log.warning("the expert store is not in memory the device can read (%s host memory): misses are "
+                            "fetched by a loop of copies instead of the fetch kernel", store.memory_kind)
+                self.fetch_kernel = False
+            else:
+                store = store.replace(addr=addr)
         slots = self._experts.table
         if self._saved is not None:
             slots = jax.device_put(restore_slot_table(self._cache_state, self._saved, slots, store), self.device)
             self._saved = None
         self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
         row_bytes = self.spec.bytes_per_expert(0)
-        log.info("in-step expert fetch: %.0f us per expert of %s (%.1f GB/s host->device)", self.fetch_s * 1e6,
-                 fmt_bytes(row_bytes), row_bytes / self.fetch_s / 1e9)
+        log.info("in-step expert fetch (%s): %.0f us per expert of %s (%.1f GB/s host->device)",
+                 "kernel" if self.fetch_kernel else "loop", self.fetch_s * 1e6, fmt_bytes(row_bytes),
+                 row_bytes / self.fetch_s / 1e9)
         self.store_memory_kind = store.memory_kind
         self._experts = self._experts.replace(table=slots, store=store)
         self._loading = None
@@ -278,4 +296,5 @@ class OffloadManager:
             "expert_pools": None if self.plan.resident else self.expert_pools,
             "prefetch": 0 if self.plan.resident else self.prefetch,
             "store_memory": self.store_memory_kind,
+            "expert_fetch": "kernel" if self.fetch_kernel else "loop",
         }

@@ -1,0 +1,33 @@
+// CPU build of host_rows.h: the same call as the CUDA one, with memcpy. It lets CPU tests run the
+// kernel path's plumbing (addresses, aliasing, the miss list) against the fetch loop.
+#include <cstring>
+#include "host_rows.h"
+
+static ffi::Error HostRowsCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> pool, ffi::Buffer<ffi::S32> row,
+                              ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> miss, int64_t rows,
+                              ffi::ResultBuffer<ffi::U8> out) {
+  auto dims = pool.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_host_rows: pool must be 2-D [slots, bytes]");
+  const int64_t X = dims[0], P = dims[1], U = row.element_count();
+  const uint8_t* base = strata_base(addr.typed_data());
+  uint8_t* o = out->typed_data();
+  if (o != pool.typed_data()) std::memcpy(o, pool.typed_data(), X * P);
+  for (int64_t j = 0; j < U; ++j) {
+    const int64_t r = row.typed_data()[j], d = dst.typed_data()[j];
+    if (!miss.typed_data()[j] || r < 0 || r >= rows || d < 0 || d >= X) continue;
+    std::memcpy(o + d * P, base + r * P, P);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCpu, HostRowsCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Ret<ffi::Buffer<ffi::U8>>());
+
+extern "C" void* strata_device_pointer(void* host) { return host; }

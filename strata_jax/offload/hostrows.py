@@ -1,0 +1,150 @@
+"""The miss fetch as one custom call: chosen store rows copied into their slots by a kernel that reads the
+pinned store directly, with the ids read on the device.
+
+Why: XLA copies a dynamic slice of host memory with a memcpy whose offset it must know on the host, so
+the fetch loop (offload/fetch.py `fetch_misses`) syncs the host once per miss, and a loop holding such a
+copy (a DynamicSliceFusion thunk) cannot be recorded into XLA's command buffers: the host then drives
+every layer of the step (docs/benchmarks.md, "Host time of the offloaded step"). Here the whole fetch
+of a layer is one call: on CUDA a kernel reading the store over PCIe (pinned memory is mapped into the
+device's address space) and writing the slot pool in place; on CPU the same call with memcpy, so the
+CPU tests run the path's plumbing. The extension is compiled on first use (nvcc / a C++ compiler) into
+the cache (core/paths.py) and registered with XLA; where it cannot be built the engine keeps the loop.
+
+The store's base address travels as a device array (uint32 [2] per store group), not as an attribute,
+so the compiled program does not depend on where this process' store happens to sit and stays in the
+persistent compilation cache.
+
+Shape legend: strata_jax/core/shapes.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.core.paths import cache_dir, file_lock
+
+log = logging.getLogger("strata_jax")
+
+SRC = Path(__file__).with_name("csrc")
+TARGET = "strata_host_rows"
+_SOURCES = {"cpu": "host_rows.cc", "cuda": "host_rows.cu"}
+_HANDLERS = {"cpu": "StrataHostRowsCpu", "cuda": "StrataHostRowsCuda"}
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_why: dict[str, str] = {}
+
+
+def _platform(device) -> str:
+    return "cuda" if device.platform == "gpu" else device.platform
+
+
+def _compile_cmd(platform: str, src: Path, out: Path) -> list[str] | None:
+    inc = jax.ffi.include_dir()
+    if platform == "cuda":
+        nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+        if nvcc is None:
+            return None
+        return [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-w", "-arch=native", f"-I{inc}",
+                str(src), "-o", str(out)]
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        return None
+    return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{inc}", str(src), "-o", str(out)]
+
+
+def _build(platform: str) -> Path:
+    """The compiled extension for `platform`, from the cache or built now (keyed by the sources, the jaxlib
+    and the Python: the FFI headers come with jaxlib)."""
+    src = SRC / _SOURCES[platform]
+    key = hashlib.sha256()
+    for f in sorted(SRC.iterdir()):
+        key.update(f.name.encode() + f.read_bytes())
+    key.update(f"{jax.__version__} {jax.lib.__version__} {sys.version}".encode())
+    out_dir = cache_dir() / "ext" / f"host_rows-{platform}-{key.hexdigest()[:16]}"
+    lib = out_dir / "libstrata_host_rows.so"
+    if lib.exists():
+        return lib
+    with file_lock(out_dir / ".lock", "the host-rows extension"):
+        if lib.exists():
+            return lib
+        cmd = _compile_cmd(platform, src, out_dir / "tmp.so")
+        if cmd is None:
+            raise RuntimeError("no compiler found (nvcc for CUDA, g++/clang++ for CPU)")
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd[-1] = str(Path(tmp) / "lib.so")
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd[:2])} failed: {done.stderr.strip()[-800:]}")
+            os.replace(cmd[-1], lib)
+    log.info("built the host-rows extension for %s: %s", platform, lib)
+    return lib
+
+
+def available(device) -> bool:
+    """Whether the fetch kernel can run on `device`'s platform (built and registered once per process);
+    the reason it cannot is logged once."""
+    platform = _platform(device)
+    if platform not in _SOURCES:
+        return False
+    if platform not in _loaded:
+        try:
+            lib = ctypes.cdll.LoadLibrary(str(_build(platform)))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _HANDLERS[platform])),
+                                        platform="CUDA" if platform == "cuda" else "cpu")
+            lib.strata_device_pointer.restype = ctypes.c_void_p
+            lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
+            _loaded[platform] = lib
+        except (RuntimeError, OSError) as e:
+            _loaded[platform] = None
+            _why[platform] = str(e)
+            log.warning("the in-step fetch kernel is not available on %s (%s); misses are fetched by a loop of "
+                        "copies instead, which holds the host once per miss", platform, e)
+    return _loaded[platform] is not None
+
+
+def why_not(device) -> str:
+    return _why.get(_platform(device), "")
+
+
+def addresses(groups, device) -> tuple[jax.Array, ...] | None:
+    """Per store group, the address the kernel reads it at, as uint32 [2] (lo, hi) on `device`; None if a
+    group is not memory the device can read (pageable memory on a GPU)."""
+    lib = _loaded.get(_platform(device))
+    if lib is None:
+        return None
+    out = []
+    for g in groups:
+        try:
+            ptr = lib.strata_device_pointer(g.unsafe_buffer_pointer())
+        except (RuntimeError, ValueError) as e:  # a runtime that does not expose host buffers
+            log.warning("cannot read the store's address (%s)", e)
+            return None
+        if not ptr:
+            return None
+        out.append(jax.device_put(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32), device))
+    return tuple(out)
+
+
+def address_shapes(n_groups: int, device) -> tuple[jax.ShapeDtypeStruct, ...]:
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return tuple(jax.ShapeDtypeStruct((2,), np.uint32, sharding=sharding) for _ in range(n_groups))
+
+
+def host_rows(addr_2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: jax.Array, miss_U: jax.Array,
+              n_rows: int) -> jax.Array:
+    """pool_XP with store row row_U[j] copied into pool row dst_U[j] wherever miss_U[j] (one call, in place:
+    the pool is aliased to the result). n_rows: the store group's rows (requests outside are skipped)."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(pool_XP.shape, pool_XP.dtype), input_output_aliases={1: 0})
+    return call(addr_2, pool_XP, row_U.astype(jnp.int32), dst_U.astype(jnp.int32), miss_U.astype(jnp.int32),
+                rows=np.int64(n_rows))
