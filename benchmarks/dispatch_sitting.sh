@@ -237,7 +237,7 @@ pipeline6() {
 }
 [ "${PART:-1}" = 6 ] && { pipeline() { pipeline6; }; RETURNED="progress phases.tsv data-*.json cb-dump.txt hlo-dump.tar.gz"; }
 
-# PART=7: the miss fetch as one kernel call per layer reading the pinned store (offload/hostrows.py): its
+# PART=7: the miss fetch as one kernel call per layer reading the pinned store (core/hostrows.py): its
 # tests on the GPU (exact bytes, kernel == loop); then qseed under 32 GiB: the bench with the kernel compiled
 # afresh with the conversion log (is the offloaded step's loop a command buffer now?), the cold start, and
 # the bench with the loop of copies for the same-machine baseline

@@ -402,10 +402,10 @@ def test_step_arguments_do_not_grow_with_layers(tmp_path, pools):
 
 @pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 8, "on"), ("per-layer", 12, "off")])
 def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
-    """The misses copied by one call of the fetch kernel per layer (offload/hostrows.py; on CPU its
+    """The misses copied by one call of the fetch kernel per layer (core/hostrows.py; on CPU its
     memcpy build, the same call and addresses as the CUDA one) decode the resident tokens, fetching the
     same experts as the loop of copies does."""
-    from strata_jax.offload import hostrows
+    from strata_jax.core import hostrows
 
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
@@ -428,7 +428,7 @@ def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
 def test_fetch_kernel_skips_what_it_must(tmp_path):
     """The call copies exactly the rows marked as misses, into their slots, and leaves a request outside
     the store or the pool alone (a padded id, a slot of -1)."""
-    from strata_jax.offload import hostrows
+    from strata_jax.core import hostrows
 
     dev = jax.devices()[0]
     if not hostrows.available(dev):

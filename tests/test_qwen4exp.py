@@ -255,7 +255,7 @@ def test_decode_one_token_at_a_time_equals_full_forward(variant):
 @pytest.mark.parametrize("variant,fetch", [(v, "loop") for v in QWEN4EXP_VARIANTS] + [(QWEN4EXP_VARIANTS[0], "kernel")])
 def test_offloaded_equals_resident(variant, fetch):
     """Half the experts in device slots (LRU, misses fetched in the step by a loop of copies or by the
-    fetch kernel, offload/hostrows.py): logits and greedy tokens are the all-resident run's, bit for bit."""
+    fetch kernel, core/hostrows.py): logits and greedy tokens are the all-resident run's, bit for bit."""
     tm = qwen4exp_model(variant)
     ids = _ids(tm)
     m = _engine(tm, expert_slots=4 * 4, expert_pools="per-layer", expert_fetch=fetch)

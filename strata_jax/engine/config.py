@@ -99,7 +99,7 @@ class EngineConfig:
     # MoE: a slot pool per MoE layer (an equal share each) or one shared by layers of the same expert types
     expert_pools: str = "per-layer"
     # how a step copies its misses from the host store: "kernel" one call per layer reading the pinned store
-    # (offload/hostrows.py), "loop" a copy per miss; "auto" the kernel on a GPU where it builds
+    # (core/hostrows.py), "loop" a copy per miss; "auto" the kernel on a GPU where it builds
     expert_fetch: str = "auto"
     # MoE, offloading: a directory for the expert cache's state (which expert sits in which slot, the
     # policy's metadata), restored at load when it was saved for this model, slot plan and policy, and

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertRows
-from strata_jax.offload.hostrows import host_rows
+from strata_jax.core.hostrows import host_rows
 from strata_jax.offload.policies import Plan
 from strata_jax.offload.store import ExpertStore
 
@@ -36,7 +36,7 @@ def read_rows(store: ExpertStore, moe_idx, start, n: int) -> jax.Array:
 
 def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base=0) -> ExpertRows:
     """The pool with plan's misses copied from MoE layer moe_idx's store rows into slots base + plan.slot_U:
-    by one call of the fetch kernel where the store has its addresses (offload/hostrows.py), else a loop."""
+    by one call of the fetch kernel where the store has its addresses (core/hostrows.py), else a loop."""
     if store.addr:
         g = store.group(moe_idx)
         _, E, _ = store.groups[g].shape

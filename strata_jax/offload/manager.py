@@ -25,7 +25,7 @@ from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
 from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
-from strata_jax.offload import hostrows
+from strata_jax.core import hostrows
 from strata_jax.offload.store import ExpertStore, load_expert_store, store_shapes
 from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
 
@@ -116,7 +116,7 @@ class OffloadManager:
                      "s" if len(self.plan.slots_per_pool) > 1 else "", "/".join(f"{n:,}" for n in sizes),
                      "; LRU hit rates measured higher with a cache per layer, see docs/benchmarks.md"
                      if expert_pools == "per-layer" else "")
-        # misses fetched by one kernel call per layer (offload/hostrows.py), else by a loop of copies; auto:
+        # misses fetched by one kernel call per layer (core/hostrows.py), else by a loop of copies; auto:
         # the kernel on a GPU, where the loop holds the host once per miss
         self.fetch_kernel = not self.plan.resident and (
             fetch == "kernel" or (fetch == "auto" and self.device.platform == "gpu")) and hostrows.available(self.device)

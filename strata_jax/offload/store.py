@@ -46,7 +46,7 @@ class ExpertStore:
     layer_group: tuple[int, ...] = struct.field(pytree_node=False)  # per MoE layer: its group
     layer_local: tuple[int, ...] = struct.field(pytree_node=False)  # per MoE layer: its index in the group
     memory_kind: str = struct.field(pytree_node=False)
-    # per group, where the fetch kernel reads it (offload/hostrows.py: uint32 [2] on the device); () = the
+    # per group, where the fetch kernel reads it (core/hostrows.py: uint32 [2] on the device); () = the
     # misses are fetched by a loop of copies (offload/fetch.py)
     addr: tuple[jax.Array, ...] = ()
 

@@ -32,6 +32,7 @@ from flax import struct
 import jax.experimental.compute_on as compute_on_api
 from jax.sharding import SingleDeviceSharding
 
+from strata_jax.core import hostrows
 from strata_jax.core.qtensor import QTensor
 from strata_jax.gguf import quant
 from strata_jax.model.dims import PLEDims
@@ -130,14 +131,23 @@ class PLETable:
 
     rows: QTensor
     memory_kind: str = struct.field(pytree_node=False)  # one of MEMORY_KINDS
+    # a host table's address for the host-rows kernel (core/hostrows.py), uint32 [2] on the device; None:
+    # a decode step's rows are copied by a loop of DMAs
+    addr: jax.Array | None = None
 
 
-def place_table(qt: QTensor, memory_kind: str = "device", device: Any = None) -> PLETable:
-    """Put the table's bytes (numpy or jax) in `memory_kind` memory of `device` (default: the first)."""
+def place_table(qt: QTensor, memory_kind: str = "device", device: Any = None, kernel: bool | None = None) -> PLETable:
+    """Put the table's bytes (numpy or jax) in `memory_kind` memory of `device` (default: the first).
+    kernel: read a host table's rows with the host-rows kernel (default: on a GPU, where it builds)."""
     if memory_kind not in MEMORY_KINDS:
         raise ValueError(f"PLE table memory_kind={memory_kind!r}: choose one of {MEMORY_KINDS}")
-    sharding = SingleDeviceSharding(device or jax.devices()[0], memory_kind=memory_kind)
-    return PLETable(QTensor(jax.device_put(qt.data, sharding), qt.qtype, qt.n_cols), memory_kind)
+    device = device or jax.devices()[0]
+    data = jax.device_put(qt.data, SingleDeviceSharding(device, memory_kind=memory_kind))
+    addr = None
+    if memory_kind == "pinned_host" and (device.platform == "gpu" if kernel is None else kernel) \
+            and hostrows.available(device):
+        addr = (hostrows.addresses([data], device) or (None,))[0]
+    return PLETable(QTensor(data, qt.qtype, qt.n_cols), memory_kind, addr)
 
 
 def _take(data, idx):
@@ -168,13 +178,26 @@ def _dma_take(data, idx_N: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, idx_N.shape[0], body, jnp.zeros((idx_N.shape[0],) + data.shape[1:], data.dtype))
 
 
+def _kernel_take(addr_2: jax.Array, data, idx_N: jax.Array) -> jax.Array:
+    """data[idx_N] (clipped, as _take) by one call of the host-rows kernel (core/hostrows.py)."""
+    N, (R, W) = idx_N.shape[0], data.shape
+    size = jnp.dtype(data.dtype).itemsize
+    out_NB = hostrows.host_rows(addr_2, jnp.zeros((N, W * size), jnp.uint8), jnp.clip(idx_N, 0, R - 1),
+                                jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), bool), R)
+    if data.dtype == jnp.uint8:
+        return out_NB
+    return jax.lax.bitcast_convert_type(out_NB.reshape(N, W, size), data.dtype)
+
+
 def gather_rows(table: PLETable, idx_N: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows idx_N of the table, dequantized on the device: dtype [N, row_dim]. A host table sends only
     these rows' bytes to the device."""
     qt = table.rows
     if table.memory_kind == "device":
         return quant.take_rows(qt, idx_N, dtype)
-    if idx_N.shape[0] <= DMA_ROWS_MAX:
+    if table.addr is not None and idx_N.shape[0] <= DMA_ROWS_MAX:
+        raw = _kernel_take(table.addr, qt.data, idx_N)
+    elif idx_N.shape[0] <= DMA_ROWS_MAX:
         raw = _dma_take(qt.data, idx_N)
     else:
         raw = jax.device_put(_host_take(qt.data, jax.device_put(idx_N, jax.memory.Space.Host)), jax.memory.Space.Device)

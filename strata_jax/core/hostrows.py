@@ -1,18 +1,18 @@
-"""The miss fetch as one custom call: chosen store rows copied into their slots by a kernel that reads the
-pinned store directly, with the ids read on the device.
+"""Rows of a host (pinned) array copied into device rows by one custom call, with the row ids read on the
+device: the expert store's misses (offload/fetch.py) and a host-resident table's rows (qwen4exp's PLE).
 
-Why: XLA copies a dynamic slice of host memory with a memcpy whose offset it must know on the host, so
-the fetch loop (offload/fetch.py `fetch_misses`) syncs the host once per miss, and a loop holding such a
-copy (a DynamicSliceFusion thunk) cannot be recorded into XLA's command buffers: the host then drives
-every layer of the step (docs/benchmarks.md, "Host time of the offloaded step"). Here the whole fetch
-of a layer is one call: on CUDA a kernel reading the store over PCIe (pinned memory is mapped into the
-device's address space) and writing the slot pool in place; on CPU the same call with memcpy, so the
-CPU tests run the path's plumbing. The extension is compiled on first use (nvcc / a C++ compiler) into
-the cache (core/paths.py) and registered with XLA; where it cannot be built the engine keeps the loop.
+Why: XLA copies a dynamic slice of host memory with a memcpy whose offset it must know on the host, so a
+loop of such copies syncs the host once per row, and a loop holding one (a DynamicSliceFusion thunk)
+cannot be recorded into XLA's command buffers: the host then drives every layer of the step
+(docs/benchmarks.md, "The miss fetch as one kernel"). Here the rows of a layer are one call: on CUDA a
+kernel reading the host array over PCIe (pinned memory is mapped into the device's address space) and
+writing the destination in place; on CPU the same call with memcpy, so the CPU tests run the path's
+plumbing. The extension is compiled on first use (nvcc / a C++ compiler) into the cache (core/paths.py)
+and registered with XLA; where it cannot be built the callers keep their loops.
 
-The store's base address travels as a device array (uint32 [2] per store group), not as an attribute,
-so the compiled program does not depend on where this process' store happens to sit and stays in the
-persistent compilation cache.
+The host array's address travels as a device array (uint32 [2]), not as an attribute, so the compiled
+program does not depend on where this process' arrays happen to sit and stays in the persistent
+compilation cache.
 
 Shape legend: strata_jax/core/shapes.py
 """

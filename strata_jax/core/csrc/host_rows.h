@@ -1,5 +1,5 @@
 // Copy chosen expert rows from a host (pinned) store into device slots, with the row and slot ids read
-// from device memory: a miss fetch that needs no host round trip (offload/hostrows.py says why).
+// from device memory: a fetch that needs no host round trip (core/hostrows.py says why).
 //   addr   u32[2]  the store group's base address (lo, hi): host memory the device can read (UVA)
 //   pool   u8[X, P] the slot pool, aliased to the result (written in place)
 //   row    s32[U]   store row of each request (layer * E + expert)
