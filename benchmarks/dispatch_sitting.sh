@@ -246,7 +246,7 @@ pipeline7() {
   local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
   local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
   phase kernel-tests 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/test_offload.py -k fetch_kernel
+    tests/test_offload.py tests/test_ple.py -k "fetch_kernel or quantized_table_rows"
   qseed_file
   phase bench-qseed-kernel 420 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel \
     --out "$S/data-bench-qseed-kernel.json"
