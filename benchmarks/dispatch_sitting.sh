@@ -239,8 +239,8 @@ pipeline6() {
 
 # PART=7: the miss fetch as one kernel call per layer reading the pinned store (core/hostrows.py): its
 # tests on the GPU (exact bytes, kernel == loop); then qseed under 32 GiB: the bench with the kernel compiled
-# afresh with the conversion log (is the offloaded step's loop a command buffer now?), the cold start, and
-# the bench with the loop of copies for the same-machine baseline
+# afresh with the conversion log (is the offloaded step's loop a command buffer now?), the same unrolled,
+# the bench with the loop of copies for the same-machine baseline, and the cold start
 pipeline7() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
@@ -252,9 +252,12 @@ pipeline7() {
     --out "$S/data-bench-qseed-kernel.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed-kernel.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
-  cold_qseed
+  # every layer unrolled: no layer loop, so no traced-index slice of the stacked state can keep it out
+  phase bench-qseed-unrolled 360 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel --layer-scan off \
+    --out "$S/data-bench-qseed-unrolled.json"
   phase bench-qseed-loop 300 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
     --out "$S/data-bench-qseed-loop.json"
+  cold_qseed
   note "pipeline: done"
 }
 [ "${PART:-1}" = 7 ] && { pipeline() { pipeline7; }; RETURNED="progress phases.tsv data-*.json cb-qseed.txt"; }
