@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -63,6 +64,13 @@ def _compile_cmd(platform: str, src: Path, out: Path) -> list[str] | None:
     return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{inc}", str(src), "-o", str(out)]
 
 
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def _build(platform: str) -> Path:
     """The compiled extension for `platform`, from the cache or built now (keyed by the sources, the jaxlib
     and the Python: the FFI headers come with jaxlib)."""
@@ -70,7 +78,7 @@ def _build(platform: str) -> Path:
     key = hashlib.sha256()
     for f in sorted(SRC.iterdir()):
         key.update(f.name.encode() + f.read_bytes())
-    key.update(f"{jax.__version__} {jax.lib.__version__} {sys.version}".encode())
+    key.update(f"{jax.__version__} {_jaxlib_version()} {sys.version}".encode())
     out_dir = cache_dir() / "ext" / f"host_rows-{platform}-{key.hexdigest()[:16]}"
     lib = out_dir / "libstrata_host_rows.so"
     if lib.exists():
@@ -105,7 +113,7 @@ def available(device) -> bool:
             lib.strata_device_pointer.restype = ctypes.c_void_p
             lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
             _loaded[platform] = lib
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError, AttributeError, ValueError) as e:
             _loaded[platform] = None
             _why[platform] = str(e)
             log.warning("the in-step fetch kernel is not available on %s (%s); misses are fetched by a loop of "
