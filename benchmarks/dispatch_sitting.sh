@@ -237,16 +237,17 @@ pipeline6() {
 }
 [ "${PART:-1}" = 6 ] && { pipeline() { pipeline6; }; RETURNED="progress phases.tsv data-*.json cb-dump.txt hlo-dump.tar.gz"; }
 
-# PART=7: the miss fetch as one kernel call per layer reading the pinned store (core/hostrows.py): its
-# tests on the GPU (exact bytes, kernel == loop); then qseed under 32 GiB: the bench with the kernel compiled
+# PART=7: the miss fetch as one kernel call per layer reading the pinned store, and a scanned layer's slice of
+# the stacked recurrent and cache state read and written by row kernels (core/hostrows.py): their tests on
+# the GPU (exact bytes, kernel == loop); then qseed under 32 GiB: the bench with the kernels compiled
 # afresh with the conversion log (is the offloaded step's loop a command buffer now?), the same unrolled,
-# the bench with the loop of copies for the same-machine baseline, and the cold start
+# the bench with the loop of copies and dynamic slices (the same-machine baseline), and the cold start
 pipeline7() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
   local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
   phase kernel-tests 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/test_offload.py tests/test_ple.py -k "fetch_kernel or quantized_table_rows"
+    tests/test_offload.py tests/test_ple.py tests/test_layer_runs.py -k "fetch_kernel or quantized_table_rows or row_kernels"
   qseed_file
   phase bench-qseed-kernel 420 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel \
     --out "$S/data-bench-qseed-kernel.json"
@@ -255,7 +256,7 @@ pipeline7() {
   # every layer unrolled: no layer loop, so no traced-index slice of the stacked state can keep it out
   phase bench-qseed-unrolled 360 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel --layer-scan off \
     --out "$S/data-bench-qseed-unrolled.json"
-  phase bench-qseed-loop 300 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
+  phase bench-qseed-loop 300 env STRATA_JAX_STATE_ROWS=0 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
     --out "$S/data-bench-qseed-loop.json"
   cold_qseed
   note "pipeline: done"

@@ -164,6 +164,39 @@ def test_hybrid_scanned_equals_unrolled(tmp_path):
     assert on_c.stats()["misses"] > 0
 
 
+def test_hybrid_scan_through_the_row_kernels(tmp_path):
+    """The same 8-layer qwen4exp scanned with every traced-index access that XLA would run as a memcpy
+    thunk on a GPU done by core/hostrows.py's kernels instead (their CPU build): the recurrent state's
+    slices by the row kernels, the misses by the fetch kernel. Same greedy tokens and logits as the
+    scan without them, offloaded == resident, and the programs do call them."""
+    import dataclasses
+
+    from strata_jax.bench.shapes import SHAPES
+    from strata_jax.core import hostrows
+    from strata_jax.model.kernels import Kernels
+
+    if not hostrows.available(jax.devices()[0]):
+        pytest.skip(f"no C++ compiler to build the row kernels: {hostrows.why_not(jax.devices()[0])}")
+    path = write_synthetic_gguf(tmp_path / "q8.gguf", dataclasses.replace(SHAPES["qtiny"], n_layers=8))
+    _, ref_logits, ref_tokens = _run(path, max_tokens=8, kernels=Kernels(state_rows="off"))
+    on, logits, tokens = _run(path, max_tokens=8, kernels=Kernels(state_rows="on"))
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens
+    off_c, off_logits, off_tokens = _run(path, max_tokens=8, kernels=Kernels(state_rows="on"), expert_slots=40,
+                                         expert_pools="shared", expert_fetch="kernel")
+    np.testing.assert_array_equal(off_logits, logits)  # offloaded == resident
+    assert off_tokens == tokens and off_c.stats()["misses"] > 0 and off_c.stats()["expert_fetch"] == "kernel"
+    experts = off_c.experts.take()
+    try:
+        kv = KVCache.zeros(off_c.config, 1, 64, off_c.dtype)
+        hlo = jax.jit(functools.partial(forward, cfg=off_c.config, dtype=off_c.dtype, kernels=off_c.kernels)).lower(
+            off_c.params, experts, kv, jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+            jnp.ones((1,), jnp.int32)).as_text()
+    finally:
+        off_c.experts.put(experts)
+    assert all(t in hlo for t in (hostrows.ROW_GET, hostrows.ROW_PUT, hostrows.TARGET))
+
+
 def test_seed_architecture_program_is_bounded_by_its_distinct_layers(tmp_path):
     """qtiny (qseed's architecture) at 48 layers against 4: both plan as one run of (3 DeltaNet, 1 attention)
     periods whose DeltaNet group is one scanned body (PLE runs before the run, outside the body), so the decode

@@ -40,6 +40,7 @@ log = logging.getLogger("strata_jax")
 
 SRC = Path(__file__).with_name("csrc")
 TARGET = "strata_host_rows"
+ROW_GET, ROW_PUT = "strata_row_get", "strata_row_put"
 _SOURCES = {"cpu": "host_rows.cc", "cuda": "host_rows.cu"}
 _HANDLERS = {"cpu": "StrataHostRowsCpu", "cuda": "StrataHostRowsCuda"}
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -108,8 +109,11 @@ def available(device) -> bool:
     if platform not in _loaded:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build(platform)))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _HANDLERS[platform])),
-                                        platform="CUDA" if platform == "cuda" else "cpu")
+            suffix = "Cuda" if platform == "cuda" else "Cpu"
+            for target, handler in ((TARGET, _HANDLERS[platform]), (ROW_GET, "StrataRowGet" + suffix),
+                                    (ROW_PUT, "StrataRowPut" + suffix)):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)),
+                                            platform="CUDA" if platform == "cuda" else "cpu")
             lib.strata_device_pointer.restype = ctypes.c_void_p
             lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
             _loaded[platform] = lib
@@ -156,3 +160,43 @@ def host_rows(addr_2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: ja
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(pool_XP.shape, pool_XP.dtype), input_output_aliases={1: 0})
     return call(addr_2, pool_XP, row_U.astype(jnp.int32), dst_U.astype(jnp.int32), miss_U.astype(jnp.int32),
                 rows=np.int64(n_rows))
+
+
+# -- one row of a device stack at a traced index (row_get / row_put) ----------------------------------------
+
+
+def _bytes(a: jax.Array) -> jax.Array:
+    """a [L, ...] as uint8 [L, P] (a bitcast: no copy)."""
+    b = a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)
+    return b.reshape(a.shape[0], -1)
+
+
+def _unbytes(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    size = jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.uint8:
+        return b.reshape(shape)
+    return jax.lax.bitcast_convert_type(b.reshape(shape + ((size,) if size > 1 else ())), dtype)
+
+
+def rows_ok(a) -> bool:
+    """Whether row_get/row_put take a's dtype (a bitcast to bytes: not bool)."""
+    return jnp.dtype(a.dtype) != jnp.bool_ and a.ndim >= 1
+
+
+def row_get(a: jax.Array, i: jax.Array) -> jax.Array:
+    """a[i] (i traced, clamped) by one kernel call (`available` first)."""
+    out = jax.ffi.ffi_call(ROW_GET, jax.ShapeDtypeStruct((1, _row_bytes(a)), jnp.uint8))(
+        _bytes(a), jnp.asarray(i, jnp.int32).reshape(()))
+    return _unbytes(out, a.shape[1:], a.dtype)
+
+
+def row_put(a: jax.Array, v: jax.Array, i: jax.Array) -> jax.Array:
+    """a with a[i] = v (i traced, clamped), in place: one kernel call (`available` first)."""
+    b = _bytes(a)
+    out = jax.ffi.ffi_call(ROW_PUT, jax.ShapeDtypeStruct(b.shape, jnp.uint8), input_output_aliases={0: 0})(
+        b, _bytes(v.astype(a.dtype)[None]), jnp.asarray(i, jnp.int32).reshape(()))
+    return _unbytes(out, a.shape, a.dtype)
+
+
+def _row_bytes(a) -> int:
+    return int(np.prod(a.shape[1:], dtype=np.int64)) * jnp.dtype(a.dtype).itemsize

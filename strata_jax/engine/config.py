@@ -216,7 +216,8 @@ def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
 # -- the environment's defaults ---------------------------------------------------------------------------
 
 def kernels_from_env() -> Kernels:
-    """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto) and STRATA_JAX_MOE_PREFILL."""
+    """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL and
+    STRATA_JAX_STATE_ROWS (as QMATVEC)."""
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
@@ -226,7 +227,12 @@ def kernels_from_env() -> Kernels:
     if moe not in ("dense", "grouped"):
         raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default) or grouped, or "
                           "leave it unset.")
-    return Kernels(qmatvec={"": "auto", "0": "off", "1": "on"}[q], moe_prefill=moe)
+    rows = os.environ.get("STRATA_JAX_STATE_ROWS", "")
+    if rows not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_STATE_ROWS={rows!r} is invalid: set 1 (the row kernels for the scanned "
+                          "layers' recurrent state), 0 (dynamic slices) or leave it unset (auto: the kernels on a GPU).")
+    on_off = {"": "auto", "0": "off", "1": "on"}
+    return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows])
 
 
 def compilation_cache_from_env() -> bool:

@@ -170,11 +170,11 @@ def forward(
         DeltaNet. Returns its output, the KV cache, the recurrent state and the tape."""
         if at not in kv_idx:
             if taped is not None:
-                taped = hybrid.put_layer_state(cfg, taped, "linear", i, h)
+                taped = hybrid.put_layer_state(cfg, taped, "linear", i, h, kernels)
             with jax.named_scope("linear"):
-                out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B),
+                out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B, kernels),
                                           n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels)
-            return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin), taped
+            return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin, kernels), taped
         with jax.named_scope("attn"):
             if cfg.mla is not None:
                 out, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
@@ -183,11 +183,11 @@ def forward(
                 select = None
                 if at in qsa_idx:
                     if taped is not None:
-                        taped = hybrid.put_layer_state(cfg, taped, "qsa", i, h)
-                    select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B),
+                        taped = hybrid.put_layer_state(cfg, taped, "qsa", i, h, kernels)
+                    select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B, kernels),
                                               start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
                                               kernels=kernels, attn_len=attn_len)
-                    rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s)
+                    rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s, kernels)
                 out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
                                                     layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                     attn_len, select, attn_block)
@@ -223,11 +223,11 @@ def forward(
             return carry
         xs, k_all, v_all, rec, taped, experts = carry
         if taped is not None:
-            taped = hybrid.put_layer_state(cfg, taped, "ple", i, xs)
+            taped = hybrid.put_layer_state(cfg, taped, "ple", i, xs, kernels)
         with jax.named_scope(f"layer{i}/ple"):
-            out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B),
+            out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B, kernels),
                                    n_valid_B=n_valid_B, dims=cfg.ple, kernels=kernels)
-            rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s)
+            rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s, kernels)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
         return xs, k_all, v_all, rec, taped, experts
 
@@ -283,23 +283,23 @@ def rewind(params: Params, rec_before: Any, taped: Any, tokens_BT: jax.Array, st
     def enter(rec, i):
         if i not in ple_idx:
             return rec
-        _, s = ple.apply(params.ple[ple_idx[i]], hybrid.layer_state(cfg, taped, "ple", i, kept), tokens_BT,
-                         hybrid.layer_state(cfg, rec_before, "ple", i, kept), n_valid_B=n_valid_B, dims=cfg.ple,
+        _, s = ple.apply(params.ple[ple_idx[i]], hybrid.layer_state(cfg, taped, "ple", i, kept, kernels), tokens_BT,
+                         hybrid.layer_state(cfg, rec_before, "ple", i, kept, kernels), n_valid_B=n_valid_B, dims=cfg.ple,
                          kernels=kernels)
-        return hybrid.put_layer_state(cfg, rec, "ple", i, s)
+        return hybrid.put_layer_state(cfg, rec, "ple", i, s, kernels)
 
     def block(rec, layer, i):
         at = layer_ref.first(i)
         if at not in kv_idx:
-            _, s = deltanet.apply(layer.linear, hybrid.layer_state(cfg, taped, "linear", i, kept),
-                                  hybrid.layer_state(cfg, rec_before, "linear", i, kept), n_valid_B=n_valid_B,
+            _, s = deltanet.apply(layer.linear, hybrid.layer_state(cfg, taped, "linear", i, kept, kernels),
+                                  hybrid.layer_state(cfg, rec_before, "linear", i, kept, kernels), n_valid_B=n_valid_B,
                                   dims=cfg.linear, kernels=kernels)
-            rec = hybrid.put_layer_state(cfg, rec, "linear", i, s)
+            rec = hybrid.put_layer_state(cfg, rec, "linear", i, s, kernels)
         elif at in qsa_idx:
-            _, s = qsa.apply(layer.attn.indexer, hybrid.layer_state(cfg, taped, "qsa", i, kept),
-                             hybrid.layer_state(cfg, rec_before, "qsa", i, kept), start_B=start_B, n_valid_B=n_valid_B,
+            _, s = qsa.apply(layer.attn.indexer, hybrid.layer_state(cfg, taped, "qsa", i, kept, kernels),
+                             hybrid.layer_state(cfg, rec_before, "qsa", i, kept, kernels), start_B=start_B, n_valid_B=n_valid_B,
                              dims=cfg.qsa[at], kernels=kernels, attn_len=attn_len)
-            rec = hybrid.put_layer_state(cfg, rec, "qsa", i, s)
+            rec = hybrid.put_layer_state(cfg, rec, "qsa", i, s, kernels)
         return rec, None
 
     rec, _ = runs.run_layers(params.layers, rec_before, block, enter=enter)

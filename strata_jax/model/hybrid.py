@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from strata_jax.core import layer_ref
+from strata_jax.core import hostrows, layer_ref
 from strata_jax.model.config import ATTENTION, ModelConfig
+from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers import deltanet, hyper, ple, qsa
 
 
@@ -143,22 +144,45 @@ def _slot(cfg: ModelConfig, rec: HybridState, kind: str, i) -> tuple[Any, Any, A
     return stack, g, layer_ref.value(layer_ref.mapped(i, {layer: j for j, layer in enumerate(layers)}))
 
 
-def layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, fresh_B: jax.Array) -> Any:
+def _row_kernels(kernels: Kernels | None, i) -> bool:
+    """Whether block i's slice is read and written by core/hostrows.py's row kernels: inside a scanned run
+    (a traced index) where kernels.state_rows asks for them and they build."""
+    if kernels is None or not isinstance(i, layer_ref.LayerRef) or kernels.state_rows == "off":
+        return False
+    if kernels.state_rows == "auto" and kernels.platform != "gpu":
+        return False
+    return hostrows.available(jax.devices(kernels.platform)[0])
+
+
+def layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, fresh_B: jax.Array,
+                kernels: Kernels | None = None) -> Any:
     """Block i's state of `kind` (see _slot), the rows where fresh_B holds (a sequence that restarts)
     zeroed: all zeros is every kind's fresh state."""
     stack, _, j = _slot(cfg, rec, kind, i)
+    rows = _row_kernels(kernels, i)
 
     def one(a):
-        a = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
+        if rows and hostrows.rows_ok(a):
+            a = hostrows.row_get(a, j)
+        else:
+            a = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
         return jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a)
 
     return jax.tree.map(one, stack)
 
 
-def put_layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, state) -> HybridState:
+def put_layer_state(cfg: ModelConfig, rec: HybridState, kind: str, i, state,
+                    kernels: Kernels | None = None) -> HybridState:
     """rec with block i's slice of `kind` replaced by `state` (in place in a donated cache or a scan's carry)."""
     stack, g, j = _slot(cfg, rec, kind, i)
-    stack = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), j, 0), stack, state)
+    rows = _row_kernels(kernels, i)
+
+    def one(a, v):
+        if rows and hostrows.rows_ok(a):
+            return hostrows.row_put(a, v, j)
+        return jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), j, 0)
+
+    stack = jax.tree.map(one, stack, state)
     if g is not None:
         stack = tuple(stack if h == g else s for h, s in enumerate(rec.qsa))
     return rec.replace(**{kind: stack})

@@ -26,6 +26,10 @@ class Kernels:
     # "naive" (the latents expanded to every head's keys and values), or "auto": per step, the form with
     # fewer multiply-adds for its tokens per row (decode absorbed, long prefill chunks naive)
     mla: str = "auto"
+    # a layer's slice of the stacked recurrent state inside the layer scan (model/hybrid.py): read and written
+    # by the row kernels of core/hostrows.py ("on"), by dynamic slices ("off"; XLA's memcpy thunk for one
+    # keeps the scan out of its command buffers on a GPU), "auto": the kernels on a GPU
+    state_rows: str = "auto"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -34,5 +38,7 @@ class Kernels:
             raise ValueError(f"qmatvec={self.qmatvec!r}: choose one of {QMATVEC}")
         if self.moe_prefill not in MOE_PREFILL:
             raise ValueError(f"moe_prefill={self.moe_prefill!r}: choose one of {MOE_PREFILL}")
+        if self.state_rows not in QMATVEC:
+            raise ValueError(f"state_rows={self.state_rows!r}: choose one of {QMATVEC}")
         if self.mla not in MLA_FORMS:
             raise ValueError(f"mla={self.mla!r}: choose one of {MLA_FORMS}")

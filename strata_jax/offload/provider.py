@@ -58,7 +58,7 @@ class SlotExperts:
         table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(wanted_Nk, self.table.n_experts))
         me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
         # a token that is not real may route to an expert that was not fetched (slot -1): read slot 0
-        return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx)[ids_Nk], 0)
+        return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx, self._rows)[ids_Nk], 0)
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["SlotExperts", jax.Array]:
@@ -142,7 +142,13 @@ class SlotExperts:
 
     def _access_and_fetch(self, table: SlotTable, moe_idx, ids_U: jax.Array):
         """Run the policy for MoE layer `moe_idx` (an int or a LayerRef) and DMA its misses into their slots."""
-        cache, row = table.layer_cache(moe_idx)
+        cache, row = table.layer_cache(moe_idx, self._rows)
         cache, plan = self.policy.access(cache, row, ids_U)
         pool = fetch_misses(table.pool(moe_idx), self.store, moe_idx, plan, base=table.slot_base(moe_idx))
-        return table.with_layer(moe_idx, cache, pool), plan
+        return table.with_layer(moe_idx, cache, pool, self._rows), plan
+
+    @property
+    def _rows(self) -> bool:
+        """A traced layer's cache state is read and written by the row kernels where the misses go by the
+        fetch kernel (core/hostrows.py): both keep the layer scan in XLA's command buffers."""
+        return self.store is not None and bool(self.store.addr)

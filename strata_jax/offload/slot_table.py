@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from strata_jax.core import layer_ref
+from strata_jax.core import hostrows, layer_ref
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertRows, ExpertSpec, fused_rows
 from strata_jax.offload.policies import CacheState, Policy
@@ -86,28 +86,43 @@ class SlotTable:
         """The pool slot of the layer's cache slot 0."""
         return self.local(moe_idx) * self._block(moe_idx)
 
-    def layer_cache(self, moe_idx) -> tuple[CacheState, int | jax.Array]:
-        """The cache state serving layer `moe_idx` and the layer's row in it (policy.access' arguments)."""
+    def layer_cache(self, moe_idx, rows: bool = False) -> tuple[CacheState, int | jax.Array]:
+        """The cache state serving layer `moe_idx` and the layer's row in it (policy.access' arguments).
+        rows: a traced layer's slice of a stacked state read by core/hostrows.py's row kernel (available)."""
         cache = self.caches[self.cache_index(moe_idx)]
         if not self._block(moe_idx):
             return cache, self.local(moe_idx)
         at = self.local(moe_idx)
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, at, 0, keepdims=False), cache), 0
+        return jax.tree.map(lambda a: _row(a, at, rows), cache), 0
 
-    def with_layer(self, moe_idx, cache: CacheState, pool: ExpertPool) -> "SlotTable":
+    def with_layer(self, moe_idx, cache: CacheState, pool: ExpertPool, rows: bool = False) -> "SlotTable":
         """The table with layer `moe_idx`'s cache state (as layer_cache gave it) and its pool replaced."""
         p = self.cache_index(moe_idx)
         if self._block(moe_idx):
             at = self.local(moe_idx)
-            cache = jax.tree.map(lambda A, a: jax.lax.dynamic_update_index_in_dim(A, a, at, 0), self.caches[p], cache)
+            cache = jax.tree.map(lambda A, a: _put_row(A, a, at, rows), self.caches[p], cache)
         return self.replace(pools=tuple(pool if i == p else q for i, q in enumerate(self.pools)),
                             caches=tuple(cache if i == p else c for i, c in enumerate(self.caches)))
 
-    def slot_map(self, moe_idx) -> jax.Array:
+    def slot_map(self, moe_idx, rows: bool = False) -> jax.Array:
         """int32 [E]: the pool slot of each expert of MoE layer `moe_idx` (-1 if not resident)."""
-        cache, row = self.layer_cache(moe_idx)
+        cache, row = self.layer_cache(moe_idx, rows)
         map_E = cache.slot_map_LE[row]
         return jnp.where(map_E >= 0, map_E + self.slot_base(moe_idx), -1) if self._block(moe_idx) else map_E
+
+
+def _row(a: jax.Array, at, rows: bool) -> jax.Array:
+    """a[at]: by the row kernel for a traced index when asked (XLA's memcpy thunk for a plain dynamic slice
+    at a loop-dependent index keeps the layer scan out of its command buffers on a GPU)."""
+    if rows and isinstance(at, jax.Array) and hostrows.rows_ok(a):
+        return hostrows.row_get(a, at)
+    return jax.lax.dynamic_index_in_dim(a, at, 0, keepdims=False)
+
+
+def _put_row(A: jax.Array, a: jax.Array, at, rows: bool) -> jax.Array:
+    if rows and isinstance(at, jax.Array) and hostrows.rows_ok(A):
+        return hostrows.row_put(A, a, at)
+    return jax.lax.dynamic_update_index_in_dim(A, a, at, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,3 +31,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCpu, HostRowsCpu,
                                   .Ret<ffi::Buffer<ffi::U8>>());
 
 extern "C" void* strata_device_pointer(void* host) { return host; }
+
+static ffi::Error RowGetCpu(ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {
+  auto dims = src.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_get: src must be 2-D [rows, bytes]");
+  const int64_t L = dims[0], P = dims[1], i = strata_clamp(idx.typed_data()[0], L);
+  std::memcpy(out->typed_data(), src.typed_data() + i * P, P);
+  return ffi::Error::Success();
+}
+
+static ffi::Error RowPutCpu(ffi::Buffer<ffi::U8> dst, ffi::Buffer<ffi::U8> row, ffi::Buffer<ffi::S32> idx,
+                            ffi::ResultBuffer<ffi::U8> out) {
+  auto dims = dst.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_put: dst must be 2-D [rows, bytes]");
+  const int64_t L = dims[0], P = dims[1], i = strata_clamp(idx.typed_data()[0], L);
+  uint8_t* o = out->typed_data();
+  if (o != dst.typed_data()) std::memcpy(o, dst.typed_data(), L * P);
+  std::memcpy(o + i * P, row.typed_data(), P);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCpu, RowGetCpu,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCpu, RowPutCpu,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>());

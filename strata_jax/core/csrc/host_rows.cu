@@ -63,6 +63,61 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda,
                                   .Ret<ffi::Buffer<ffi::U8>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// one row copied between two device buffers, block b taking chunk b; the row index is read on the device
+__global__ void row_copy_kernel(const uint8_t* src, uint8_t* dst, const int32_t* idx, int64_t L, int64_t P,
+                                bool get) {
+  const int64_t i = strata_clamp(idx[0], L);
+  const uint8_t* s = get ? src + i * P : src;
+  uint8_t* o = get ? dst : dst + i * P;
+  const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
+  const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(o) | begin | end) & 15) == 0;
+  if (vec) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
+    uint4* o4 = reinterpret_cast<uint4*>(o + begin);
+    for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) o4[k] = s4[k];
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) o[k] = s[k];
+  }
+}
+
+static ffi::Error RowGetCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx,
+                             ffi::ResultBuffer<ffi::U8> out) {
+  auto dims = src.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_get: src must be 2-D [rows, bytes]");
+  const int64_t L = dims[0], P = dims[1];
+  if (P == 0) return ffi::Error::Success();
+  row_copy_kernel<<<static_cast<unsigned>((P + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
+      src.typed_data(), out->typed_data(), idx.typed_data(), L, P, true);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+
+static ffi::Error RowPutCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> dst, ffi::Buffer<ffi::U8> row,
+                             ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {
+  auto dims = dst.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_put: dst must be 2-D [rows, bytes]");
+  const int64_t L = dims[0], P = dims[1];
+  uint8_t* o = out->typed_data();
+  if (o != dst.typed_data()) {
+    cudaError_t e = cudaMemcpyAsync(o, dst.typed_data(), L * P, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  }
+  if (P == 0) return ffi::Error::Success();
+  row_copy_kernel<<<static_cast<unsigned>((P + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
+      row.typed_data(), o, idx.typed_data(), L, P, false);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCuda, RowGetCuda,
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCuda, RowPutCuda,
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // The address a kernel reads host memory `host` at (the same under UVA; 0 if it is not pinned memory
 // the device can reach, then the engine keeps the fetch loop).
 extern "C" void* strata_device_pointer(void* host) {

@@ -21,3 +21,9 @@ namespace ffi = xla::ffi;
 STRATA_HD inline const uint8_t* strata_base(const uint32_t* addr) {
   return reinterpret_cast<const uint8_t*>((static_cast<uint64_t>(addr[1]) << 32) | addr[0]);
 }
+
+// strata_row_get / strata_row_put: row idx of a device array [L, P] read out, or written in place, with
+// idx read on the device (clamped to [0, L), as XLA's dynamic slices clamp). XLA runs a plain dynamic
+// slice or update at a loop-dependent index as a memcpy thunk that needs the index on the host, which
+// keeps the loop out of its command buffers; these are kernels, which it records.
+STRATA_HD inline int64_t strata_clamp(int64_t i, int64_t L) { return i < 0 ? 0 : (i >= L ? L - 1 : i); }
