@@ -253,11 +253,11 @@ pipeline7() {
     --out "$S/data-bench-qseed-kernel.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed-kernel.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
+  phase bench-qseed-loop 300 env STRATA_JAX_STATE_ROWS=0 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
+    --out "$S/data-bench-qseed-loop.json"
   # every layer unrolled: no layer loop, so no traced-index slice of the stacked state can keep it out
   phase bench-qseed-unrolled 360 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel --layer-scan off \
     --out "$S/data-bench-qseed-unrolled.json"
-  phase bench-qseed-loop 300 env STRATA_JAX_STATE_ROWS=0 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
-    --out "$S/data-bench-qseed-loop.json"
   cold_qseed
   note "pipeline: done"
 }
