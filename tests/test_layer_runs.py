@@ -195,6 +195,40 @@ def test_hybrid_scan_through_the_row_kernels(tmp_path):
     finally:
         off_c.experts.put(experts)
     assert all(t in hlo for t in (hostrows.ROW_GET, hostrows.ROW_PUT, hostrows.TARGET))
+    # nothing a kernel call in the scan takes is a plain dynamic slice (XLA on a GPU cannot fuse one into
+    # the call and runs it as a memcpy thunk that keeps the scan out of its command buffers)
+    experts = off_c.experts.take()
+    try:
+        on_gpu = dataclasses.replace(off_c.kernels, qmatvec="on")  # the fused mat-vec kernels too
+        jaxpr = jax.make_jaxpr(functools.partial(forward, cfg=off_c.config, dtype=off_c.dtype, kernels=on_gpu))(
+            off_c.params, experts, kv, jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+            jnp.ones((1,), jnp.int32))
+    finally:
+        off_c.experts.put(experts)
+    assert _sliced_call_operands(jaxpr.jaxpr) == []
+
+
+_PLAIN = ("reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p", "bitcast_convert_type")
+
+
+def _sliced_call_operands(jaxpr, in_loop: bool = False) -> list[str]:
+    """The kernel calls (ffi_call, pallas_call) inside a loop body that take a dynamic slice's result."""
+    made_by = {}  # var -> the primitive that made it, looking through ops that only reshape or retype
+    found = []
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            src = e.invars[0] if e.invars and not hasattr(e.invars[0], "val") else None
+            made_by[v] = made_by.get(src, e.primitive.name) if e.primitive.name in _PLAIN else e.primitive.name
+        if in_loop and e.primitive.name in ("ffi_call", "pallas_call"):
+            found += [f"{e.primitive.name} <- {made_by[v]}" for v in e.invars
+                      if not hasattr(v, "val") and made_by.get(v) == "dynamic_slice"]
+        for key in ("jaxpr", "call_jaxpr", "body_jaxpr", "cond_jaxpr"):
+            sub = e.params.get(key)
+            if sub is not None:
+                found += _sliced_call_operands(getattr(sub, "jaxpr", sub), in_loop or e.primitive.name in ("scan", "while"))
+        for branch in e.params.get("branches", ()):
+            found += _sliced_call_operands(branch.jaxpr, in_loop)
+    return found
 
 
 def test_seed_architecture_program_is_bounded_by_its_distinct_layers(tmp_path):

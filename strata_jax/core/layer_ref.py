@@ -18,8 +18,17 @@ class LayerRef:
     at: Any  # int32 scalar, traced: the candidate this iteration runs
 
     def pick(self, values) -> jax.Array:
-        """values[at] for a static per-candidate sequence (ints)."""
-        return jnp.asarray(values, jnp.int32)[self.at]
+        """values[at] for a static per-candidate sequence (ints), by arithmetic where they are evenly spaced
+        (a run's layers are) and else by a select over them: never a dynamic slice of a constant, which XLA
+        on a GPU would run as a memcpy thunk needing `at` on the host when the result feeds a custom call
+        (the row and fetch kernels of core/hostrows.py), keeping the layer scan out of its command buffers."""
+        values = [int(v) for v in values]
+        at = jnp.asarray(self.at, jnp.int32)
+        steps = {b - a for a, b in zip(values, values[1:])}
+        if len(steps) <= 1:
+            return jnp.int32(values[0]) + at * jnp.int32(steps.pop() if steps else 0)
+        hit = jnp.arange(len(values), dtype=jnp.int32) == at
+        return jnp.sum(jnp.where(hit, jnp.asarray(values, jnp.int32), 0))
 
 
 def value(i: int | LayerRef) -> int | jax.Array:
