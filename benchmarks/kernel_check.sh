@@ -3,7 +3,8 @@
 # against the loop of copies and the resident run on tests/test_offload.py's model, unrolled per-layer
 # pools (PART=7's failing case: is the difference the kernel's, or bfloat16 programs differing?);
 # (2) a 16-layer qtiny scanned with the kernels, decode host time and the command-buffer conversion log
-# (do the loops convert now that LayerRef.pick is no dynamic slice?). Results to $OUT.
+# (do the loops convert now that LayerRef.pick is no dynamic slice?); (3) its decode HLO's dynamic-slice
+# fusions, named with their JAX source (dsf.txt). Results to $OUT.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kcheck}
@@ -55,4 +56,26 @@ for fetch in ("kernel", "loop"):
         print({k: r.get(k) for k in ("decode_tok_s", "host_dispatch_ms_per_step", "host_wait_ms_per_step", "hit_rate",
                                      "expert_fetch", "fetch_us_per_expert", "layer_scan")}, flush=True)
 PY
-cat "$OUT/exact.txt" "$OUT/qtiny.txt"
+# (3) the qtiny-16 decode's optimized HLO: every dynamic-slice fusion XLA made (DynamicSliceFusionV2 thunks)
+# with its fused computation's ops and their JAX source (op_name metadata): what keeps the scan out
+if [ -z "${SKIP_DUMP:-}" ]; then
+  rm -rf /tmp/kcheck-dump
+  timeout 150 env XLA_FLAGS="--xla_dump_to=/tmp/kcheck-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m strata_jax.cli bench --model /tmp/kcheck-q16.gguf --tokens 16 \
+    --prompt-len 16 --routing realistic --cache-fraction 0.5 --no-resident --out "$OUT/qtiny-dump.json" \
+    > "$OUT/dump.log" 2>&1
+  "$PY" - /tmp/kcheck-dump > "$OUT/dsf.txt" 2>&1 <<'PY'
+import pathlib, re, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*after_optimizations.txt")):
+    text = f.read_text()
+    comps = {m.group(1): m.start() for m in re.finditer(r"^%?([\w.\-]+) .*\{$", text, re.M)}
+    for m in re.finditer(r"^\s*(%[\w.\-]+) = .*fusion\(.*calls=(%?[\w.\-]+).*dynamic.*$", text, re.M):
+        name = m.group(2).lstrip("%")
+        print(f"== {f.name}: {m.group(0).strip()[:400]}")
+        at = comps.get(name)
+        if at is not None:
+            body = text[at: text.index("\n}", at)]
+            print("\n".join(l.strip()[:400] for l in body.splitlines()[:14]))
+PY
+fi
+cat "$OUT/exact.txt" "$OUT/qtiny.txt"; head -c 6000 "$OUT/dsf.txt" 2>/dev/null
