@@ -161,6 +161,16 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
     if probes["host_memory_kind"] != "pinned_host":
         out["warnings"].append("pinned host memory is not available: expert transfers run at pageable speed; "
                                "raise the locked-memory limit (ulimit -l)")
+    if gpu:
+        from strata_jax.core import hostrows
+
+        ok = hostrows.available(dev)  # built with nvcc at first use, then cached
+        out["fetch_kernel"] = {"available": ok, "why_not": None if ok else hostrows.why_not(dev)}
+        if not ok:
+            out["warnings"].append(
+                f"the in-step fetch kernel cannot be built ({hostrows.why_not(dev)}): an offloaded model's misses are "
+                "copied one by one instead, which holds the host once per miss. Install the CUDA toolkit's nvcc "
+                "(or put it on PATH).")
 
     report = None
     if model is not None:
@@ -267,6 +277,10 @@ def format_check(c: dict[str, Any]) -> str:
         p = c["pinned"]
         lines.append("pinned        " + (f"{fmt_bytes(p['bytes'])} in one allocation" if p["bytes"] else "none")
                      + (f" ({fmt_bytes(p['failed_at'])} failed)" if p["failed_at"] else " (as much as asked)"))
+    if c.get("fetch_kernel") is not None:
+        k = c["fetch_kernel"]
+        lines.append("fetch kernel  " + ("built (misses cross PCIe in one kernel per layer)" if k["available"]
+                                         else f"not available: {k['why_not']}"))
     d = c["disk"]
     lines.append(f"disk          {fmt_bytes(d['free'])} free of {fmt_bytes(d['total'])} at {d['path']}")
     if "model" in c:

@@ -146,7 +146,14 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGPU(free)])
     monkeypatch.setattr(limits, "_probes", {"link_GB_s": 25.0, "hbm_GB_s": 4000.0, "probe_bytes": 1 << 28,
                                             "host_memory_kind": "pinned_host", "reps": 3})
+    from strata_jax.core import hostrows
+
+    # a machine without nvcc (narrow link) and one with it: the fetch kernel is reported either way
+    monkeypatch.setattr(hostrows, "available", lambda dev: width == width_max)
+    monkeypatch.setattr(hostrows, "why_not", lambda dev: "no compiler found (nvcc for CUDA, g++/clang++ for CPU)")
     c = chk.check(moe_path, probe_pinned=False)
+    assert c["fetch_kernel"]["available"] == (width == width_max)
+    assert any("fetch kernel cannot be built (no compiler found" in w for w in c["warnings"]) == (width < width_max)
     g = c["gpu"]
     assert (g["name"], g["pcie_width"], g["pcie_width_max"], g["memory_total"]) == ("NVIDIA H200", width, width_max,
                                                                                      141 << 30)
@@ -159,6 +166,7 @@ def test_gpu_path_warns_loudly_when_the_link_runs_narrow(moe_path, monkeypatch, 
     text = chk.format_check(c)
     assert f"Gen5 x{width} now, Gen5 x{width_max} max" in text and "25.0 GB/s" in text
     assert ("WARNING       the GPU's PCIe link runs at x8" in text) == (width < width_max)
+    assert ("fetch kernel  built" in text) == (width == width_max)
 
 
 @pytest.mark.parametrize("command", ["inspect", "check"])
