@@ -6,9 +6,9 @@
 static ffi::Error HostRowsCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> pool, ffi::Buffer<ffi::S32> row,
                               ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> miss, int64_t rows,
                               ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = pool.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_host_rows: pool must be 2-D [slots, bytes]");
-  const int64_t X = dims[0], P = dims[1], U = row.element_count();
+  int64_t X = 0, P = 0;
+  if (auto e = strata_dims(pool, "strata_host_rows", X, P); e.failure()) return e;
+  const int64_t U = row.element_count();
   const uint8_t* base = strata_base(addr.typed_data());
   uint8_t* o = out->typed_data();
   if (o != pool.typed_data()) std::memcpy(o, pool.typed_data(), X * P);
@@ -20,40 +20,28 @@ static ffi::Error HostRowsCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> p
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCpu, HostRowsCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("rows")
-                                  .Ret<ffi::Buffer<ffi::U8>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCpu, HostRowsCpu, STRATA_HOST_ROWS_BIND(ffi::Ffi::Bind()));
 
 extern "C" void* strata_device_pointer(void* host) { return host; }
 
 static ffi::Error RowGetCpu(ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = src.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_get: src must be 2-D [rows, bytes]");
-  const int64_t L = dims[0], P = dims[1], i = strata_clamp(idx.typed_data()[0], L);
+  int64_t L = 0, P = 0;
+  if (auto e = strata_dims(src, "strata_row_get", L, P); e.failure()) return e;
+  const int64_t i = strata_clamp(idx.typed_data()[0], L);
   std::memcpy(out->typed_data(), src.typed_data() + i * P, P);
   return ffi::Error::Success();
 }
 
 static ffi::Error RowPutCpu(ffi::Buffer<ffi::U8> dst, ffi::Buffer<ffi::U8> row, ffi::Buffer<ffi::S32> idx,
                             ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = dst.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_put: dst must be 2-D [rows, bytes]");
-  const int64_t L = dims[0], P = dims[1], i = strata_clamp(idx.typed_data()[0], L);
+  int64_t L = 0, P = 0;
+  if (auto e = strata_dims(dst, "strata_row_put", L, P); e.failure()) return e;
+  const int64_t i = strata_clamp(idx.typed_data()[0], L);
   uint8_t* o = out->typed_data();
   if (o != dst.typed_data()) std::memcpy(o, dst.typed_data(), L * P);
   std::memcpy(o + i * P, row.typed_data(), P);
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCpu, RowGetCpu,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCpu, RowPutCpu,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCpu, RowGetCpu, STRATA_ROW_GET_BIND(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCpu, RowPutCpu, STRATA_ROW_PUT_BIND(ffi::Ffi::Bind()));

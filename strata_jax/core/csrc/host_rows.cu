@@ -35,9 +35,9 @@ __global__ void host_rows_kernel(const uint32_t* addr, uint8_t* pool, const int3
 static ffi::Error HostRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> pool,
                                ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> miss,
                                int64_t rows, ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = pool.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_host_rows: pool must be 2-D [slots, bytes]");
-  const int64_t X = dims[0], P = dims[1], U = row.element_count();
+  int64_t X = 0, P = 0;
+  if (auto e = strata_dims(pool, "strata_host_rows", X, P); e.failure()) return e;
+  const int64_t U = row.element_count();
   uint8_t* o = out->typed_data();
   if (o != pool.typed_data()) {  // XLA aliases them (input_output_aliases); copy if it ever does not
     cudaError_t e = cudaMemcpyAsync(o, pool.typed_data(), X * P, cudaMemcpyDeviceToDevice, stream);
@@ -51,16 +51,7 @@ static ffi::Error HostRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, 
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("rows")
-                                  .Ret<ffi::Buffer<ffi::U8>>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda, STRATA_HOST_ROWS_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // one row copied between two device buffers, block b taking chunk b; the row index is read on the device
@@ -82,9 +73,8 @@ __global__ void row_copy_kernel(const uint8_t* src, uint8_t* dst, const int32_t*
 
 static ffi::Error RowGetCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx,
                              ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = src.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_get: src must be 2-D [rows, bytes]");
-  const int64_t L = dims[0], P = dims[1];
+  int64_t L = 0, P = 0;
+  if (auto e = strata_dims(src, "strata_row_get", L, P); e.failure()) return e;
   if (P == 0) return ffi::Error::Success();
   row_copy_kernel<<<static_cast<unsigned>((P + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
       src.typed_data(), out->typed_data(), idx.typed_data(), L, P, true);
@@ -94,9 +84,8 @@ static ffi::Error RowGetCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi:
 
 static ffi::Error RowPutCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> dst, ffi::Buffer<ffi::U8> row,
                              ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {
-  auto dims = dst.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("strata_row_put: dst must be 2-D [rows, bytes]");
-  const int64_t L = dims[0], P = dims[1];
+  int64_t L = 0, P = 0;
+  if (auto e = strata_dims(dst, "strata_row_put", L, P); e.failure()) return e;
   uint8_t* o = out->typed_data();
   if (o != dst.typed_data()) {
     cudaError_t e = cudaMemcpyAsync(o, dst.typed_data(), L * P, cudaMemcpyDeviceToDevice, stream);
@@ -109,13 +98,9 @@ static ffi::Error RowPutCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> dst, ffi:
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCuda, RowGetCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCuda, RowGetCuda, STRATA_ROW_GET_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCuda, RowPutCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCuda, RowPutCuda, STRATA_ROW_PUT_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The address a kernel reads host memory `host` at (the same under UVA; 0 if it is not pinned memory

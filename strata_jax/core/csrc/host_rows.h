@@ -8,6 +8,7 @@
 //   rows   attribute: rows in the store group (a bound check; an out-of-range request is skipped)
 #pragma once
 #include <cstdint>
+#include <string>
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,3 +28,20 @@ STRATA_HD inline const uint8_t* strata_base(const uint32_t* addr) {
 // slice or update at a loop-dependent index as a memcpy thunk that needs the index on the host, which
 // keeps the loop out of its command buffers; these are kernels, which it records.
 STRATA_HD inline int64_t strata_clamp(int64_t i, int64_t L) { return i < 0 ? 0 : (i >= L ? L - 1 : i); }
+
+// rows and bytes per row of a 2-D uint8 buffer, or the error naming the call that got another shape
+inline ffi::Error strata_dims(const ffi::Buffer<ffi::U8>& b, const char* call, int64_t& rows, int64_t& bytes) {
+  auto dims = b.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument(std::string(call) + ": expected a 2-D [rows, bytes] buffer");
+  rows = dims[0];
+  bytes = dims[1];
+  return ffi::Error::Success();
+}
+
+// each call's operands, attributes and result after the platform's context: one binding for both builds
+#define STRATA_HOST_ROWS_BIND(b)                                                                     \
+  b.Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("rows").Ret<ffi::Buffer<ffi::U8>>()
+#define STRATA_ROW_GET_BIND(b) b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()
+#define STRATA_ROW_PUT_BIND(b) \
+  b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()
