@@ -60,6 +60,15 @@ def compile_seconds() -> float:
     return _seconds
 
 
+def announce(program: str, how: str = "") -> None:
+    """Say that `program`'s first compilation in the process starts (once): the wait that follows is XLA's."""
+    with _lock:
+        if program in _announced:
+            return
+        _announced.add(program)
+    log.info("compiling the %s program%s (first run only; %s)...", program, how, cache_where())
+
+
 @contextlib.contextmanager
 def watch(program: str, shape: str = ""):
     """Around one jitted call of `program` (e.g. "decode"): its first compilation in the process is
@@ -67,9 +76,7 @@ def watch(program: str, shape: str = ""):
     wall time; a call that compiles nothing logs nothing."""
     global _seconds
     install()
-    if program not in _announced:
-        _announced.add(program)
-        log.info("compiling the %s program (first run only; %s)...", program, cache_where())
+    announce(program)
     before = dict(_counts)
     t0 = time.perf_counter()
     yield

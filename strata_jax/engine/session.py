@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -214,6 +215,8 @@ class Session:
         self._conv = model.conversation_cache  # None: no conversation cache
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
+        self._made: set = set()  # the programs calls made (_program_key)
+        self._beside: tuple[Any, threading.Thread] | None = None  # a program compiling on a thread
         self._rows: programs.RowState | None = None
         self._reqs: list[_Request | None] = [None] * n_rows
         self._cached: list[list[int]] = [[] for _ in range(n_rows)]  # a free row's tokens, from position 0
@@ -332,10 +335,10 @@ class Session:
                                   constraint.mask() if constraint else allowed_mask(m.config.vocab_size))
         self._touch(row)
         if constraint is None and self.spec is None and m.forced_TMk is None:
-            # while the store loads, the plain decode call that follows this prompt compiles too
+            # the plain decode call that follows this prompt compiles on a thread beside the prefill
             n = min(self.decode_chunk, max_tokens)
-            self._compile_ahead(self._decode, (np.zeros(self.n_rows, bool), self._stop_St, np.int32(n)),
-                                len(ids) + n, False, dict(mode=mode, n_max=self.decode_chunk))
+            self._compile_beside(self._decode, (np.zeros(self.n_rows, bool), self._stop_St, np.int32(n)),
+                                 len(ids) + n, False, dict(mode=mode, n_max=self.decode_chunk))
         t0 = time.perf_counter()
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
@@ -617,6 +620,9 @@ class Session:
         m, e = self.model, self.model.experts
         span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
         shape = f"attention over {span['attn_len']:,} positions"
+        if self._beside is not None and self._beside[0] is fn:  # its program compiles on a thread: wait
+            self._beside[1].join()
+            self._beside = None
         self._compile_ahead(fn, args, end, prefill, static)
         if e is not None:
             e.wait()  # a failed load raises here, with the rows' state still held
@@ -645,6 +651,7 @@ class Session:
         if e is not None:
             e.put(join_provider(experts_out, fixed))
         self._kv, self._rows = kv_out, rows_out
+        self._made.add(_program_key(fn, span, static))
         return out, routed
 
     def _compile_ahead(self, fn, args: tuple, end: int, prefill: bool, static: dict) -> None:
@@ -660,6 +667,36 @@ class Session:
         with compiling.watch(fn.__name__, f"attention over {span['attn_len']:,} positions"):
             fn.lower(m.params, *split_provider(e.ahead()), self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
                      kernels=m.kernels, **span, **static).compile()
+
+    def _compile_beside(self, fn, args: tuple, end: int, prefill: bool, static: dict) -> None:
+        """Compile the call `_call(fn, *args, end=end, prefill=prefill, **static)` on a thread while the caller
+        goes on (a new request's decode program beside its prefill's compile: XLA compiles both at once);
+        the call itself waits for it and finds the executable in JAX's in-memory cache (same lowering). A
+        no-op for a program a call already made, or while another compiles."""
+        m, e = self.model, self.model.experts
+        span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
+        if self._beside is not None or _program_key(fn, span, static) in self._made:
+            return
+        self._kv, self._rows = self._kv_now(), self._rows_now()
+        provider = split_provider(e.ahead()) if e is not None else (None, None)
+        # lowered here (the arrays are the caller's until its next call donates them), compiled there
+        lowered = fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
+                           kernels=m.kernels, **span, **static)
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                lowered.compile()
+            except Exception as err:  # noqa: BLE001 - the call compiles it itself then
+                log.warning("compiling the %s program beside failed (%s); the call compiles it", fn.__name__, err)
+                return
+            log.info("compiled the %s program beside the caller in %.1f s (attention over %s positions)",
+                     fn.__name__, time.perf_counter() - t0, f"{span['attn_len']:,}")
+
+        compiling.announce(fn.__name__, " beside")
+        thread = threading.Thread(target=run, name=f"strata-jax compile {fn.__name__}", daemon=True)
+        thread.start()
+        self._beside = (fn, thread)
 
     def _rows_now(self) -> programs.RowState:
         """The rows' decode state; made at first use committed like the state the programs return, or the
@@ -725,3 +762,9 @@ class Session:
             self._touch(row)
             if not any(r is not None for r in self._reqs):
                 self._pending.clear()  # nothing left to deliver; the calls in flight finish on their own
+
+
+def _program_key(fn, span: dict, static: dict) -> tuple:
+    """What tells one of a session's compiled programs from another: the program, its attention span and
+    its static arguments."""
+    return fn.__name__, tuple(sorted(span.items())), tuple(sorted((k, repr(v)) for k, v in static.items()))
