@@ -680,8 +680,12 @@ class Session:
         self._kv, self._rows = self._kv_now(), self._rows_now()
         provider = split_provider(e.ahead()) if e is not None else (None, None)
         # lowered here (the arrays are the caller's until its next call donates them), compiled there
-        lowered = fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
-                           kernels=m.kernels, **span, **static)
+        try:
+            lowered = fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
+                               kernels=m.kernels, **span, **static)
+        except Exception as err:  # noqa: BLE001 - the call lowers it again and reports what is wrong
+            log.warning("could not lower the %s program ahead (%s); its call compiles it", fn.__name__, err)
+            return
 
         def run() -> None:
             t0 = time.perf_counter()
