@@ -60,6 +60,14 @@ def compile_seconds() -> float:
     return _seconds
 
 
+def waited(seconds: float) -> None:
+    """Count wall seconds a caller spent waiting on a compile it did not run itself (a program compiled
+    on a thread) in compile_seconds."""
+    global _seconds
+    with _lock:
+        _seconds += seconds
+
+
 def announce(program: str, how: str = "") -> None:
     """Say that `program`'s first compilation in the process starts (once): the wait that follows is XLA's."""
     with _lock:

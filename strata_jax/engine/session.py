@@ -621,7 +621,9 @@ class Session:
         span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
         shape = f"attention over {span['attn_len']:,} positions"
         if self._beside is not None and self._beside[0] is fn:  # its program compiles on a thread: wait
+            t0 = time.perf_counter()
             self._beside[1].join()
+            compiling.waited(time.perf_counter() - t0)
             self._beside = None
         self._compile_ahead(fn, args, end, prefill, static)
         if e is not None:
@@ -694,8 +696,8 @@ class Session:
             except Exception as err:  # noqa: BLE001 - the call compiles it itself then
                 log.warning("compiling the %s program beside failed (%s); the call compiles it", fn.__name__, err)
                 return
-            log.info("compiled the %s program beside the caller in %.1f s (attention over %s positions)",
-                     fn.__name__, time.perf_counter() - t0, f"{span['attn_len']:,}")
+            log.info("compiled the %s program beside (attention over %s positions) in %.1f s", fn.__name__,
+                     f"{span['attn_len']:,}", time.perf_counter() - t0)
 
         compiling.announce(fn.__name__, " beside")
         thread = threading.Thread(target=run, name=f"strata-jax compile {fn.__name__}", daemon=True)
