@@ -19,7 +19,7 @@ from strata_jax.model.kernels import Kernels
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 MISSING = "/nonexistent/model.gguf"
-ENV = ("STRATA_JAX_QMATVEC", "STRATA_JAX_MOE_PREFILL", "STRATA_JAX_COMPILATION_CACHE")
+ENV = ("STRATA_JAX_QMATVEC", "STRATA_JAX_MOE_PREFILL", "STRATA_JAX_COMPILATION_CACHE", "STRATA_JAX_STATE_ROWS")
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +57,7 @@ def clean_env(monkeypatch):
     (dict(compilation_cache="no"), r"compilation_cache='no' is invalid"),
     (dict(ple_table="gpu"), r"ple_table='gpu' is invalid: it must be 'auto' or 'device' or 'host'"),
     (dict(layer_scan="yes"), r"layer_scan='yes' is invalid: it must be 'on' or 'off'"),
+    (dict(expert_fetch="fast"), r"expert_fetch='fast' is invalid: it must be 'auto' or 'kernel' or 'loop'"),
     (dict(spec="draft:/no/draft.gguf"), r"the draft model '/no/draft.gguf' is not a file"),
     (dict(prefill_chunk="automatic"), r"prefill_chunk='automatic' is invalid: .* or 'auto'"),
 ])
@@ -138,7 +139,7 @@ def test_decode_xla_options_come_typed_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("var, value", [("STRATA_JAX_QMATVEC", "yes"), ("STRATA_JAX_MOE_PREFILL", "sparse"),
-                                        ("STRATA_JAX_COMPILATION_CACHE", "off")])
+                                        ("STRATA_JAX_COMPILATION_CACHE", "off"), ("STRATA_JAX_STATE_ROWS", "on")])
 def test_a_bad_environment_value_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=f"{var}='{value}' is invalid: set "):
@@ -217,6 +218,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (["--rope-scale", "four"], "--rope-scale 'four' is invalid: it must be a factor >= 1"),
     (["--yarn-orig-ctx", "0"], "--yarn-orig-ctx 0 is invalid: it must be a positive context length"),
     (["--rope-scaling", "dynamic"], "argument --rope-scaling: invalid choice: 'dynamic'"),
+    (["--expert-fetch", "fast"], "argument --expert-fetch: invalid choice: 'fast'"),
     (["--expert-cache-state", "/nonexistent/dir/state"],
      "--expert-cache-state '/nonexistent/dir/state' is invalid: its parent directory /nonexistent/dir does not exist"),
 ])
