@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..7 are later sittings (each described above its pipeline), PART=7 the newest.
+# PART=2..8 are later sittings (each described above its pipeline), PART=8 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -262,5 +262,23 @@ pipeline7() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 7 ] && { pipeline() { pipeline7; }; RETURNED="progress phases.tsv data-*.json cb-qseed.txt"; }
+
+# PART=8: qseed under 32 GiB after the step profile (benchmarks/profile_check.sh): IQ3_S routed experts through
+# the fused kernel by default, small stacked params read by a masked sum, row kernels at 4 KiB per block;
+# the defaults (scan on) with the conversion log, the cold start, then every layer unrolled
+pipeline8() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
+  qseed_file
+  phase bench-qseed 300 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-bench-qseed.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
+  cold_qseed
+  phase bench-qseed-unrolled 240 "$PY" -m strata_jax.cli bench "${q[@]}" --layer-scan off \
+    --out "$S/data-bench-qseed-unrolled.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 8 ] && { pipeline() { pipeline8; }; RETURNED="progress phases.tsv data-*.json cb-qseed.txt"; }
 
 sitting_main "$@"

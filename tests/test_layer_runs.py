@@ -50,6 +50,31 @@ def test_stack_and_view_round_trip():
             np.testing.assert_array_equal(got["n"], layers[i]["n"])
 
 
+
+def test_view_reads_small_leaves_at_a_traced_index_without_a_slice(monkeypatch):
+    # a loop-indexed dynamic slice of a small param becomes a memcpy thunk on a GPU that keeps the layer loop
+    # out of the CUDA graphs (docs/benchmarks.md): small leaves are read by a masked sum, exactly
+    monkeypatch.setattr(runs, "MASKED_VIEW_BYTES", 64)
+    stacked = {"small": jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 4)), jnp.float32),  # 48 B a layer
+               "big": jnp.arange(5 * 32, dtype=jnp.float32).reshape(5, 32),  # 128 B a layer
+               "ids": jnp.arange(5 * 2, dtype=jnp.int32).reshape(5, 2)}
+    for r in range(5):
+        got = jax.jit(runs.view)(stacked, jnp.int32(r))
+        for k, a in stacked.items():
+            np.testing.assert_array_equal(got[k], a[r])
+    def sliced(jaxpr):  # the operand shapes of every dynamic slice, nested jaxprs included
+        out = []
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dynamic_slice":
+                out.append(e.invars[0].aval.shape)
+            for v in e.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    out += sliced(inner)
+        return out
+
+    assert sliced(jax.make_jaxpr(runs.view)(stacked, jnp.int32(2)).jaxpr) == [(5, 32)]  # only the big leaf
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
     return write_synthetic_gguf(tmp_path_factory.mktemp("runs") / "moe.gguf", SPEC)

@@ -153,7 +153,12 @@ def test_modes():
     assert not qm.use_kernel(small, 1, gpu) and qm.use_kernel(small, 8, gpu)  # 32 programs; 8 experts x 32
     assert not qm.use_kernel(q8, 1, gpu)  # auto takes only the K-quants measured faster
     iq = (qm.dense_part(Q.IQ3_S, 4096, 2048),)
-    assert qm.use_kernel(iq, 1, on) and not qm.use_kernel(iq, 8, gpu)  # IQ: not measured on a GPU yet
+    assert qm.use_kernel(iq, 1, on) and not qm.use_kernel(iq, 8, gpu)  # dense IQ: not measured faster
+    experts = (qm.dense_part(Q.IQ3_S, 512, 3072),)  # qseed's routed gate: 10 x 32 programs
+    assert qm.use_kernel(experts, 10, gpu, routed=True) and not qm.use_kernel(experts, 10, gpu)
+    assert not qm.use_kernel(experts, 4, gpu, routed=True)  # 128 programs: too few to fill the chip
+    assert not qm.use_kernel((qm.dense_part(Q.IQ2_XS, 512, 3072),), 10, gpu, routed=True)  # not measured
+    assert not qm.use_kernel(experts, 10, Kernels(platform="cpu"), routed=True)
     assert not qm.use_kernel((qm.dense_part(Q.TQ2_0, 8, 256),), 1, on)  # no kernel decoder for TQ types
 
 

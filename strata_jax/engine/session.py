@@ -665,26 +665,29 @@ class Session:
         if e is None or not e.loading or not jax.config.jax_compilation_cache_dir:
             return
         span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
-        self._kv, self._rows = self._kv_now(), self._rows_now()
         with compiling.watch(fn.__name__, f"attention over {span['attn_len']:,} positions"):
-            fn.lower(m.params, *split_provider(e.ahead()), self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
-                     kernels=m.kernels, **span, **static).compile()
+            self._lower(fn, args, span, static).compile()
+
+    def _lower(self, fn, args: tuple, span: dict, static: dict):
+        """fn lowered as `_call` calls it, against the store's shapes (a loading store's too)."""
+        m, e = self.model, self.model.experts
+        self._kv, self._rows = self._kv_now(), self._rows_now()
+        provider = split_provider(e.ahead()) if e is not None else (None, None)
+        return fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
+                        kernels=m.kernels, **span, **static)
 
     def _compile_beside(self, fn, args: tuple, end: int, prefill: bool, static: dict) -> None:
         """Compile the call `_call(fn, *args, end=end, prefill=prefill, **static)` on a thread while the caller
         goes on (a new request's decode program beside its prefill's compile: XLA compiles both at once);
         the call itself waits for it and finds the executable in JAX's in-memory cache (same lowering). A
         no-op for a program a call already made, or while another compiles."""
-        m, e = self.model, self.model.experts
+        m = self.model
         span = attn_span(end, m.ctx, prefill, not m.config.has_qsa)
         if self._beside is not None or _program_key(fn, span, static) in self._made:
             return
-        self._kv, self._rows = self._kv_now(), self._rows_now()
-        provider = split_provider(e.ahead()) if e is not None else (None, None)
         # lowered here (the arrays are the caller's until its next call donates them), compiled there
         try:
-            lowered = fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
-                               kernels=m.kernels, **span, **static)
+            lowered = self._lower(fn, args, span, static)
         except Exception as err:  # noqa: BLE001 - the call lowers it again and reports what is wrong
             log.warning("could not lower the %s program ahead (%s); its call compiles it", fn.__name__, err)
             return

@@ -16,8 +16,8 @@ MLA_FORMS = ("auto", "absorbed", "naive")
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     # the fused dequantize + mat-vec Pallas kernel (model/qmatvec.py): "auto" takes it where it is faster
-    # (GPU, K-quants, enough programs: qmatvec.use_kernel), "on" wherever it supports the type (on CPU
-    # through Pallas' interpreter: tests), "off" never
+    # (GPU, K-quants and IQ3_S routed experts, enough programs: qmatvec.use_kernel), "on" wherever it
+    # supports the type (on CPU through Pallas' interpreter: tests), "off" never
     qmatvec: str = "auto"
     # the prefill MoE formulation (model/layers/moe.py): "dense" (every token through every expert, a scan over
     # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)

@@ -22,9 +22,9 @@ Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ
 IQ3_S, IQ4_NL, IQ4_XS, MXFP4 (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
-"auto" (on a GPU, K-quant matrices with enough rows to fill the chip: where it is faster,
-docs/benchmarks.md; the IQ types wait for their GPU measurement), "on" (every supported matrix; on CPU
-through Pallas' interpreter, for tests), "off" (never).
+"auto" (on a GPU, K-quant matrices with enough rows to fill the chip, and IQ3_S routed experts: where
+it is faster, docs/benchmarks.md; the other IQ types wait for their GPU measurement), "on" (every
+supported matrix; on CPU through Pallas' interpreter, for tests), "off" (never).
 
 Numerics: float32 dot products of the decoded integers with x, scaled per sub-block (llama.cpp's
 formulation); the summation order differs from dequantize-then-matmul, so results agree to float32
@@ -562,17 +562,23 @@ def block_config(part: Part, n_pairs: int) -> dict:
     return {"block_rows": 16, "num_warps": 2}
 
 
-def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels) -> bool:
+# auto mode's IQ types, for routed experts only: in a qseed-shaped decode step (H100) the IQ3_S experts take
+# 572 us through the kernel against 930 us dequantized to bfloat16 and multiplied (docs/benchmarks.md, "Where a
+# qseed token's GPU time goes"); the other IQ types are not measured in a step
+ROUTED_IQ = frozenset({Q.IQ3_S})
+
+
+def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels, routed: bool = False) -> bool:
     """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only where
-    it is faster than dequantize + matmul: K-quant matrices with at least MIN_PROGRAMS programs. Small
-    projections (few programs) and 32-value block types (Q5_0/Q8_0 rows) are slower on the kernel
-    (docs/benchmarks.md, "Fused dequantize + mat-vec kernel"); the IQ types are not measured on a GPU
-    yet (benchmarks/decode_profile.py times them), so only "on" takes them."""
+    it is faster than dequantize + matmul: K-quant matrices (and, for routed experts, ROUTED_IQ) with at
+    least MIN_PROGRAMS programs. Small projections (few programs) and 32-value block types (Q5_0/Q8_0
+    rows) are slower on the kernel (docs/benchmarks.md, "Fused dequantize + mat-vec kernel")."""
     if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
     if kernels.qmatvec == "on":
         return True
-    if kernels.platform != "gpu" or not all(is_k_quant(p.qtype) for p in parts):
+    auto = lambda q: is_k_quant(q) or (routed and Q(q) in ROUTED_IQ)  # noqa: E731
+    if kernels.platform != "gpu" or not all(auto(p.qtype) for p in parts):
         return False
     rows = block_config(parts[0], n_pairs)["block_rows"]
     return n_pairs * -(-parts[0].n_rows // rows) >= MIN_PROGRAMS
@@ -584,7 +590,7 @@ def expert_parts(pool, n_pairs: int, kernels: Kernels) -> tuple[Part, ...] | Non
     if not stack_ok(pool.data):
         return None
     out = tuple(Part(Q(p.qtype), p.n_rows, p.row_bytes, at, p.n_cols) for p, at in zip(pool.parts, pool.offsets()))
-    if not (use_kernel(out[:2], n_pairs, kernels) and use_kernel(out[2:], n_pairs, kernels)):
+    if not (use_kernel(out[:2], n_pairs, kernels, True) and use_kernel(out[2:], n_pairs, kernels, True)):
         return None
     return out
 
