@@ -8,14 +8,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kcheck}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-if [ -z "${NO_WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export STRATA_JAX_CACHE=/tmp/sjk PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source benchmarks/check_env.sh
 timeout 150 "$PY" - > "$OUT/exact.txt" 2>&1 <<'PY'
 import sys
 sys.path.insert(0, "tests")

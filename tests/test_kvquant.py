@@ -16,6 +16,7 @@ import dataclasses
 import types
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -260,3 +261,26 @@ def test_ctx_none_takes_the_trained_context_cut_to_fit(tmp_path, caplog):
                dtype="float32")
     assert (r["ctx"], r["kv_bytes"], r["expert_slots"]) == (2816, kv_bytes, m.cache_plan.n_slots)
     assert "kv cache      " + f"{kv_bytes / 2**20:.2f} MiB at ctx 2,816 x 2 rows (q8_0); the trained" in format_report(r)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_one_entry_write_is_a_scatter_that_drops_past_the_cache(kind):
+    # a decode step's single write stays a scatter: XLA makes a one-update scatter a dynamic update reading the
+    # old cell, a slice at the layer loop's index that keeps the loop out of the CUDA graphs on a GPU
+    import re
+
+    c = kvquant.zeros((3, 1, 64, 2, 32), kind, jnp.bfloat16)
+    new = jnp.asarray(np.random.default_rng(1).normal(size=(1, 1, 2, 32)), jnp.float32)
+    write = jax.jit(kvquant.write)
+    hlo = write.lower(c, jnp.int32(1), jnp.array([[5]], jnp.int32), new).compile().as_text()
+    ops = set(re.findall(r"= \S+ (scatter|dynamic-update-slice|dynamic-slice)\(", hlo))
+    assert ops == {"scatter"}, ops
+    got = kvquant.read(write(c, jnp.int32(1), jnp.array([[5]], jnp.int32), new), 1, 5, 1, jnp.float32)
+    want = kvquant.read(kvquant.write(c, 1, jnp.array([[5, 64]], jnp.int32), jnp.concatenate(
+        [new, jnp.zeros_like(new)], axis=1)), 1, 5, 1, jnp.float32)  # the two-entry path, its own reference
+    np.testing.assert_array_equal(got, want)
+    if kind == "f16":
+        np.testing.assert_allclose(got, new.astype(jnp.bfloat16).astype(jnp.float32))
+    dropped = write(c, jnp.int32(1), jnp.array([[64]], jnp.int32), new)
+    for a, b in zip(jax.tree.leaves(dropped), jax.tree.leaves(c)):
+        np.testing.assert_array_equal(a, b)
