@@ -141,8 +141,8 @@ def stack_layers(layers: Sequence[Any], runs: Sequence[Run], free: bool = False)
 
 # a stacked leaf of at most this many bytes per layer is read at a traced index by a masked sum over its
 # stack, not a dynamic slice: on a GPU, XLA runs a slice at a loop-dependent offset that no consumer fuses
-# as a DynamicSliceFusionV2 memcpy (~10 us each on an H100, 149 us of an 8-layer qseed step's 3.1 ms) and
-# keeps the loop out of the CUDA graphs; reading the small stack whole costs less
+# as a DynamicSliceFusionV2 memcpy, which keeps the loop out of the CUDA graphs (qtiny's norm and conv
+# weights, docs/benchmarks.md); reading the small stack whole costs less
 MASKED_VIEW_BYTES = 256 << 10
 
 
