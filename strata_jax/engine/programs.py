@@ -38,6 +38,7 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model.forward import KVCache, forward, rewind
+from strata_jax.model.runs import masked_put, masked_take
 from strata_jax.engine.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts,
                                        next_token, no_logprobs, token_logprobs)
 
@@ -102,21 +103,6 @@ def stop_array(stop_ids) -> jax.Array:
 
 def _is_stop(tok_B, stop_St):
     return jnp.any(tok_B[:, None] == stop_St[None, :], axis=1)
-
-
-def _get(stack, i):
-    """stack[i] for the decode loop's step i, by a masked sum rather than a dynamic slice: on a GPU, XLA runs a
-    slice at the loop's index as a loop-dependent DynamicSliceFusionV2 thunk, which keeps the whole loop out of
-    the CUDA graphs (docs/benchmarks.md). The stacks read here are small (forced routes, forced tokens).
-    An i past the stack reads zeros (the loop never gets there)."""
-    hit = (jnp.arange(stack.shape[0]) == i).reshape((-1,) + (1,) * (stack.ndim - 1))
-    return jnp.sum(jnp.where(hit, stack, jnp.zeros((), stack.dtype)), axis=0, dtype=stack.dtype)
-
-
-def _put(stack, i, value):
-    """stack with stack[i] = value, by a select for the reason _get gives (the chunk's small output stacks)."""
-    hit = (jnp.arange(stack.shape[0]) == i).reshape((-1,) + (1,) * (stack.ndim - 1))
-    return jnp.where(hit, value[None].astype(stack.dtype), stack)
 
 
 def _set_row(tree, row, value, axis: int = 0):
@@ -204,12 +190,12 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         logits_BV, kv, experts, routed_MBk = forward(
             params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
             dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
-            forced_MNk=None if forced is None else _get(forced, i))
+            forced_MNk=None if forced is None else masked_take(forced, i))
         experts = split_provider(experts)[0]  # the loop carries only the donated part
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
         if constraint is not None:  # a forced token replaces the draw; penalties and logprobs take it instead
-            ff_B = _get(ff_BN.T, i)
+            ff_B = masked_take(ff_BN.T, i)
             tok_B = jnp.where(i < n_ff_B, ff_B, tok_B)
             pen = r.pen.push(tok_B, live) if mode.penalties else pen
             lp = token_logprobs(logits_BV, tok_B) if mode.logprobs else lp
@@ -222,8 +208,9 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
             held = r.live_B & ~live
             live_next, pos_next = live_next | held, jnp.where(held, r.pos_B, pos_next)
         r = RowState(tok_B, pos_next, r.step_B + inc, left, live_next, r.key_B2, r.sp, pen)
-        out = ChunkOut(_put(out.tokens_NB, i, tok_B), out.n_B + inc, _put(out.routed_NMBk, i, routed_MBk),
-                       None if out.logprobs is None else jax.tree.map(lambda a, v: _put(a, i, v), out.logprobs, lp))
+        put = lambda a, v: masked_put(a, i, v)  # noqa: E731 - step i's row of each output stack
+        out = ChunkOut(put(out.tokens_NB, tok_B), out.n_B + inc, put(out.routed_NMBk, routed_MBk),
+                       None if out.logprobs is None else jax.tree.map(put, out.logprobs, lp))
         return i + 1, r, kv, experts, out
 
     lp0 = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), no_logprobs(B, cfg.vocab_size)) \

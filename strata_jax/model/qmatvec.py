@@ -562,9 +562,8 @@ def block_config(part: Part, n_pairs: int) -> dict:
     return {"block_rows": 16, "num_warps": 2}
 
 
-# auto mode's IQ types, for routed experts only: in a qseed-shaped decode step (H100) the IQ3_S experts take
-# 572 us through the kernel against 930 us dequantized to bfloat16 and multiplied (docs/benchmarks.md, "Where a
-# qseed token's GPU time goes"); the other IQ types are not measured in a step
+# auto mode's IQ types, for routed experts only: measured faster than dequantize + matmul in a qseed decode
+# step (docs/benchmarks.md, "Where a qseed token's GPU time goes"); the other IQ types are not measured there
 ROUTED_IQ = frozenset({Q.IQ3_S})
 
 

@@ -139,10 +139,26 @@ def stack_layers(layers: Sequence[Any], runs: Sequence[Run], free: bool = False)
     return tuple(out)
 
 
+def _hit(stack, i):
+    return (jnp.arange(stack.shape[0]) == i).reshape((-1,) + (1,) * (stack.ndim - 1))
+
+
+def masked_take(stack, i):
+    """stack[i] at a traced i inside a loop, by a masked sum rather than a dynamic slice: on a GPU, XLA runs
+    a slice at a loop-dependent offset that no consumer fuses as a DynamicSliceFusionV2 memcpy, which keeps
+    the loop out of the CUDA graphs (docs/benchmarks.md). Exact; for small stacks (it reads all of it).
+    An i past the stack reads zeros."""
+    return jnp.sum(jnp.where(_hit(stack, i), stack, jnp.zeros((), stack.dtype)), axis=0, dtype=stack.dtype)
+
+
+def masked_put(stack, i, value):
+    """stack with stack[i] = value at a traced i inside a loop, by a select (masked_take's reason)."""
+    return jnp.where(_hit(stack, i), jnp.asarray(value)[None].astype(stack.dtype), stack)
+
+
 # a stacked leaf of at most this many bytes per layer is read at a traced index by a masked sum over its
-# stack, not a dynamic slice: on a GPU, XLA runs a slice at a loop-dependent offset that no consumer fuses
-# as a DynamicSliceFusionV2 memcpy, which keeps the loop out of the CUDA graphs (qtiny's norm and conv
-# weights, docs/benchmarks.md); reading the small stack whole costs less
+# stack (masked_take), not a dynamic slice (qtiny's norm and conv weights, docs/benchmarks.md); reading a
+# small stack whole costs less
 MASKED_VIEW_BYTES = 256 << 10
 
 
@@ -154,8 +170,7 @@ def view(stacked: Any, r) -> Any:
             return QTensor(a.data, a.qtype, a.n_cols, r)
         if isinstance(r, int) or a.nbytes > MASKED_VIEW_BYTES * a.shape[0]:
             return jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
-        hit = (jnp.arange(a.shape[0]) == r).reshape((-1,) + (1,) * (a.ndim - 1))
-        return jnp.sum(jnp.where(hit, a, jnp.zeros((), a.dtype)), axis=0, dtype=a.dtype)
+        return masked_take(a, r)
 
     return jax.tree.map(one, stacked, is_leaf=lambda a: isinstance(a, QTensor))
 
@@ -223,13 +238,11 @@ def _loop(step: Callable[[Any, jax.Array], tuple[Any, Any]], carry: Any, n: int)
     layer's routed ids, counts), so rewriting their stacks each step costs little."""
     shapes = jax.eval_shape(lambda c: step(c, jnp.int32(0))[1], carry)
     stacks = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
-    slots = jnp.arange(n, dtype=jnp.int32)
 
     def body(state, _):
         carry, i, stacks = state
         carry, out = step(carry, i)
-        put = lambda st, o: jnp.where((slots == i).reshape((n,) + (1,) * o.ndim), o[None], st)  # noqa: E731
-        return (carry, i + 1, jax.tree.map(put, stacks, out)), None
+        return (carry, i + 1, jax.tree.map(lambda st, o: masked_put(st, i, o), stacks, out)), None
 
     (carry, _, stacks), _ = jax.lax.scan(body, (carry, jnp.int32(0), stacks), None, length=n)
     return carry, stacks

@@ -6,8 +6,8 @@
 
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = 64 << 10;  // bytes per block: enough blocks in flight to fill the link
-// device-to-device rows: one 16-byte word per thread, so a 2 MiB state row spreads over 512 blocks (at
-// 64 KiB per block its 32 blocks left most SMs idle: ~260 GB/s, 8 us per DeltaNet state row on an H100)
+// device-to-device rows: one 16-byte word per thread, so a state row spreads over many blocks (64 KiB
+// blocks left most SMs idle on a 2 MiB row; docs/benchmarks.md)
 constexpr int64_t kRowChunk = kThreads * 16;
 
 __global__ void host_rows_kernel(const uint32_t* addr, uint8_t* pool, const int32_t* row, const int32_t* dst,
