@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..8 are later sittings (each described above its pipeline), PART=8 the newest.
+# PART=2..9 are later sittings (each described above its pipeline), PART=9 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -102,16 +102,7 @@ pipeline() {
 # PART=2 (after the few-query attention change, model/layers/attention.py FEW_QUERIES): which loop-dependent
 # dynamic-slice fusions are left (B30's optimized decode HLO, each with its ops' metadata), B30 host ms per
 # step scan on / off, the store's load (preadv), qseed's cold start and bench under the defaults
-dsf_sources() {  # dsf_sources DUMP_DIR: the dynamic-slice fusions of the optimized modules, with metadata
-  "$PY" - "$1" <<'PY'
-import pathlib, re, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*after_optimizations.txt")):
-    lines = f.read_text().splitlines()
-    for n, line in enumerate(lines):
-        if re.search(r"dynamic_address_computation|dynamic-slice-fusion|dynamic_slice_fusion", line):
-            print(f"{f.name}:{n}: {line.strip()[:700]}")
-PY
-}
+dsf_sources() { "$PY" benchmarks/dsf_report.py "$1"; }  # dsf_sources DUMP_DIR
 
 pipeline2() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
@@ -280,5 +271,31 @@ pipeline8() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 8 ] && { pipeline() { pipeline8; }; RETURNED="progress phases.tsv data-*.json cb-qseed.txt"; }
+
+# PART=9: after float weights of a few rows became a multiply-and-reduce (model/layers/basic.py
+# few_rows_product: the F16 hyper-connection matrices and the router read their stacks in place) and the
+# one-entry KV write a scatter: qseed under 32 GiB with the conversion log and the decode program's
+# dynamic-slice fusions by JAX source (dsf-qseed.txt); the same with XLA's dynamic-slice fusions off; B30
+# resident, scan on
+pipeline9() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
+  qseed_file
+  phase bench-qseed 300 env "${vlog[@]}" \
+    XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-bench-qseed.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
+  dsf_sources "$S/dump" > "$S/dsf-qseed.txt" 2>&1
+  rm -rf "$S/dump"
+  phase bench-qseed-nodsf 200 env XLA_FLAGS="$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench "${q[@]}" \
+    --label nodsf --out "$S/data-bench-qseed-nodsf.json"
+  rm -f "$STRATA_JAX_CACHE/synthetic/qseed-"*
+  phase write-b30 200 "$PY" "${WRITE[@]}" "$B30"
+  bench_b30 b30-scan ""
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 9 ] && { pipeline() { pipeline9; }; RETURNED="progress phases.tsv data-*.json results-*.json cb-qseed.txt dsf-qseed.txt"; RESULTS_ARCHIVE=; }
 
 sitting_main "$@"

@@ -57,18 +57,6 @@ if [ -z "${SKIP_DUMP:-}" ]; then
     STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m strata_jax.cli bench --model /tmp/kcheck-q16.gguf --tokens 16 \
     --prompt-len 16 --routing realistic --cache-fraction 0.5 --no-resident --out "$OUT/qtiny-dump.json" \
     > "$OUT/dump.log" 2>&1
-  "$PY" - /tmp/kcheck-dump > "$OUT/dsf.txt" 2>&1 <<'PY'
-import pathlib, re, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*after_optimizations.txt")):
-    text = f.read_text()
-    comps = {m.group(1): m.start() for m in re.finditer(r"^%?([\w.\-]+) .*\{$", text, re.M)}
-    for m in re.finditer(r"^\s*(%[\w.\-]+) = .*fusion\(.*calls=(%?[\w.\-]+).*dynamic.*$", text, re.M):
-        name = m.group(2).lstrip("%")
-        print(f"== {f.name}: {m.group(0).strip()[:400]}")
-        at = comps.get(name)
-        if at is not None:
-            body = text[at: text.index("\n}", at)]
-            print("\n".join(l.strip()[:400] for l in body.splitlines()[:14]))
-PY
+  "$PY" benchmarks/dsf_report.py /tmp/kcheck-dump > "$OUT/dsf.txt" 2>&1
 fi
 cat "$OUT/exact.txt" "$OUT/qtiny.txt"; head -c 6000 "$OUT/dsf.txt" 2>/dev/null

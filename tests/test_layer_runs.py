@@ -75,6 +75,45 @@ def test_view_reads_small_leaves_at_a_traced_index_without_a_slice(monkeypatch):
 
     assert sliced(jax.make_jaxpr(runs.view)(stacked, jnp.int32(2)).jaxpr) == [(5, 32)]  # only the big leaf
 
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, nested jaxprs included."""
+    out = set()
+    for e in jaxpr.eqns:
+        out.add(e.primitive.name)
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                out |= _primitives(inner)
+    return out
+
+
+@pytest.mark.parametrize("stored", ["f32", "f16 bytes"])
+def test_few_rows_of_a_float_stack_are_a_reduction_not_a_dot(stored):
+    # a dot takes a scanned layer's slice of a float stack (the F16 hyper-connection matrices, the router) as
+    # a copy, or as a dynamic-slice fusion that keeps the layer loop out of the CUDA graphs on a GPU
+    # (docs/benchmarks.md): a few rows are a multiply-and-reduce that reads the stack in place
+    from gguf import GGMLQuantizationType
+    from strata_jax.core.qtensor import QTensor
+    from strata_jax.model.layers.basic import linear
+
+    rng = np.random.default_rng(0)
+    w_LFD = rng.normal(size=(3, 24, 64)).astype(np.float16).astype(np.float32)
+    if stored == "f32":
+        stack = QTensor(jnp.asarray(w_LFD), None, 64)
+    else:
+        stack = QTensor(jnp.asarray(w_LFD.astype(np.float16).view(np.uint8)), GGMLQuantizationType.F16, 64)
+    kernels = Kernels(qmatvec="off")
+    f = jax.jit(lambda x, r: linear(x, QTensor(stack.data, stack.qtype, stack.n_cols, r), kernels))
+    # token rows as decode ([B, 1, D]) and a short chunk ([1, T, D]: the shape XLA:CPU got wrong unflattened)
+    for shape in [(1, 1, 64), (3, 1, 64), (1, 2, 64), (1, 8, 64), (2, 4, 64)]:
+        x = rng.normal(size=shape).astype(np.float32)
+        want = np.einsum("...d,fd->...f", x.astype(np.float64), w_LFD[1].astype(np.float64))
+        np.testing.assert_allclose(np.asarray(f(jnp.asarray(x), jnp.int32(1))), want, rtol=1e-5, atol=1e-5)
+        assert "dot_general" not in _primitives(jax.make_jaxpr(f)(jnp.asarray(x), jnp.int32(1)).jaxpr)
+    x9 = jnp.ones((1, 9, 64), jnp.float32)  # a prefill chunk: a matmul
+    assert "dot_general" in _primitives(jax.make_jaxpr(f)(x9, jnp.int32(1)).jaxpr)
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
     return write_synthetic_gguf(tmp_path_factory.mktemp("runs") / "moe.gguf", SPEC)

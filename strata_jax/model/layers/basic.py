@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.qtensor import QTensor
+from strata_jax.gguf.layout import layout
 from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.kernels import Kernels
@@ -52,11 +53,29 @@ def linear(x: jax.Array, w: QTensor, kernels: Kernels, bias: jax.Array | None = 
     n_rows = math.prod(x.shape[:-1])
     if qmatvec.linear_ok(w, n_rows, kernels):
         y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w, kernels).reshape(*x.shape[:-1], -1)
+    elif n_rows <= qmatvec.MAX_T and is_float(w):
+        y = few_rows_product(x, dequant(w, x.dtype))
     else:
         y = jnp.einsum("...d,fd->...f", x, dequant(w, x.dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias
     return y.astype(x.dtype)
+
+
+def is_float(w: QTensor) -> bool:
+    """Whether W's values are stored as floats (F32/F16/BF16, or already dequantized), not GGML blocks."""
+    return w.qtype is None or layout(w.qtype).block_size == 1
+
+
+def few_rows_product(x: jax.Array, w_FD: jax.Array) -> jax.Array:
+    """float32 x @ w.T for a few token rows, as a multiply-and-reduce. XLA fuses a scanned layer's slice
+    of a weight stack into the reduction and reads the stack in place; a dot takes that slice as a copy,
+    or as a dynamic-slice fusion whose offset the host computes, which keeps the layer loop out of the
+    CUDA graphs (docs/benchmarks.md). Rows are flattened first: XLA:CPU (jax 0.10) miscomputes this
+    reduction with a leading unit axis ([1, T, 1, D] * [F, D]), tests/test_hyper.py checks it."""
+    f32 = jnp.float32
+    x_ND = x.reshape(-1, x.shape[-1]).astype(f32)
+    return jnp.sum(x_ND[:, None, :] * w_FD.astype(f32), axis=-1).reshape(*x.shape[:-1], w_FD.shape[0])
 
 
 def project(x: jax.Array, p: Projections, kernels: Kernels) -> list[jax.Array]:

@@ -27,7 +27,7 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers.basic import swiglu
+from strata_jax.model.layers.basic import few_rows_product, swiglu
 
 
 @struct.dataclass
@@ -55,7 +55,10 @@ def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
     the router's scores for them. logit_bias_E (gpt-oss's ffn_gate_inp.bias) is part of the router's
     logits. "softmax_weight" gating (gpt-oss): the top-k of the logits, weighted by the softmax of
     just those k."""
-    logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
+    if x_ND.shape[0] <= qmatvec.MAX_T:
+        logits_NE = few_rows_product(x_ND.astype(jnp.float32), router_ED)
+    else:
+        logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
     if logit_bias_E is not None:
         logits_NE = logits_NE + logit_bias_E
     if cfg.expert_gating == "softmax_weight":
