@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-chunk", type=_positive, default=None,
                    help="decode steps per jitted call in every configuration (default: the engine's, load's "
                         "decode_chunk)")
+    p.add_argument("--prefill-chunk", default=None,
+                   help="prompt tokens per prefill call in every configuration: a number or auto (default: the "
+                        "engine's, 512)")
     p.add_argument("--layer-scan", choices=["on", "off"], default="on",
                    help="alike layers compiled once as a scan (default on) or every layer unrolled")
     p.add_argument("--expert-fetch", choices=["auto", "kernel", "loop"], default="auto",
@@ -137,6 +140,8 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
         argv += ["--probe-mib", str(args.probe_mib)]
     if args.decode_chunk:
         argv += ["--decode-chunk", str(args.decode_chunk)]
+    if args.prefill_chunk:
+        argv += ["--prefill-chunk", str(args.prefill_chunk)]
     argv += ["--layer-scan", args.layer_scan]
     log.info("resident reference in a child process without the VRAM cap: %s", shlex.join(argv))
     proc = subprocess.run(argv, env=dict(machine.uncapped_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
@@ -246,6 +251,7 @@ def check_engine_options(args) -> None:
 
     for depth in args.prefetch_depth:
         EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
+                            **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
                             layer_scan=args.layer_scan, expert_fetch=args.expert_fetch)
 

@@ -178,6 +178,17 @@ def machine_info(smi: dict | None) -> dict:
     }
 
 
+def device_peak_bytes() -> int | None:
+    """The device allocator's peak bytes in use in this process (None where the backend keeps no stats)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
+        stats = {}
+    return int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else None
+
+
 def device_info() -> dict:
     """What JAX reports once its backend runs: the device and the allocator's limit (the cap at work)."""
     import jax

@@ -12,7 +12,9 @@ import time
 import numpy as np
 
 from strata_jax.bench.limits import ModelBytes, limit_figures
+from strata_jax.bench.machine import device_peak_bytes
 from strata_jax.core.units import fmt_bytes
+from strata_jax.engine.config import EngineConfig
 
 log = logging.getLogger("strata_jax")
 
@@ -36,6 +38,8 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
         shared["expert_fetch"] = args.expert_fetch
     if args.decode_chunk is not None:  # else the engine's default for the device; each row records what ran
         shared["decode_chunk"] = args.decode_chunk
+    if getattr(args, "prefill_chunk", None) is not None:
+        shared["prefill_chunk"] = EngineConfig.create(flags=True, prefill_chunk=args.prefill_chunk).prefill_chunk
     return [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
 
 
@@ -105,7 +109,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "resident": st.get("resident", True), "store_memory": st.get("store_memory"),
         "expert_fetch": st.get("expert_fetch"),
         "host_dispatch_ms_per_step": host["dispatch_ms_per_step"], "host_wait_ms_per_step": host["wait_ms_per_step"],
-        "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"),
+        "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"), "prefill_chunk": model.prefill_chunk,
         "token_ids": gen.token_ids,
     }
     row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes))
@@ -188,6 +192,9 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
                 row.setdefault("prefill_errors", {})[str(n_prompt)] = _error("prefill", e)
                 model = None
                 break
+        # the allocator's high-water mark so far (expert cache and KV included): what of the budget the
+        # prefill's activations really took, against the planner's bound (model/memory.py)
+        row["device_peak_bytes"] = device_peak_bytes()
     del model
     gc.collect()
     return rows
