@@ -220,31 +220,39 @@ def test_logits_match_transformers():
     assert ours.shape == ref.shape and err.max() < REL_TOL, err
 
 
-def test_grouped_prefill_equals_dense():
+@pytest.mark.parametrize("routing", ["router", "busy"])
+def test_sparse_prefills_equal_dense(routing):
     """The grouped prefill MoE (tokens sorted by expert, ragged_dot; each pair's expert biases by its
-    expert id) computes what the dense one (test_logits_match_transformers) does, on layer 0's
-    experts; without the biases it is far from it."""
+    expert id) and the blocked one (the dense scan over groups of experts, each expert through blocks of
+    its own rows) compute what the dense one (test_logits_match_transformers) does, on layer 0's
+    experts; without the biases they are far from it. "busy": every token routed to the same experts,
+    more rows than one block holds, so the blocked form takes several rounds."""
     import jax.numpy as jnp
 
-    from strata_jax.model.layers.moe import _experts_dense, _experts_grouped, route
+    from strata_jax.model.layers.moe import _experts_blocked, _experts_dense, _experts_grouped, route
 
     m = _resident()
     cfg, p = m.config, runs.layers_of(m.params.layers)[0].moe
     x = jnp.asarray(np.random.default_rng(5).standard_normal((12, cfg.d_model)).astype(np.float32))
-    w, ids = route(x, p.router_ED, cfg, logit_bias_E=p.router_bias_E)
+    forced = None if routing == "router" else jnp.tile(jnp.arange(cfg.n_experts_used)[::-1], (12, 1))
+    w, ids = route(x, p.router_ED, cfg, forced, logit_bias_E=p.router_bias_E)
     experts = m.experts.take()
     try:
         experts = experts.stream(0)
         args = (x, w, ids)
-        dense = _experts_dense(*args, experts, 0, jnp.float32, cfg.n_experts, cfg.expert_ffn_dim, cfg, p.expert_bias)
+        dims = (jnp.float32, cfg.n_experts, cfg.expert_ffn_dim, cfg)
+        dense = _experts_dense(*args, experts, 0, *dims, p.expert_bias)
+        blocked = _experts_blocked(*args, experts, 0, *dims, p.expert_bias)
+        unbiased_blocked = _experts_blocked(*args, experts, 0, *dims, None)
         rows = experts.layer(0)
         grouped = _experts_grouped(*args, rows, jnp.float32, cfg.n_experts, cfg, p.expert_bias)
         unbiased = _experts_grouped(*args, rows, jnp.float32, cfg.n_experts, cfg, None)
     finally:
         m.experts.put(experts)
     scale = np.abs(np.asarray(dense)).max()
-    np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=0, atol=1e-5 * scale)
-    assert np.abs(np.asarray(unbiased) - np.asarray(dense)).max() > OFF_TOL * scale
+    for ours, off in ((grouped, unbiased), (blocked, unbiased_blocked)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(dense), rtol=0, atol=1e-5 * scale)
+        assert np.abs(np.asarray(off) - np.asarray(dense)).max() > OFF_TOL * scale
 
 
 def test_mxfp4_experts_match_transformers():

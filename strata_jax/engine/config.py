@@ -224,9 +224,9 @@ def kernels_from_env() -> Kernels:
                           "type), 0 (never) or leave it unset (auto: the kernel for the types and sizes model/qmatvec.py "
                           "picks it for).")
     moe = os.environ.get("STRATA_JAX_MOE_PREFILL", "") or "dense"
-    if moe not in ("dense", "grouped"):
-        raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default) or grouped, or "
-                          "leave it unset.")
+    if moe not in ("dense", "blocked", "grouped"):
+        raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default), blocked or grouped, "
+                          "or leave it unset.")
     rows = os.environ.get("STRATA_JAX_STATE_ROWS", "")
     if rows not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_STATE_ROWS={rows!r} is invalid: set 1 (the row kernels for the scanned "

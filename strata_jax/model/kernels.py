@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 QMATVEC = ("auto", "on", "off")
-MOE_PREFILL = ("dense", "grouped")
+MOE_PREFILL = ("dense", "blocked", "grouped")
 MLA_FORMS = ("auto", "absorbed", "naive")
 
 
@@ -20,7 +20,8 @@ class Kernels:
     # supports the type (on CPU through Pallas' interpreter: tests), "off" never
     qmatvec: str = "auto"
     # the prefill MoE formulation (model/layers/moe.py): "dense" (every token through every expert, a scan over
-    # expert groups) or "grouped" (tokens sorted by expert, ragged_dot)
+    # expert groups), "blocked" (the same scan, each expert through blocks of only its tokens) or "grouped"
+    # (tokens sorted by expert, ragged_dot)
     moe_prefill: str = "dense"
     # deepseek2's latent attention (model/layers/mla.py): "absorbed" (queries against the cached latents),
     # "naive" (the latents expanded to every head's keys and values), or "auto": per step, the form with

@@ -190,6 +190,52 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
     return jax.lax.scan(group, jnp.zeros((N, x_ND.shape[1]), f32), (first_C, combine_CNJ))[0]
 
 
+def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
+                     cfg: ModelConfig | None = None, bias=None):
+    """Every (token, expert) pair computed once, within the dense path's scan over streamed groups of
+    experts: the pairs sorted by expert, each expert of a group multiplies a block of up to `cap` of its
+    rows (one batched GEMM over the group's experts), and a group holding a busier expert takes more
+    rounds of blocks. About E/k times fewer multiply-adds than _experts_dense, plus the blocks' padding
+    (cap is twice the mean rows per expert). Deterministic: each pair's row is written once and each
+    token's k rows are summed in routing order."""
+    N, k = ids_Nk.shape
+    D, P, f32 = x_ND.shape[1], N * k, jnp.float32
+    flat = ids_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # the pairs, sorted by expert
+    sizes_E = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    tok_P, w_P = (order // k).astype(jnp.int32), w_Nk.reshape(-1)[order]
+    cap = min(N, 8 * -(-2 * P // (8 * n_experts)))
+    J = _prefill_group(cap, n_experts, ffn_dim, D, dtype)
+
+    def group(y_PD, first):
+        rows = experts.group(moe_idx, first, J)
+        g_JFD, u_JFD, d_JDF = _dequant_rows(rows, rows.data, dtype)
+        bg, bu, bd = (None,) * 3 if bias is None else (jax.lax.dynamic_slice_in_dim(b, first, J) for b in bias)
+        size_J, start_J = (jax.lax.dynamic_slice_in_dim(a, first, J) for a in (sizes_E, starts_E))
+
+        def block(r, y_PD):
+            i_JC = r * cap + jnp.arange(cap, dtype=jnp.int32)[None, :]
+            at_JC = jnp.where(i_JC < size_J[:, None], start_J[:, None] + i_JC, P)  # P: past the end, dropped
+            x_JCD = jnp.take(x_ND, jnp.take(tok_P, at_JC, mode="fill", fill_value=0), axis=0)
+            w_JC = jnp.take(w_P, at_JC, mode="fill", fill_value=0)
+            g = jnp.einsum("jcd,jfd->jcf", x_JCD, g_JFD, preferred_element_type=f32)
+            u = jnp.einsum("jcd,jfd->jcf", x_JCD, u_JFD, preferred_element_type=f32)
+            if bg is not None:
+                g, u = g + bg[:, None], u + bu[:, None]
+            h = expert_glu(g, u, cfg) * w_JC[:, :, None]
+            y = jnp.einsum("jcf,jdf->jcd", h.astype(dtype), d_JDF, preferred_element_type=f32)
+            if bd is not None:
+                y = y + w_JC[:, :, None] * bd[:, None]
+            return y_PD.at[at_JC.reshape(-1)].set(y.reshape(-1, D), mode="drop")
+
+        return jax.lax.fori_loop(0, (jnp.max(size_J) + cap - 1) // cap, block, y_PD), None
+
+    first_C = jnp.arange(0, n_experts, J, dtype=jnp.int32)
+    y_PD = jax.lax.scan(group, jnp.zeros((P, D), f32), first_C)[0]
+    return _sum_pairs(y_PD, order, N, k)
+
+
 def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: int, cfg: ModelConfig | None = None,
                      bias=None):
     """Every (token, expert) pair computed once: the N*k pairs sorted by expert and multiplied group by
@@ -209,15 +255,23 @@ def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: i
     h = expert_glu(_plus(rdot(x_sorted, g_EFD.transpose(0, 2, 1)), bg), _plus(rdot(x_sorted, u_EFD.transpose(0, 2, 1)), bu),
                    cfg)
     y = _plus(rdot(h.astype(dtype), d_EDF.transpose(0, 2, 1)), bd) * w_Nk.reshape(-1)[order][:, None]
-    return jnp.zeros((N, x_ND.shape[1]), f32).at[tok].add(y)
+    return _sum_pairs(y, order, N, k)
+
+
+def _sum_pairs(y_PD, order, N: int, k: int):
+    """Each token's sum of its k pair rows y_PD (in `order`, the pairs sorted by expert), summed in routing
+    order: a scatter-add's order is not fixed on a GPU, and the last bits of the sum with it."""
+    at_Nk = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype)).reshape(N, k)
+    return jnp.sum(y_PD[at_Nk], axis=1)
 
 
 def _many_token_impl(kernels: Kernels):
-    """The prefill MoE formulation, Kernels.moe_prefill: dense (_experts_dense) by default; grouped (tokens
-    sorted by expert, ragged_dot) on request. Grouped does E/k times fewer multiply-adds, but ragged_dot
-    has only a slow reference lowering on CPU and XLA:GPU may expand it into padded dense operands (slower,
-    and out of memory under a budget): figures in docs/benchmarks.md."""
-    return _experts_grouped if kernels.moe_prefill == "grouped" else _experts_dense
+    """The prefill MoE formulation, Kernels.moe_prefill: dense (_experts_dense) by default; blocked
+    (_experts_blocked: each pair once, in blocks of rows per expert) or grouped (tokens sorted by expert,
+    ragged_dot) on request. Grouped does E/k times fewer multiply-adds, but ragged_dot has only a slow
+    reference lowering on CPU and XLA:GPU may expand it into padded dense operands (slower, and out of
+    memory under a budget): figures in docs/benchmarks.md."""
+    return {"grouped": _experts_grouped, "blocked": _experts_blocked}.get(kernels.moe_prefill, _experts_dense)
 
 
 def finish_routing(routed: list[jax.Array], valid_N: jax.Array, cfg: ModelConfig,
@@ -258,8 +312,9 @@ def moe_block(
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
         experts = experts.stream(moe_idx)
-        if _many_token_impl(kernels) is _experts_dense:
-            out_ND = _experts_dense(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias)
+        impl = _many_token_impl(kernels)
+        if impl is not _experts_grouped:
+            out_ND = impl(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias)
         else:
             out_ND = _experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(moe_idx), dtype, E, cfg, bias)
     if predicted_Nk is not None:
