@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..9 are later sittings (each described above its pipeline), PART=9 the newest.
+# PART=2..10 are later sittings (each described above its pipeline), PART=10 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -302,5 +302,29 @@ pipeline9() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 9 ] && { pipeline() { pipeline9; }; RETURNED="progress phases.tsv data-*.json results-*.json cb-qseed.txt dsf-qseed.txt"; RESULTS_ARCHIVE=; }
+
+# PART=10 (after PART=9: the scanned decode still kept 8 loops out of the graphs; its dynamic-slice copies were
+# the F16 hyper-connection matrices, whose raw bytes' bitcast kept the slice apart, and the attention layers'
+# KV read): float matrices now load as arrays of their own type; qseed under 32 GiB with the conversion log
+# and the decode program's dynamic-slice fusions, then the same with XLA's dynamic-slice fusions off
+pipeline10() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
+  local name
+  qseed_file
+  for name in bench-qseed bench-qseed-nodsf; do
+    local flags="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
+    [ "$name" = bench-qseed-nodsf ] && flags="$flags $CB=+WHILE,+CONDITIONAL $NODSF"
+    phase "$name" 170 env "${vlog[@]}" XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench "${q[@]}" --label "$name" \
+      --out "$S/data-$name.json"
+    grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/$name.log" \
+      | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-$name.txt"
+    dsf_sources "$S/dump-$name" > "$S/dsf-$name.txt" 2>&1
+    rm -rf "$S/dump-$name"
+  done
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 10 ] && { pipeline() { pipeline10; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
 
 sitting_main "$@"
