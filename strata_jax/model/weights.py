@@ -56,11 +56,6 @@ class NextNParams:
     expert_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
-# the GGML types whose values are stored one by one as floats, and their dtypes
-FLOAT_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                GGMLQuantizationType.BF16: jnp.bfloat16}
-
-
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _dequant_once(data, qtype, n_cols, dtype):
     return quant.dequantize(data, qtype, n_cols, dtype)
@@ -109,10 +104,6 @@ class WeightLoader:
         return self._qtensor(np.ascontiguousarray(t.data), t.ggml_type, t.shape[-1])
 
     def _qtensor(self, data: np.ndarray, qtype, n_cols: int) -> QTensor:
-        if not self.dequantize_dense and qtype in FLOAT_DTYPES:
-            # a float matrix as an array of its own type (the same bytes): a scanned layer's slice of its
-            # stack then fuses into the product, where raw bytes' bitcast kept it a copy (docs/benchmarks.md)
-            return QTensor(self._put(data.view(np.uint8).view(FLOAT_DTYPES[qtype])), None, n_cols)
         dev = self._put(data)
         if self.dequantize_dense:
             return QTensor(_dequant_once(dev, qtype, n_cols, self.dense_dtype), None, n_cols)
