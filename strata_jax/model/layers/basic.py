@@ -68,11 +68,11 @@ def is_float(w: QTensor) -> bool:
 
 
 def few_rows_product(x: jax.Array, w_FD: jax.Array) -> jax.Array:
-    """float32 x @ w.T for a few token rows, as a multiply-and-reduce. XLA fuses a scanned layer's slice
-    of a weight stack into the reduction and reads the stack in place; a dot takes that slice as a copy,
-    or as a dynamic-slice fusion whose offset the host computes, which keeps the layer loop out of the
-    CUDA graphs (docs/benchmarks.md). Rows are flattened first: XLA:CPU (jax 0.10) miscomputes this
-    reduction with a leading unit axis ([1, T, 1, D] * [F, D]), tests/test_hyper.py checks it."""
+    """float32 x @ w.T for a few token rows, as a multiply-and-reduce. A dot takes a scanned layer's slice
+    of a weight stack as a dynamic-slice fusion whose offset the host computes, which keeps the layer loop
+    out of the CUDA graphs; a reduce takes the slice as its input (docs/benchmarks.md, "Float products read
+    in place"). Rows are flattened first: XLA:CPU (jax 0.10) miscomputes this reduction with a leading unit
+    axis ([1, T, 1, D] * [F, D]); tests/test_layer_runs.py checks both shapes."""
     f32 = jnp.float32
     x_ND = x.reshape(-1, x.shape[-1]).astype(f32)
     return jnp.sum(x_ND[:, None, :] * w_FD.astype(f32), axis=-1).reshape(*x.shape[:-1], w_FD.shape[0])
