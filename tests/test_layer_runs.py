@@ -91,8 +91,8 @@ def _primitives(jaxpr) -> set[str]:
 @pytest.mark.parametrize("stored", ["f32", "f16 bytes"])
 def test_few_rows_of_a_float_stack_are_a_reduction_not_a_dot(stored):
     # a dot takes a scanned layer's slice of a float stack (the F16 hyper-connection matrices, the router) as
-    # a copy, or as a dynamic-slice fusion that keeps the layer loop out of the CUDA graphs on a GPU
-    # (docs/benchmarks.md): a few rows are a multiply-and-reduce that reads the stack in place
+    # a dynamic-slice fusion that keeps the layer loop out of the CUDA graphs on a GPU (docs/benchmarks.md):
+    # there a few rows are a multiply-and-reduce; a CPU keeps its far faster matrix-vector product
     from gguf import GGMLQuantizationType
     from strata_jax.core.qtensor import QTensor
     from strata_jax.model.layers.basic import linear
@@ -103,7 +103,7 @@ def test_few_rows_of_a_float_stack_are_a_reduction_not_a_dot(stored):
         stack = QTensor(jnp.asarray(w_LFD), None, 64)
     else:
         stack = QTensor(jnp.asarray(w_LFD.astype(np.float16).view(np.uint8)), GGMLQuantizationType.F16, 64)
-    kernels = Kernels(qmatvec="off")
+    kernels = Kernels(qmatvec="off", platform="gpu")  # the form a GPU takes, traced and run here
     f = jax.jit(lambda x, r: linear(x, QTensor(stack.data, stack.qtype, stack.n_cols, r), kernels))
     # token rows as decode ([B, 1, D]) and a short chunk ([1, T, D]: the shape XLA:CPU got wrong unflattened)
     for shape in [(1, 1, 64), (3, 1, 64), (1, 2, 64), (1, 8, 64), (2, 4, 64)]:
@@ -113,6 +113,8 @@ def test_few_rows_of_a_float_stack_are_a_reduction_not_a_dot(stored):
         assert "dot_general" not in _primitives(jax.make_jaxpr(f)(jnp.asarray(x), jnp.int32(1)).jaxpr)
     x9 = jnp.ones((1, 9, 64), jnp.float32)  # a prefill chunk: a matmul
     assert "dot_general" in _primitives(jax.make_jaxpr(f)(x9, jnp.int32(1)).jaxpr)
+    cpu = jax.jit(lambda x, r: linear(x, QTensor(stack.data, stack.qtype, stack.n_cols, r), Kernels(qmatvec="off")))
+    assert "dot_general" in _primitives(jax.make_jaxpr(cpu)(jnp.ones((1, 1, 64)), jnp.int32(1)).jaxpr)  # CPU: a matvec
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):

@@ -209,7 +209,7 @@ def forward(
                 nxt = runs.layer_at(params.layers, cfg.moe_layers[ahead])
                 h_next = rms_norm(xs, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
                 p_ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
-                              logit_bias_E=nxt.moe.router_bias_E)[1]
+                              logit_bias_E=nxt.moe.router_bias_E, kernels=kernels)[1]
                 pf.append((ahead, jnp.where(valid_N[:, None], p_ids, -1)))
             if pf:
                 predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction

@@ -53,7 +53,7 @@ def linear(x: jax.Array, w: QTensor, kernels: Kernels, bias: jax.Array | None = 
     n_rows = math.prod(x.shape[:-1])
     if qmatvec.linear_ok(w, n_rows, kernels):
         y = qmatvec.linear(x.reshape(n_rows, x.shape[-1]), w, kernels).reshape(*x.shape[:-1], -1)
-    elif n_rows <= qmatvec.MAX_T and is_float(w):
+    elif reduce_rows(n_rows, kernels) and is_float(w):
         y = few_rows_product(x, dequant(w, x.dtype))
     else:
         y = jnp.einsum("...d,fd->...f", x, dequant(w, x.dtype), preferred_element_type=jnp.float32)
@@ -65,6 +65,12 @@ def linear(x: jax.Array, w: QTensor, kernels: Kernels, bias: jax.Array | None = 
 def is_float(w: QTensor) -> bool:
     """Whether W's values are stored as floats (F32/F16/BF16, or already dequantized), not GGML blocks."""
     return w.qtype is None or layout(w.qtype).block_size == 1
+
+
+def reduce_rows(n_rows: int, kernels: Kernels) -> bool:
+    """Whether a float product of n_rows token rows is a multiply-and-reduce (few_rows_product): a few rows
+    on a GPU. On a CPU a matrix-vector product is far faster (~20x on the default model's decode)."""
+    return kernels.platform == "gpu" and n_rows <= qmatvec.MAX_T
 
 
 def few_rows_product(x: jax.Array, w_FD: jax.Array) -> jax.Array:

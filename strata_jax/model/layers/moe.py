@@ -27,7 +27,7 @@ from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kernels import Kernels
-from strata_jax.model.layers.basic import few_rows_product, swiglu
+from strata_jax.model.layers.basic import few_rows_product, reduce_rows, swiglu
 
 
 @struct.dataclass
@@ -45,7 +45,7 @@ class MoEParams:
 
 def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
           forced_Nk: jax.Array | None = None, bias_E: jax.Array | None = None,
-          logit_bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          logit_bias_E: jax.Array | None = None, kernels: Kernels | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights, in float32 (routing decisions are precision-sensitive).
     Scores are the router logits' softmax or sigmoid (cfg.expert_gating); bias_E (exp_probs_b) is added
     to them for the choice only, and the weights are the unbiased scores of the chosen experts. With
@@ -54,8 +54,8 @@ def route(x_ND: jax.Array, router_ED: jax.Array, cfg: ModelConfig,
     forced_Nk: use these experts instead of the top-k (benchmarks replaying a routing trace), weighted by
     the router's scores for them. logit_bias_E (gpt-oss's ffn_gate_inp.bias) is part of the router's
     logits. "softmax_weight" gating (gpt-oss): the top-k of the logits, weighted by the softmax of
-    just those k."""
-    if x_ND.shape[0] <= qmatvec.MAX_T:
+    just those k. kernels: where its few-row logits are a multiply-and-reduce (basic.reduce_rows)."""
+    if kernels is not None and reduce_rows(x_ND.shape[0], kernels):
         logits_NE = few_rows_product(x_ND.astype(jnp.float32), router_ED)
     else:
         logits_NE = jnp.einsum("nd,ed->ne", x_ND.astype(jnp.float32), router_ED, precision="highest")
@@ -304,7 +304,7 @@ def moe_block(
     dtype = x_BTD.dtype
     N, k, E = B * T, cfg.n_experts_used, cfg.n_experts
     x_ND = x_BTD.reshape(N, D)
-    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E, p.router_bias_E)
+    w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E, p.router_bias_E, kernels)
     bias = p.expert_bias
     if experts.few_path(moe_idx, N * k):
         experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk, valid_N)
