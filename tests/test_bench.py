@@ -317,3 +317,15 @@ def test_peer_command():
     only = peer.peer_command("b", "m.gguf", budget=32 * GiB, prefill_lens=[512], n_gen=16, reps=1, out="o.json",
                              placements=["budget"])
     assert only[only.index("--placement") + 1] == "budget"
+
+
+@pytest.mark.parametrize("value", ["lots", "100", "0"])
+def test_a_bad_prefill_chunk_is_refused_before_anything_loads(value, tmp_path, capsys):
+    """--prefill-chunk takes what --prefill-chunk of generate/serve takes; anything else exits 2 naming the
+    flag and what it accepts, before a model is written or loaded."""
+    from strata_jax.bench.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["--shape", "tiny", "--prefill-chunk", value, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--prefill-chunk" in err and "is invalid" in err and "power of two" in err and not out.exists()

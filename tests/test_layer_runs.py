@@ -62,30 +62,23 @@ def test_view_reads_small_leaves_at_a_traced_index_without_a_slice(monkeypatch):
         got = jax.jit(runs.view)(stacked, jnp.int32(r))
         for k, a in stacked.items():
             np.testing.assert_array_equal(got[k], a[r])
-    def sliced(jaxpr):  # the operand shapes of every dynamic slice, nested jaxprs included
-        out = []
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dynamic_slice":
-                out.append(e.invars[0].aval.shape)
-            for v in e.params.values():
-                inner = getattr(v, "jaxpr", v)
-                if hasattr(inner, "eqns"):
-                    out += sliced(inner)
-        return out
-
-    assert sliced(jax.make_jaxpr(runs.view)(stacked, jnp.int32(2)).jaxpr) == [(5, 32)]  # only the big leaf
+    jaxpr = jax.make_jaxpr(runs.view)(stacked, jnp.int32(2)).jaxpr
+    sliced = [e.invars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "dynamic_slice"]
+    assert sliced == [(5, 32)]  # only the big leaf
 
 
-def _primitives(jaxpr) -> set[str]:
-    """Every primitive of a jaxpr, nested jaxprs included."""
-    out = set()
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested jaxprs included."""
     for e in jaxpr.eqns:
-        out.add(e.primitive.name)
+        yield e
         for v in e.params.values():
             inner = getattr(v, "jaxpr", v)
             if hasattr(inner, "eqns"):
-                out |= _primitives(inner)
-    return out
+                yield from _eqns(inner)
+
+
+def _primitives(jaxpr) -> set[str]:
+    return {e.primitive.name for e in _eqns(jaxpr)}
 
 
 @pytest.mark.parametrize("stored", ["f32", "f16 bytes"])

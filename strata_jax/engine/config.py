@@ -20,7 +20,7 @@ from typing import Any
 from strata_jax.core.errors import ConfigError
 from strata_jax.engine.draft import check_spec
 from strata_jax.model.config import ROPE_SCALINGS
-from strata_jax.model.kernels import Kernels
+from strata_jax.model.kernels import MOE_PREFILL, Kernels
 from strata_jax.core.units import parse_size
 
 log = logging.getLogger("strata_jax")
@@ -224,7 +224,7 @@ def kernels_from_env() -> Kernels:
                           "type), 0 (never) or leave it unset (auto: the kernel for the types and sizes model/qmatvec.py "
                           "picks it for).")
     moe = os.environ.get("STRATA_JAX_MOE_PREFILL", "") or "dense"
-    if moe not in ("dense", "blocked", "grouped"):
+    if moe not in MOE_PREFILL:
         raise ConfigError(f"STRATA_JAX_MOE_PREFILL={moe!r} is invalid: set dense (the default), blocked or grouped, "
                           "or leave it unset.")
     rows = os.environ.get("STRATA_JAX_STATE_ROWS", "")

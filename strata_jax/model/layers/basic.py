@@ -69,7 +69,7 @@ def is_float(w: QTensor) -> bool:
 
 def reduce_rows(n_rows: int, kernels: Kernels) -> bool:
     """Whether a float product of n_rows token rows is a multiply-and-reduce (few_rows_product): a few rows
-    on a GPU. On a CPU a matrix-vector product is far faster (~20x on the default model's decode)."""
+    on a GPU. On a CPU a matrix-vector product is far faster (docs/benchmarks.md)."""
     return kernels.platform == "gpu" and n_rows <= qmatvec.MAX_T
 
 

@@ -153,6 +153,14 @@ def _prefill_group(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, dt
     return g
 
 
+def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: int, dtype, bias):
+    """Experts first .. first + n - 1 of a prefill's scan step: their gate, up and down weights dequantized
+    (offloaded, copied from the host store in that step) and their biases (Nones without)."""
+    rows = experts.group(moe_idx, first, n)
+    biases = (None,) * 3 if bias is None else tuple(jax.lax.dynamic_slice_in_dim(b, first, n) for b in bias)
+    return _dequant_rows(rows, rows.data, dtype), biases
+
+
 def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
                    cfg: ModelConfig | None = None, bias=None):
     """Every token through every expert, weighted by its routing weight (zero where it did not route):
@@ -176,9 +184,7 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
 
     def group(acc_ND, xs):
         first, combine_NJ = xs
-        rows = experts.group(moe_idx, first, J)
-        g_JFD, u_JFD, d_JDF = _dequant_rows(rows, rows.data, dtype)
-        bg, bu, bd = (None,) * 3 if bias is None else (jax.lax.dynamic_slice_in_dim(b, first, J) for b in bias)
+        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias)
         g = _plus(jnp.einsum("nd,gfd->ngf", x_ND, g_JFD, preferred_element_type=f32), bg)
         u = _plus(jnp.einsum("nd,gfd->ngf", x_ND, u_JFD, preferred_element_type=f32), bu)
         h = expert_glu(g, u, cfg) * combine_NJ[:, :, None]
@@ -209,9 +215,7 @@ def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, 
     J = _prefill_group(cap, n_experts, ffn_dim, D, dtype)
 
     def group(y_PD, first):
-        rows = experts.group(moe_idx, first, J)
-        g_JFD, u_JFD, d_JDF = _dequant_rows(rows, rows.data, dtype)
-        bg, bu, bd = (None,) * 3 if bias is None else (jax.lax.dynamic_slice_in_dim(b, first, J) for b in bias)
+        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias)
         size_J, start_J = (jax.lax.dynamic_slice_in_dim(a, first, J) for a in (sizes_E, starts_E))
 
         def block(r, y_PD):
