@@ -253,7 +253,8 @@ def test_model_bytes_and_resident_estimate():
     assert sum(mb.expert_M) * cfg.n_experts == mb.experts_total
     assert mb.dense_total + mb.experts_total == sum(t.nbytes for t in gguf.tensors.values())
     est = limits.resident_estimate(gguf, cfg, ctx=1024, itemsize=2)
-    assert est == mb.dense_total + mb.experts_total + mb.kv_elems_per_position * 1024 * 2 + 64 * 512 * 128 * 4 + GiB
+    assert est == (mb.dense_total + mb.experts_total + mb.kv_elems_per_position * 1024 * 2
+                   + memory.activation_bytes(cfg, 512) + GiB)
     for kv in ("q8_0", "q8_0,q4_0"):  # a quantized cache: the limit's KV reads and the estimate shrink alike
         q = limits.ModelBytes.of(gguf, cfg, kv)
         assert q.kv_bytes_per_position(2) == memory.kv_cache_bytes(cfg, 1, 1, 2, kv) < mb.kv_bytes_per_position(2)

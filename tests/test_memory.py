@@ -17,7 +17,7 @@ from strata_jax.engine.inspect import report
 from strata_jax.core.errors import ConfigError
 from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.forward import KVCache
+from strata_jax.model.forward import KVCache, forward
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.offload.sizing import DEFAULT_RESERVE, plan_cache
 
@@ -58,13 +58,36 @@ def test_weight_bytes_match_the_tensor_table(moe):
     assert memory.dense_weight_bytes(gguf) + memory.routed_expert_bytes(gguf) <= path.stat().st_size
 
 
-def test_activation_and_fixed_bytes(moe):
+def test_fixed_bytes_add_dense_kv_and_activations(moe):
     _, gguf, cfg = moe
-    # widest per-token dimension: 16 experts x 256 ffn / 8 = 512 > d_model 128
-    assert memory.activation_bytes(cfg, 256) == 64 * 256 * 512 * 4
     fixed = memory.fixed_device_bytes(gguf, cfg, ctx=512, itemsize=2, rows=2, prefill_chunk=256)
     assert fixed == (memory.dense_weight_bytes(gguf) + memory.kv_cache_bytes(cfg, 512, 2, 2)
                      + memory.activation_bytes(cfg, 256))
+
+
+@pytest.mark.parametrize("shape", ["qtiny", "tiny"])
+def test_activation_bound_covers_the_prefill_programs_temporaries(tmp_path, shape):
+    """The planner's activation bound against what XLA allocates for a prefill chunk's temporaries (the
+    compiled program's temp buffers; XLA:CPU fuses less than XLA:GPU, so it needs at least as much), at
+    two chunk lengths: the bound is neither below it nor more than 8x above it where tokens dominate."""
+    spec = dataclasses.replace(SHAPES[shape], n_layers=4)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    m = strata_jax.load(path, ctx=1024, **GPU_LIKE)
+    step = jax.jit(forward, static_argnames=("cfg", "dtype", "kernels"))
+    experts = m.experts.take()
+    try:
+        for T in (256, 1024):
+            kv = KVCache.zeros(m.config, 1, 1024, m.dtype)
+            compiled = step.lower(m.params, experts, kv, jnp.ones((1, T), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                  jnp.full((1,), T, jnp.int32), cfg=m.config, dtype=m.dtype,
+                                  kernels=m.kernels).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            bound = memory.activation_bytes(m.config, T)
+            assert temp <= bound, (T, temp, bound)
+            if T == 1024:
+                assert bound < 8 * temp, (T, temp, bound)
+    finally:
+        m.experts.put(experts)
 
 
 def test_load_plans_with_the_fixed_bytes(moe):

@@ -13,6 +13,7 @@ import numpy as np
 
 from strata_jax.model import kvquant
 from strata_jax.model.config import ModelConfig
+from strata_jax.model.layers.moe import prefill_group_bytes
 
 if TYPE_CHECKING:
     from strata_jax.gguf.reader import GGUFFile
@@ -82,9 +83,17 @@ def routed_expert_bytes(gguf: GGUFFile, cfg: ModelConfig | None = None) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
-    """A bound on the live activations of one prefill chunk: 64 float32 buffers of the chunk's tokens
-    by the widest per-token dimension (the model, or the routed experts' hidden units over 8)."""
-    return 64 * prefill_chunk * max(cfg.d_model, cfg.n_experts * cfg.expert_ffn_dim // 8) * 4
+    """A bound on the live activations of one prefill chunk: 32 float32 buffers of the chunk's tokens by
+    the widest per-token dimension (the residual with its hyper-connection streams, the attention's
+    projection, a dense or shared MLP), plus, for a MoE model, two steps of the prefill's scan over
+    groups of experts (a group's bfloat16 weights and its tokens' hidden units, moe.prefill_group_bytes).
+    qseed's 4,096-token chunk peaked at ~3.2 GB against this bound's 8.4 (docs/benchmarks.md)."""
+    width = max(cfg.d_model * max(cfg.hc_count, 1), cfg.q_dim * (1 + cfg.attn_output_gate), cfg.ffn_dim,
+                cfg.shared_expert_ffn_dim)
+    groups = 0
+    if cfg.is_moe:
+        groups = 2 * prefill_group_bytes(prefill_chunk, cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model)
+    return groups + 32 * prefill_chunk * width * 4
 
 
 def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,

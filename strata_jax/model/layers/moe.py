@@ -145,12 +145,24 @@ PREFILL_GROUP_BYTES = 1 << 30  # transient bytes of one group of experts in the 
 def _prefill_group(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, dtype) -> int:
     """Experts per step of the dense prefill's scan: the largest power of two dividing the expert count
     whose dequantized weights and float32 gate/up activations stay within PREFILL_GROUP_BYTES."""
-    f, d = ffn_dim, d_model
-    per_expert = 3 * f * d * jnp.dtype(dtype).itemsize + n_tokens * f * (2 * 4 + jnp.dtype(dtype).itemsize)
+    per_expert = _prefill_expert_bytes(n_tokens, ffn_dim, d_model, jnp.dtype(dtype).itemsize)
     g = 1
     while g * 2 <= n_experts and n_experts % (g * 2) == 0 and (g * 2) * per_expert <= PREFILL_GROUP_BYTES:
         g *= 2
     return g
+
+
+def _prefill_expert_bytes(n_tokens: int, ffn_dim: int, d_model: int, itemsize: int) -> int:
+    """One expert's share of a prefill scan step: its dequantized gate, up and down, and its float32
+    gate/up activations (and their product in the compute dtype) for every token."""
+    return 3 * ffn_dim * d_model * itemsize + n_tokens * ffn_dim * (2 * 4 + itemsize)
+
+
+def prefill_group_bytes(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, itemsize: int = 2) -> int:
+    """Bytes of one step of the dense prefill's scan over experts (the memory planner's share for it)."""
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
+    g = _prefill_group(n_tokens, n_experts, ffn_dim, d_model, dtype)
+    return g * _prefill_expert_bytes(n_tokens, ffn_dim, d_model, itemsize)
 
 
 def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: int, dtype, bias):
