@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..10 are later sittings (each described above its pipeline), PART=10 the newest.
+# PART=2..11 are later sittings (each described above its pipeline), PART=11 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -326,5 +326,41 @@ pipeline10() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 10 ] && { pipeline() { pipeline10; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
+
+# PART=11 (after PART=10: the KV read and the F16 hyper-connection matrices were the copies left in the loop):
+# benchmarks/slice_check.sh (its small programs and a 16-layer qwen4exp with qseed's attention, one decode per
+# read form) beside qseed's file; qseed under 32 GiB with the conversion log, the code as it is and with the
+# slice check's best form patched in (slice_probe.py bench); the new activation bound checked by a
+# 4,096-token prefill in one chunk under the cap; issue 34's 16K conversation (cold / RAM / disk)
+pipeline11() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
+  local forms name
+  mkdir -p "$S/slcheck"
+  (OUT=$S/slcheck NO_WHEELS=1 PYTHONPATH="$PYTHONPATH:." timeout 400 bash benchmarks/slice_check.sh > "$S/slcheck.log" 2>&1; \
+    note "slice check: done") &
+  qseed_file
+  wait
+  cp -f "$S/slcheck/summary.txt" "$S/slcheck-summary.txt"; cp -f "$S/slcheck/probe.jsonl" "$S/slcheck-probe.jsonl"
+  forms=$(grep "^== kv:[a-z0-9]*+hc:shift rc 0 not_convertible 0$" "$S/slcheck/summary.txt" | head -1 | cut -d' ' -f2)
+  note "form for qseed: ${forms:-none converted, kv:f32+hc:shift}"
+  for name in bench-qseed "bench-qseed-${forms:-kv:f32+hc:shift}"; do
+    local run=(-m strata_jax.cli bench)
+    [ "$name" != bench-qseed ] && run=(benchmarks/slice_probe.py bench "${name#bench-qseed-}")
+    phase "$name" 170 env "${vlog[@]}" PYTHONPATH="$PYTHONPATH:." \
+      XLA_FLAGS="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+      "$PY" "${run[@]}" "${q[@]}" --label "$name" --out "$S/data-$name.json"
+    grep -h "not convertible\|Unsupported thunk" "$S/$name.log" | sed 's/^[^]]*] //' | sort | uniq -c \
+      | sort -rn | head -20 > "$S/cb-$name.txt"
+    dsf_sources "$S/dump-$name" > "$S/dsf-$name.txt" 2>&1
+    rm -rf "$S/dump-$name"
+  done
+  local p=(--shape qseed --tokens 8 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB --no-resident)
+  phase prefill-4096-cap 170 "$PY" -m strata_jax.cli bench "${p[@]}" --prefill-chunk 4096 --out "$S/data-prefill-4096-cap.json"
+  conv_qseed
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 11 ] && { pipeline() { pipeline11; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt slcheck-*"; }
 
 sitting_main "$@"
