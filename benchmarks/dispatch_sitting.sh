@@ -343,9 +343,12 @@ pipeline11() {
   qseed_file
   wait
   cp -f "$S/slcheck/summary.txt" "$S/slcheck-summary.txt"; cp -f "$S/slcheck/probe.jsonl" "$S/slcheck-probe.jsonl"
-  forms=$(grep "^== kv:[a-z0-9]*+hc:shift rc 0 not_convertible 0$" "$S/slcheck/summary.txt" | head -1 | cut -d' ' -f2)
-  note "form for qseed: ${forms:-none converted, kv:f32+hc:shift}"
-  for name in bench-qseed "bench-qseed-${forms:-kv:f32+hc:shift}"; do
+  forms=
+  for f in kv:before kv:f32 kv:gather kv:slice; do  # the first whose 16-layer decode converted
+    grep -q "^== $f+hc:shift rc 0 not_convertible 0$" "$S/slcheck/summary.txt" && { forms=$f+hc:shift; break; }
+  done
+  note "form for qseed: ${forms:-none converted, kv:before+hc:shift}"
+  for name in bench-qseed "bench-qseed-${forms:-kv:before+hc:shift}"; do
     local run=(-m strata_jax.cli bench)
     [ "$name" != bench-qseed ] && run=(benchmarks/slice_probe.py bench "${name#bench-qseed-}")
     phase "$name" 170 env "${vlog[@]}" PYTHONPATH="$PYTHONPATH:." \

@@ -16,7 +16,7 @@ from strata_jax.dev.synthetic import write_synthetic_gguf
 write_synthetic_gguf("/tmp/slcheck-q16.gguf", dataclasses.replace(
     SHAPES["qtiny"], n_layers=16, n_heads=16, n_kv_heads=2, head_dim=256, rope_dim=64, rope_sections=(11, 11, 10), indexer_head_dim=128))
 PY
-for forms in ${FORMS:-kv:slice kv:slice+hc:shift kv:f32+hc:shift kv:gather+hc:shift}; do
+for forms in ${FORMS:-kv:slice kv:slice+hc:shift kv:before+hc:shift kv:f32+hc:shift kv:gather+hc:shift}; do
   d=/tmp/slcheck-dump-$forms; rm -rf "$d"
   timeout 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0 \
     XLA_FLAGS="--xla_dump_to=$d --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \

@@ -20,11 +20,12 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("kv:slice", "kv:f32", "kv:gather", "hc:bitcast", "hc:shift", "hc:f16")
+VARIANTS = ("kv:slice", "kv:f32", "kv:gather", "kv:before", "hc:bitcast", "hc:shift", "hc:f16")
 
 
 def patch(variants: str) -> None:
-    """Swap in the named forms (joined by "+") of kvquant.read and quant._f16 for this process."""
+    """Swap in the named forms (joined by "+") of the KV read (kvquant.read; kv:before: attention's
+    READ_BEFORE_WRITE) and the F16 decoder (quant._f16) for this process."""
     import jax
     import jax.numpy as jnp
 
@@ -41,6 +42,9 @@ def patch(variants: str) -> None:
                     return plain(c, layer, start, size, dtype)
                 return jnp.moveaxis(c[layer, :, start + jnp.arange(size)], 0, 1)
             kvquant.read = read
+        elif v == "kv:before":
+            from strata_jax.model.layers import attention
+            attention.READ_BEFORE_WRITE = True
         elif v == "hc:shift":
             def f16(b):
                 u = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)

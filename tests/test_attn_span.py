@@ -55,6 +55,36 @@ def test_blocked_equals_the_static_span(T, with_select):
     np.testing.assert_allclose(np.asarray(got)[1], np.asarray(want)[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_reading_before_the_write_equals_reading_after(monkeypatch, kv, T):
+    """attention.READ_BEFORE_WRITE (few queries: each block is read from the cache as it was and the step's
+    entries merged in as the cache stores them) gives bit for bit the heads and caches of reading after the
+    scatter: plain and quantized caches, a traced layer index, a sliding window, an idle row, sinks."""
+    from strata_jax.model import kvquant
+    from strata_jax.model.layers import attention
+    rng = np.random.default_rng(7)
+    B, S, K, H, Dh = 3, 700, 2, 4, 32
+    k, v = (kvquant.quantize(c, kv) if kv != "f16" else c for c in _cache(rng, B=B, S=S, Dh=Dh))
+    q = jnp.asarray(rng.standard_normal((B, T, H, Dh)), jnp.float32)
+    kn, vn = (jnp.asarray(rng.standard_normal((B, T, K, Dh)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(np.array([300, 255, S])[:, None] + np.arange(T)[None, :], jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+
+    def run(layer, window):
+        return jax.jit(lambda *a: attend(*a, attn_len=None, attn_block=256, window=window, sinks_H=sinks))(
+            q, kn, vn, pos, k, v, layer)
+
+    outs = {}
+    for before in (False, True):
+        monkeypatch.setattr(attention, "READ_BEFORE_WRITE", before)
+        outs[before] = [run(jnp.int32(1), 0), run(jnp.int32(0), 100)]
+    for want, got in zip(outs[False], outs[True]):
+        np.testing.assert_array_equal(np.asarray(got[0])[:2], np.asarray(want[0])[:2])
+        for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_loop_stops_at_the_furthest_position_and_extra_blocks_change_nothing():
     """Positions past the blocks the furthest real query needs are never read (NaN there stays out),
     an idle row (position S) adds no block, and a row batched with one that needs more blocks gets its

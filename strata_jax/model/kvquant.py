@@ -134,6 +134,14 @@ def zeros(shape: tuple[int, ...], kind: str, dtype) -> jax.Array | QuantKV:
     return QuantKV(q, jnp.zeros((*lead, dh // BLOCK), SCALE_DTYPE))
 
 
+def stored(new_BTKDh: jax.Array, c_LBSKDh, dtype) -> jax.Array:
+    """The entries as a read of the leaf gives them back once written: cast to its dtype, or quantized and
+    dequantized to dtype."""
+    if not isinstance(c_LBSKDh, QuantKV):
+        return new_BTKDh.astype(c_LBSKDh.dtype)
+    return dequantize(quantize(new_BTKDh, c_LBSKDh.kind), dtype)
+
+
 def write(c_LBSKDh, layer: int, pos_BT: jax.Array, new_BTKDh: jax.Array):
     """The (donated) cache leaf with the step's entries scattered into layer `layer` at pos_BT, in place,
     quantized first where the leaf is; positions past the cache (an idle row) are dropped."""

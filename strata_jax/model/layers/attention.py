@@ -215,11 +215,17 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
     [B, T, H * Do] in float32 and the caches."""
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
+    S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
+    if attn_block and READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES:
+        new = (kvquant.stored(k_BTKDh, k_LBSKDh, q_BTHDh.dtype),
+               None if v_LBSKDh is None else kvquant.stored(v_BTKDh, v_LBSKDh, q_BTHDh.dtype))
+        out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
+                             v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
     k_LBSKDh = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)
     if v_LBSKDh is not None:
         v_LBSKDh = kvquant.write(v_LBSKDh, layer, pos_BT, v_BTKDh)
-
-    S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
+    if attn_block and READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES:
+        return out, k_LBSKDh, v_LBSKDh
     if attn_block:
         out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
                              v_dim=v_dim, window=window, sinks_H=sinks_H)
@@ -229,10 +235,25 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
     return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
 
 
+# Decode reads a block of the cache before the step's keys are scattered into it, and merges them in: a read
+# of the buffer the scatter just wrote became a plain slice copy that kept the layer loop out of XLA:GPU's
+# command buffers (docs/benchmarks.md). Few queries only (the merge is a one-hot sum over them).
+READ_BEFORE_WRITE = False
+
+
+def _merged(blk_BSKD: jax.Array, new_BTKD: jax.Array, pos_BT: jax.Array, s_S: jax.Array) -> jax.Array:
+    """The block with each position s that a query writes (pos_BT[b, t] == s) holding that query's entry."""
+    hit_BTS = pos_BT[:, :, None] == s_S[None, None, :]
+    put_BSKD = jnp.einsum("bts,btkd->bskd", hit_BTS.astype(jnp.float32), new_BTKD.astype(jnp.float32))
+    return jnp.where(jnp.any(hit_BTS, axis=1)[:, :, None, None], put_BSKD.astype(blk_BSKD.dtype), blk_BSKD)
+
+
 def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: int,
                    select_BTS: jax.Array | None = None, *, scale: float | None = None,
-                   v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None) -> jax.Array:
-    """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written),
+                   v_dim: int | None = None, window: int = 0, sinks_H: jax.Array | None = None,
+                   new: tuple[jax.Array, jax.Array | None] | None = None) -> jax.Array:
+    """Causal GQA attention of q over cache layer `layer`'s first S positions (keys already written, or,
+    with `new`, the step's keys and values as the cache stores them, merged into each block it reads),
     `block` positions at a time with an online softmax (float32 running max, sum and output), for as
     many blocks as reach the furthest position below S in pos_BT: the trip count is a run-time value, so
     the program does not depend on the span. A query at or past S (an idle row) extends no loop; the
@@ -261,8 +282,12 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: in
         at = jnp.minimum(lo, S - block)
         # a quantized cache is dequantized here, one block at a time
         k_blk = kvquant.read(k_LBSKDh, layer, at, block, q.dtype)
-        v_blk = k_blk[..., :Do] if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, at, block, q.dtype)
+        v_blk = None if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, at, block, q.dtype)
         s_S = at + jnp.arange(block)
+        if new is not None:
+            k_blk = _merged(k_blk, new[0], pos_BT, s_S)
+            v_blk = None if v_blk is None else _merged(v_blk, new[1], pos_BT, s_S)
+        v_blk = k_blk[..., :Do] if v_blk is None else v_blk
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
             mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
