@@ -20,7 +20,7 @@ for forms in ${FORMS:-kv:slice kv:slice+hc:shift kv:before+hc:shift kv:f32+hc:sh
   d=/tmp/slcheck-dump-$forms; rm -rf "$d"
   timeout 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0 \
     XLA_FLAGS="--xla_dump_to=$d --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
-    "$PY" benchmarks/slice_probe.py bench "$forms" --model /tmp/slcheck-q16.gguf --tokens 64 --prompt-len 300 \
+    "$PY" benchmarks/slice_probe.py bench "$forms" --model /tmp/slcheck-q16.gguf --tokens ${TOKENS:-64} --prompt-len 300 \
     --ctx 1024 --routing realistic --cache-fraction 0.5 --no-resident --out "$OUT/bench-$forms.json" \
     > "$OUT/log-$forms.txt" 2>&1
   echo "== $forms rc $? not_convertible $(grep -c 'not convertible' "$OUT/log-$forms.txt")"

@@ -58,9 +58,10 @@ def test_blocked_equals_the_static_span(T, with_select):
 @pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_reading_before_the_write_equals_reading_after(monkeypatch, kv, T):
-    """attention.READ_BEFORE_WRITE (few queries: each block is read from the cache as it was and the step's
-    entries merged in as the cache stores them) gives bit for bit the heads and caches of reading after the
-    scatter: plain and quantized caches, a traced layer index, a sliding window, an idle row, sinks."""
+    """attention.READ_BEFORE_WRITE (few queries: each block, or the static span, is read from the cache as it
+    was and the step's entries merged in as the cache stores them) gives bit for bit the heads and caches of
+    reading after the scatter: plain and quantized caches, a traced layer index, a sliding window, an idle
+    row, sinks."""
     from strata_jax.model import kvquant
     from strata_jax.model.layers import attention
     rng = np.random.default_rng(7)
@@ -71,14 +72,14 @@ def test_reading_before_the_write_equals_reading_after(monkeypatch, kv, T):
     pos = jnp.asarray(np.array([300, 255, S])[:, None] + np.arange(T)[None, :], jnp.int32)
     sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
 
-    def run(layer, window):
-        return jax.jit(lambda *a: attend(*a, attn_len=None, attn_block=256, window=window, sinks_H=sinks))(
+    def run(layer, window, block):
+        return jax.jit(lambda *a: attend(*a, attn_len=None, attn_block=block, window=window, sinks_H=sinks))(
             q, kn, vn, pos, k, v, layer)
 
     outs = {}
     for before in (False, True):
         monkeypatch.setattr(attention, "READ_BEFORE_WRITE", before)
-        outs[before] = [run(jnp.int32(1), 0), run(jnp.int32(0), 100)]
+        outs[before] = [run(jnp.int32(1), 0, 256), run(jnp.int32(0), 100, 256), run(jnp.int32(1), 0, None)]
     for want, got in zip(outs[False], outs[True]):
         np.testing.assert_array_equal(np.asarray(got[0])[:2], np.asarray(want[0])[:2])
         for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):

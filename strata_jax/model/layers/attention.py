@@ -216,15 +216,23 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
-    if attn_block and READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES:
+    before = READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES
+    if before:
         new = (kvquant.stored(k_BTKDh, k_LBSKDh, q_BTHDh.dtype),
                None if v_LBSKDh is None else kvquant.stored(v_BTKDh, v_LBSKDh, q_BTHDh.dtype))
-        out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
-                             v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
+        if attn_block:
+            out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
+                                 v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
+        else:
+            s_S = jnp.arange(S)
+            k_att = _merged(kvquant.read(k_LBSKDh, layer, 0, S, q_BTHDh.dtype), new[0], pos_BT, s_S)
+            v_att = (k_att[..., :v_dim] if v_LBSKDh is None
+                     else _merged(kvquant.read(v_LBSKDh, layer, 0, S, q_BTHDh.dtype), new[1], pos_BT, s_S))
+            out = attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H)
     k_LBSKDh = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)
     if v_LBSKDh is not None:
         v_LBSKDh = kvquant.write(v_LBSKDh, layer, pos_BT, v_BTKDh)
-    if attn_block and READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES:
+    if before:
         return out, k_LBSKDh, v_LBSKDh
     if attn_block:
         out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
