@@ -360,6 +360,31 @@ def test_prefetch_is_refused_for_qwen4exp():
         strata_jax.load(str(qwen4exp_model("dense").gguf_path), ctx=CTX, prefetch=1, expert_slots=16)
 
 
+def test_an_edited_or_regenerated_turn_continues_from_the_turns_start():
+    """A recurrent state cannot be rewound, but the state where a turn's new tokens began is kept: the same
+    turn again (regenerate) or another last message (an edit) prefills only that message, in the row or,
+    once another conversation took the row, from the conversation cache, and gives a cold run's tokens."""
+    import strata_jax
+    from strata_jax.bench.shapes import synthetic_model_path
+
+    path = synthetic_model_path("qtiny")
+    warm, cold = strata_jax.load(path, ctx=256, conversation_cache_mib=8), strata_jax.load(path, ctx=256)
+    greedy = dict(max_tokens=6, temperature=0, logprobs=True)
+    warm.generate([5, 6, 7, 8, 9, 10], **greedy)
+    base = warm.session().cached_tokens(0)
+    turn2 = base + [11, 12, 13]
+    assert warm.generate(turn2, **greedy).timings["cache_n"] == len(base)
+    for again in (turn2, base + [14, 15], base + [16]):  # regenerate, then two edits of the last message
+        a, b = warm.generate(again, **greedy), cold.generate(again, cache_prompt=False, **greedy)
+        assert a.timings["cache_n"] == len(base) and a.token_ids == b.token_ids, again
+        np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-4)
+    warm.generate([40, 41, 42, 43], **greedy)  # another conversation takes the only row
+    edited = base + [17, 18]
+    a, b = warm.generate(edited, **greedy), cold.generate(edited, cache_prompt=False, **greedy)
+    assert a.timings["cache_n"] == len(base) and a.token_ids == b.token_ids
+    assert warm.conversation_cache.ram.stats.hits >= 1
+
+
 def test_next_turn_continues_the_recurrent_state():
     """A recurrent state cannot be rewound, but a prompt that extends everything a row holds (the next turn
     of its conversation) continues from it: qtiny's turn 2 prefills only its new tokens (cache_n) and gives

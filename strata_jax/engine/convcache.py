@@ -9,7 +9,8 @@ when that beats what the chosen row holds, restores it into the row, so only the
 
 A KV cache can be cut at any position, so an attention-only entry serves any prefix of its tokens. A
 recurrent state (DeltaNet, QSA, PLE) holds exactly the position it reached: such an entry serves only a
-prompt that extends all of its tokens (the next turn of that conversation).
+prompt that extends all of its tokens (the next turn of that conversation); the session spills each state
+it kept for a row (a turn's start, a prompt's end) as an entry of its own.
 
 Tiers: host RAM (`--conversation-cache-mib`) and a folder (`--conversation-cache-dir`, capped by
 `--conversation-cache-disk-mib`), written in the background, one file per conversation under a subfolder

@@ -12,7 +12,10 @@ turn). A new request goes to a free row whose whole cache is a prefix of its pro
 empty row counts), else to the free row sharing the longest prefix if that covers at least half the
 prompt (llama.cpp's --slot-prompt-similarity), else to the least recently used free row. With the
 model's conversation cache (engine/convcache.py, --conversation-cache-mib), a row's conversation goes to
-host RAM before its row is overwritten, and comes back into a row for a prompt that continues it.
+host RAM before its row is overwritten, and comes back into a row for a prompt that continues it. A
+recurrent state cannot be rewound, so for those models a row also keeps host copies of its state where its
+last prompt's new tokens began and where the prompt ended: a regenerated or edited last message continues
+from the first, a re-rendered reply from the second (both go to the conversation cache with the row).
 
 Each row samples with its own key folded with its own step count, so a seeded request gives the same
 tokens alone or batched. Rows without a request are computed too (fixed shapes) at an out-of-range
@@ -220,9 +223,11 @@ class Session:
         self._rows: programs.RowState | None = None
         self._reqs: list[_Request | None] = [None] * n_rows
         self._cached: list[list[int]] = [[] for _ in range(n_rows)]  # a free row's tokens, from position 0
-        # recurrent models: each row's state at the end of its last prompt (tokens, host copy of the row's
-        # recurrent state), valid while the row's cache below that position is untouched
-        self._snaps: list[tuple[tuple[int, ...], Any] | None] = [None] * n_rows
+        # recurrent models: each row's kept states (tokens, host copy of the row's recurrent state after
+        # them), valid while the row's cache below that position is untouched: where its last prompt's
+        # prefill started (the turn's start: an edited or regenerated last message continues from there)
+        # and where it ended
+        self._snaps: list[list[tuple[tuple[int, ...], Any]]] = [[] for _ in range(n_rows)]
         self._used = [0] * n_rows  # last use, for least-recently-used choice
         self._clock = 0
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -314,8 +319,8 @@ class Session:
             # last prompt (its state was kept at that point: a client that re-renders the last reply, a
             # turn that ended on a stop string); the others prefill from 0
             n_cached = 0
-        if m.config.has_recurrent_state and cache_prompt and self._snap_reuse(row, ids) > n_cached:
-            snap = self._snaps[row]
+        snap = self._snap_for(row, ids) if m.config.has_recurrent_state and cache_prompt else None
+        if snap is not None and len(snap[0]) > n_cached:
             self._spill(row)
             self._kv = _put_rec(self._kv, np.int32(row), jax.device_put(snap[1], m.device))
             self._cached[row] = list(snap[0])
@@ -340,10 +345,14 @@ class Session:
             self._compile_beside(self._decode, (np.zeros(self.n_rows, bool), self._stop_St, np.int32(n)),
                                  len(ids) + n, False, dict(mode=mode, n_max=self.decode_chunk))
         t0 = time.perf_counter()
+        turn_start = tuple(ids[:n_cached])
+        if m.config.has_recurrent_state and n_cached and not any(t == turn_start for t, _ in self._snaps[row]):
+            self._snaps[row].append((turn_start, jax.device_get(_take_rec(self._kv_now(), np.int32(row)))))
         out = self._prefill(row, ids, n_cached, start, all_logits=False)
         tok = int(np.asarray(out.tok_1)[0])
-        if m.config.has_recurrent_state:
-            self._snaps[row] = (tuple(ids), jax.device_get(_take_rec(self._kv, np.int32(row))))
+        if m.config.has_recurrent_state:  # keep the turn's start (if it continued one) and the prompt's end
+            base = [sn for sn in self._snaps[row] if n_cached and sn[0] == turn_start]
+            self._snaps[row] = base + [(tuple(ids), jax.device_get(_take_rec(self._kv, np.int32(row))))]
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
         q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
@@ -438,7 +447,7 @@ class Session:
         self._spill(dst)
         self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
         self._cached[dst] = list(q.ids)
-        self._snaps[dst] = None
+        self._snaps[dst] = []
         return dst
 
     def logits(self, ids: list[int]) -> np.ndarray:
@@ -583,9 +592,9 @@ class Session:
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
         last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
         m, pos, out, outs = self.model, start, None, []
-        if start < len(self._cached[row]) or self._snaps[row] is not None and start < len(self._snaps[row][0]):
+        if start < len(self._cached[row]) or any(start < len(t) for t, _ in self._snaps[row]):
             self._spill(row)
-            self._snaps[row] = None
+            self._snaps[row] = [(t, state) for t, state in self._snaps[row] if len(t) <= start]
         self._cached[row] = []  # being rewritten: nothing in it is reusable until the prefill returns
         while pos < len(ids):
             chunk = ids[pos: pos + m.prefill_chunk]
@@ -646,7 +655,7 @@ class Session:
                 self._kv, self._rows = kv, rows
             else:  # every row's cache is gone, and with it every request in flight
                 self._cached = [[] for _ in range(self.n_rows)]
-                self._snaps = [None] * self.n_rows
+                self._snaps = [[] for _ in range(self.n_rows)]
                 self._reqs = [None] * self.n_rows
                 self._pending.clear()
             raise
@@ -722,13 +731,14 @@ class Session:
 
     def _spill(self, row: int) -> None:
         """Before the content of a free row is overwritten: its conversation to the host tier."""
-        held, snap, kv = self._cached[row], self._snaps[row], self._kv
+        held, kv = self._cached[row], self._kv
         if self._conv is None or kv is None:
             return
-        if held:
+        for tokens, state in self._snaps[row]:  # the kept states (a turn's start, a prompt's end), each whole
+            if tuple(held) != tokens:
+                self._conv.spill(tokens, lambda s=state: dataclasses.replace(_take_row(kv, np.int32(row)), rec=s), True)
+        if held:  # last: the longest, and the most recently used in each tier
             self._conv.spill(held, lambda: _take_row(kv, np.int32(row)), self.model.config.has_recurrent_state)
-        elif snap is not None:  # the row's state past its prompt is not usable, the state at its end is
-            self._conv.spill(snap[0], lambda: dataclasses.replace(_take_row(kv, np.int32(row)), rec=snap[1]), True)
 
     def _restore(self, row: int, entry, n: int, tier: str) -> None:
         """Put a cached conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
@@ -736,7 +746,7 @@ class Session:
         kv, self._kv = self._kv_now(), None
         self._kv = _put_row(kv, np.int32(row), jax.device_put(padded(entry, m.ctx), m.device))
         self._cached[row] = list(entry.tokens)
-        self._snaps[row] = None
+        self._snaps[row] = []
         self._conv.restored(tier, n)
         log.debug("conversation cache: %d of %d tokens back from %s into row %d", n, len(entry.tokens), tier, row)
 
@@ -751,10 +761,15 @@ class Session:
         best = max(free, key=by_reuse)
         return best if shared[best] >= SIMILARITY * len(ids) else min(free, key=self._used.__getitem__)
 
+    def _snap_for(self, row: int, ids: list[int]) -> tuple[tuple[int, ...], Any] | None:
+        """The longest of the row's kept states whose tokens ids extends, or None."""
+        fits = [sn for sn in self._snaps[row] if common_prefix(ids, sn[0]) == len(sn[0]) < len(ids)]
+        return max(fits, key=lambda sn: len(sn[0]), default=None)
+
     def _snap_reuse(self, row: int, ids: list[int]) -> int:
-        """The tokens of ids the row's kept prompt-end state serves: all of that prompt if ids extends it."""
-        snap = self._snaps[row]
-        return len(snap[0]) if snap is not None and common_prefix(ids, snap[0]) == len(snap[0]) < len(ids) else 0
+        """The tokens of ids the row's kept states serve."""
+        snap = self._snap_for(row, ids)
+        return len(snap[0]) if snap is not None else 0
 
     def _touch(self, row: int) -> None:
         self._clock += 1
