@@ -243,9 +243,10 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
     return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
 
 
-# Decode reads a block of the cache before the step's keys are scattered into it, and merges them in: a read
-# of the buffer the scatter just wrote became a plain slice copy that kept the layer loop out of XLA:GPU's
-# command buffers (docs/benchmarks.md). Few queries only (the merge is a one-hot sum over them).
+# On, few-query attention reads the cache as it was before the step's scatter and merges the step's entries
+# in (a one-hot sum over the queries): in qseed's decode, a read of the buffer the scatter just wrote became a
+# plain slice copy that keeps the layer loop out of XLA:GPU's command buffers. Off until a sitting shows that
+# copy gone on qseed (docs/benchmarks.md, "What keeps the scanned loops out"); slice_probe.py's kv:before.
 READ_BEFORE_WRITE = False
 
 
