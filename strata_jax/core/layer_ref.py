@@ -49,3 +49,14 @@ def each(i: int | LayerRef) -> tuple[int, ...]:
 def mapped(i: int | LayerRef, table) -> int | LayerRef:
     """table[i] (a static mapping, e.g. block -> MoE index) for an int or each candidate."""
     return LayerRef(tuple(table[j] for j in i.ids), i.at) if isinstance(i, LayerRef) else table[i]
+
+
+def scatter_updates(idx_BT: jax.Array, new_BT: jax.Array, drop_at: int) -> tuple[jax.Array, jax.Array]:
+    """Indices and values for `.at[..., idx_BT].set(new_BT, mode="drop")` inside a layer scan, with a second
+    update at drop_at (past the axis: always dropped) where there is only one. XLA turns a one-update
+    scatter into a dynamic update that reads the old cell at the loop's index, a slice that keeps the loop
+    out of the GPU's command buffers (docs/benchmarks.md); two updates stay a scatter."""
+    if idx_BT.size != 1:
+        return idx_BT, new_BT
+    return (jnp.concatenate([idx_BT, jnp.full_like(idx_BT, drop_at)], axis=1),
+            jnp.concatenate([new_BT, jnp.zeros_like(new_BT)], axis=1))

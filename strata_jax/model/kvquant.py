@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.errors import ConfigError
+from strata_jax.core.layer_ref import scatter_updates
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 BLOCK = 32  # values per scale, along the head dim
@@ -145,14 +146,7 @@ def stored(new_BTKDh: jax.Array, c_LBSKDh, dtype) -> jax.Array:
 def write(c_LBSKDh, layer: int, pos_BT: jax.Array, new_BTKDh: jax.Array):
     """The (donated) cache leaf with the step's entries scattered into layer `layer` at pos_BT, in place,
     quantized first where the leaf is; positions past the cache (an idle row) are dropped."""
-    if pos_BT.size == 1:
-        # one entry (a decode step of one row): XLA turns a one-update scatter into a dynamic update that
-        # reads the old cell to drop an out-of-range write, a slice at the layer loop's index that keeps the
-        # loop out of the CUDA graphs on a GPU (docs/benchmarks.md); a second update, always dropped (at
-        # position S), keeps it a scatter
-        S = (c_LBSKDh.q if isinstance(c_LBSKDh, QuantKV) else c_LBSKDh).shape[2]
-        pos_BT = jnp.concatenate([pos_BT, jnp.full_like(pos_BT, S)], axis=1)
-        new_BTKDh = jnp.concatenate([new_BTKDh, jnp.zeros_like(new_BTKDh)], axis=1)
+    pos_BT, new_BTKDh = scatter_updates(pos_BT, new_BTKDh, c_LBSKDh.shape[2])
     b_idx = jnp.arange(pos_BT.shape[0])[:, None]
     if not isinstance(c_LBSKDh, QuantKV):
         return c_LBSKDh.at[layer, b_idx, pos_BT].set(new_BTKDh.astype(c_LBSKDh.dtype), mode="drop")

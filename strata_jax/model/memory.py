@@ -87,7 +87,7 @@ def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
     the widest per-token dimension (the residual with its hyper-connection streams, the attention's
     projection, a dense or shared MLP), plus, for a MoE model, two steps of the prefill's scan over
     groups of experts (a group's bfloat16 weights and its tokens' hidden units, moe.prefill_group_bytes).
-    qseed's 4,096-token chunk peaked at ~3.2 GB against this bound's 8.4 (docs/benchmarks.md)."""
+    Checked against XLA's prefill temporaries (tests/test_memory.py) and a GPU peak (docs/benchmarks.md)."""
     width = max(cfg.d_model * max(cfg.hc_count, 1), cfg.q_dim * (1 + cfg.attn_output_gate), cfg.ffn_dim,
                 cfg.shared_expert_ffn_dim)
     groups = 0

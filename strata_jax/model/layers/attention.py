@@ -216,31 +216,22 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
     Dh = q_BTHDh.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(Dh)) if scale is None else scale
     S = min(attn_len or k_LBSKDh.shape[2], k_LBSKDh.shape[2])
-    before = READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES
-    if before:
+    new = None  # READ_BEFORE_WRITE: the step's entries as stored, merged into what is read of the old cache
+    if READ_BEFORE_WRITE and q_BTHDh.shape[1] <= FEW_QUERIES:
         new = (kvquant.stored(k_BTKDh, k_LBSKDh, q_BTHDh.dtype),
                None if v_LBSKDh is None else kvquant.stored(v_BTKDh, v_LBSKDh, q_BTHDh.dtype))
-        if attn_block:
-            out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
-                                 v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
-        else:
-            s_S = jnp.arange(S)
-            k_att = _merged(kvquant.read(k_LBSKDh, layer, 0, S, q_BTHDh.dtype), new[0], pos_BT, s_S)
-            v_att = (k_att[..., :v_dim] if v_LBSKDh is None
-                     else _merged(kvquant.read(v_LBSKDh, layer, 0, S, q_BTHDh.dtype), new[1], pos_BT, s_S))
-            out = attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H)
-    k_LBSKDh = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)
-    if v_LBSKDh is not None:
-        v_LBSKDh = kvquant.write(v_LBSKDh, layer, pos_BT, v_BTKDh)
-    if before:
-        return out, k_LBSKDh, v_LBSKDh
+    k_new = kvquant.write(k_LBSKDh, layer, pos_BT, k_BTKDh)
+    v_new = None if v_LBSKDh is None else kvquant.write(v_LBSKDh, layer, pos_BT, v_BTKDh)
+    k_src, v_src = (k_LBSKDh, v_LBSKDh) if new is not None else (k_new, v_new)
     if attn_block:
-        out = attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
-                             v_dim=v_dim, window=window, sinks_H=sinks_H)
-        return out, k_LBSKDh, v_LBSKDh
-    k_att = kvquant.read(k_LBSKDh, layer, 0, S, q_BTHDh.dtype)
-    v_att = k_att[..., :v_dim] if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, 0, S, q_BTHDh.dtype)
-    return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_LBSKDh, v_LBSKDh
+        out = attend_blocked(q_BTHDh, k_src, v_src, pos_BT, layer, S, attn_block, select_BTS, scale=scale,
+                             v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
+        return out, k_new, v_new
+    s_S = jnp.arange(S)
+    k_att = _merged(kvquant.read(k_src, layer, 0, S, q_BTHDh.dtype), new, 0, pos_BT, s_S)
+    v_att = (k_att[..., :v_dim] if v_src is None
+             else _merged(kvquant.read(v_src, layer, 0, S, q_BTHDh.dtype), new, 1, pos_BT, s_S))
+    return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_new, v_new
 
 
 # On, few-query attention reads the cache as it was before the step's scatter and merges the step's entries
@@ -250,8 +241,12 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
 READ_BEFORE_WRITE = False
 
 
-def _merged(blk_BSKD: jax.Array, new_BTKD: jax.Array, pos_BT: jax.Array, s_S: jax.Array) -> jax.Array:
-    """The block with each position s that a query writes (pos_BT[b, t] == s) holding that query's entry."""
+def _merged(blk_BSKD: jax.Array, new, i: int, pos_BT: jax.Array, s_S: jax.Array) -> jax.Array:
+    """The block with each position s that a query writes (pos_BT[b, t] == s) holding that query's entry
+    new[i] (i: 0 keys, 1 values); the block as read where new is None."""
+    if new is None:
+        return blk_BSKD
+    new_BTKD = new[i]
     hit_BTS = pos_BT[:, :, None] == s_S[None, None, :]
     put_BSKD = jnp.einsum("bts,btkd->bskd", hit_BTS.astype(jnp.float32), new_BTKD.astype(jnp.float32))
     return jnp.where(jnp.any(hit_BTS, axis=1)[:, :, None, None], put_BSKD.astype(blk_BSKD.dtype), blk_BSKD)
@@ -291,12 +286,10 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: in
         at = jnp.minimum(lo, S - block)
         # a quantized cache is dequantized here, one block at a time
         k_blk = kvquant.read(k_LBSKDh, layer, at, block, q.dtype)
-        v_blk = None if v_LBSKDh is None else kvquant.read(v_LBSKDh, layer, at, block, q.dtype)
         s_S = at + jnp.arange(block)
-        if new is not None:
-            k_blk = _merged(k_blk, new[0], pos_BT, s_S)
-            v_blk = None if v_blk is None else _merged(v_blk, new[1], pos_BT, s_S)
-        v_blk = k_blk[..., :Do] if v_blk is None else v_blk
+        k_blk = _merged(k_blk, new, 0, pos_BT, s_S)
+        v_blk = (k_blk[..., :Do] if v_LBSKDh is None
+                 else _merged(kvquant.read(v_LBSKDh, layer, at, block, q.dtype), new, 1, pos_BT, s_S))
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
         if select_BTS is not None:
             mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)

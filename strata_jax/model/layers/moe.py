@@ -158,11 +158,10 @@ def _prefill_expert_bytes(n_tokens: int, ffn_dim: int, d_model: int, itemsize: i
     return 3 * ffn_dim * d_model * itemsize + n_tokens * ffn_dim * (2 * 4 + itemsize)
 
 
-def prefill_group_bytes(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, itemsize: int = 2) -> int:
+def prefill_group_bytes(n_tokens: int, n_experts: int, ffn_dim: int, d_model: int, dtype=jnp.bfloat16) -> int:
     """Bytes of one step of the dense prefill's scan over experts (the memory planner's share for it)."""
-    dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
     g = _prefill_group(n_tokens, n_experts, ffn_dim, d_model, dtype)
-    return g * _prefill_expert_bytes(n_tokens, ffn_dim, d_model, itemsize)
+    return g * _prefill_expert_bytes(n_tokens, ffn_dim, d_model, jnp.dtype(dtype).itemsize)
 
 
 def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: int, dtype, bias):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.errors import TensorShapeError
+from strata_jax.core.layer_ref import scatter_updates
 from strata_jax.core.qtensor import QTensor
 from strata_jax.model.dims import QSADims
 from strata_jax.model.kernels import Kernels
@@ -101,12 +102,7 @@ def _update(state: QSAState, k_BTDi: jax.Array, start_B: jax.Array, end_B: jax.A
     kb = rope(kb[:, :, None, :], first_pos, dims)[:, :, 0]
     done = first_pos + r <= end_B[:, None]  # complete with this chunk's valid tokens (incomplete ones stay unwritten)
     slot = jnp.where(done, first_pos // r, Sb)  # Sb: out of range, dropped
-    if n_win == 1:
-        # a decode step's one block: XLA makes a one-update scatter a dynamic update at a loop-dependent
-        # offset, which keeps the layer loop out of the GPU's command buffers (as kvquant.write); a
-        # second update, always dropped, keeps it a scatter
-        slot = jnp.concatenate([slot, jnp.full_like(slot, Sb)], axis=1)
-        kb = jnp.concatenate([kb, jnp.zeros_like(kb)], axis=1)
+    slot, kb = scatter_updates(slot, kb, Sb)
     blocks = state.blocks_BSbDi.at[jnp.arange(B)[:, None], slot].set(kb, mode="drop")
 
     # ring slot i: the latest position p < end with p % r == i; from this chunk when p >= start
