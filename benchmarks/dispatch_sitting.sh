@@ -22,6 +22,9 @@ CB=--xla_gpu_enable_command_buffer
 NODSF=--xla_gpu_enable_dynamic_slice_fusion=false
 RETURNED="progress phases.tsv results-*.json data-*.json hlo-summary.txt"
 RESULTS_ARCHIVE=1
+# the command-buffer conversion pass's log (why a loop stays out of the CUDA graphs), programs compiled afresh
+VLOG=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
+QSEED32=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
 
 bench_b30() {  # bench_b30 NAME XLA_FLAGS [BENCH ARGS...]
   local name=$1 flags=$2
@@ -103,6 +106,21 @@ pipeline() {
 # dynamic-slice fusions are left (B30's optimized decode HLO, each with its ops' metadata), B30 host ms per
 # step scan on / off, the store's load (preadv), qseed's cold start and bench under the defaults
 dsf_sources() { "$PY" benchmarks/dsf_report.py "$1"; }  # dsf_sources DUMP_DIR
+
+# logged_bench NAME XLA_FLAGS CMD...: a qseed bench under 32 GiB (CMD: how bench is started) with the conversion
+# log and the decode HLO dumped: data-NAME.json, cb-NAME.txt (the log's verdicts), dsf-NAME.txt (the dump's
+# dynamic-slice fusions by JAX source)
+logged_bench() {
+  local name=$1 flags=$2
+  shift 2
+  phase "$name" 170 env "${VLOG[@]}" PYTHONPATH="$PYTHONPATH:." \
+    XLA_FLAGS="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.* $flags" \
+    "$@" "${QSEED32[@]}" --label "$name" --out "$S/data-$name.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/$name.log" | sed 's/^[^]]*] //' \
+    | sort | uniq -c | sort -rn | head -60 > "$S/cb-$name.txt"
+  dsf_sources "$S/dump-$name" > "$S/dsf-$name.txt" 2>&1
+  rm -rf "$S/dump-$name"
+}
 
 pipeline2() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
@@ -204,7 +222,6 @@ pipeline5() {
 # 16K-token conversation (issue 34)
 pipeline6() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
   local unroll=--xla_gpu_command_buffer_unroll_loops=true
   phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
   bench_b30 b30-scan ""
@@ -212,7 +229,7 @@ pipeline6() {
   # per layer (decode program alone: it broke prefill process-wide)
   STRATA_JAX_XLA_DECODE="$unroll" bench_b30 b30-unroll "" --label unroll
   # compiled afresh (no compilation cache), or the conversion pass does not run and logs nothing
-  phase b30-dump 150 env "${vlog[@]}" \
+  phase b30-dump 150 env "${VLOG[@]}" \
     XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(decode|prefill).*" \
     "$PY" -m strata_jax.cli bench --shape "$B30" "${COMMON[@]}" --resident-only --out "$S/results-b30-dump.json"
   { echo "== b30-dump"; grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|Convert\|module" "$S/b30-dump.log" \
@@ -235,19 +252,17 @@ pipeline6() {
 # the bench with the loop of copies and dynamic slices (the same-machine baseline), and the cold start
 pipeline7() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
-  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
   phase kernel-tests 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/test_offload.py tests/test_ple.py tests/test_layer_runs.py -k "fetch_kernel or quantized_table_rows or row_kernels"
   qseed_file
-  phase bench-qseed-kernel 420 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel \
+  phase bench-qseed-kernel 420 env "${VLOG[@]}" "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --expert-fetch kernel \
     --out "$S/data-bench-qseed-kernel.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed-kernel.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
-  phase bench-qseed-loop 300 env STRATA_JAX_STATE_ROWS=0 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch loop \
+  phase bench-qseed-loop 300 env STRATA_JAX_STATE_ROWS=0 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --expert-fetch loop \
     --out "$S/data-bench-qseed-loop.json"
   # every layer unrolled: no layer loop, so no traced-index slice of the stacked state can keep it out
-  phase bench-qseed-unrolled 360 "$PY" -m strata_jax.cli bench "${q[@]}" --expert-fetch kernel --layer-scan off \
+  phase bench-qseed-unrolled 360 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --expert-fetch kernel --layer-scan off \
     --out "$S/data-bench-qseed-unrolled.json"
   cold_qseed
   note "pipeline: done"
@@ -259,14 +274,12 @@ pipeline7() {
 # the defaults (scan on) with the conversion log, the cold start, then every layer unrolled
 pipeline8() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
-  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
   qseed_file
-  phase bench-qseed 300 env "${vlog[@]}" "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-bench-qseed.json"
+  phase bench-qseed 300 env "${VLOG[@]}" "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --out "$S/data-bench-qseed.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
   cold_qseed
-  phase bench-qseed-unrolled 240 "$PY" -m strata_jax.cli bench "${q[@]}" --layer-scan off \
+  phase bench-qseed-unrolled 240 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --layer-scan off \
     --out "$S/data-bench-qseed-unrolled.json"
   note "pipeline: done"
 }
@@ -280,12 +293,10 @@ pipeline8() {
 # XLA's dynamic-slice fusions off
 pipeline9() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
-  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
   qseed_file
-  phase bench-qseed 300 env "${vlog[@]}" \
+  phase bench-qseed 300 env "${VLOG[@]}" \
     XLA_FLAGS="--xla_dump_to=$S/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
-    "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-bench-qseed.json"
+    "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --out "$S/data-bench-qseed.json"
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/bench-qseed.log" \
     | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-qseed.txt"
   dsf_sources "$S/dump" > "$S/dsf-qseed.txt" 2>&1
@@ -297,7 +308,7 @@ pipeline9() {
   # each expert through blocks of only its own tokens (model/layers/moe.py _experts_blocked)
   phase prefill-4096-blocked 150 env STRATA_JAX_MOE_PREFILL=blocked "$PY" -m strata_jax.cli bench "${p[@]}" \
     --prefill-chunk 4096 --label blocked --out "$S/data-prefill-4096-blocked.json"
-  phase bench-qseed-nodsf 150 env XLA_FLAGS="$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench "${q[@]}" \
+  phase bench-qseed-nodsf 150 env XLA_FLAGS="$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench "${QSEED32[@]}" \
     --label nodsf --out "$S/data-bench-qseed-nodsf.json"
   note "pipeline: done"
 }
@@ -309,20 +320,9 @@ pipeline9() {
 # and the decode program's dynamic-slice fusions, then the same with XLA's dynamic-slice fusions off
 pipeline10() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
-  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
-  local name
   qseed_file
-  for name in bench-qseed bench-qseed-nodsf; do
-    local flags="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
-    [ "$name" = bench-qseed-nodsf ] && flags="$flags $CB=+WHILE,+CONDITIONAL $NODSF"
-    phase "$name" 170 env "${vlog[@]}" XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench "${q[@]}" --label "$name" \
-      --out "$S/data-$name.json"
-    grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/$name.log" \
-      | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -60 > "$S/cb-$name.txt"
-    dsf_sources "$S/dump-$name" > "$S/dsf-$name.txt" 2>&1
-    rm -rf "$S/dump-$name"
-  done
+  logged_bench bench-qseed "" "$PY" -m strata_jax.cli bench
+  logged_bench bench-qseed-nodsf "$CB=+WHILE,+CONDITIONAL $NODSF" "$PY" -m strata_jax.cli bench
   note "pipeline: done"
 }
 [ "${PART:-1}" = 10 ] && { pipeline() { pipeline10; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
@@ -334,9 +334,7 @@ pipeline10() {
 # 4,096-token prefill in one chunk under the cap; issue 34's 16K conversation (cold / RAM / disk)
 pipeline11() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local vlog=(TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 STRATA_JAX_COMPILATION_CACHE=0)
-  local q=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --vram-budget 32GiB --no-resident)
-  local forms name
+  local forms f
   mkdir -p "$S/slcheck"
   (OUT=$S/slcheck NO_WHEELS=1 PYTHONPATH="$PYTHONPATH:." timeout 400 bash benchmarks/slice_check.sh > "$S/slcheck.log" 2>&1; \
     note "slice check: done") &
@@ -348,17 +346,9 @@ pipeline11() {
     grep -q "^== $f+hc:shift rc 0 not_convertible 0$" "$S/slcheck/summary.txt" && { forms=$f+hc:shift; break; }
   done
   note "form for qseed: ${forms:-none converted, kv:before+hc:shift}"
-  for name in bench-qseed "bench-qseed-${forms:-kv:before+hc:shift}"; do
-    local run=(-m strata_jax.cli bench)
-    [ "$name" != bench-qseed ] && run=(benchmarks/slice_probe.py bench "${name#bench-qseed-}")
-    phase "$name" 170 env "${vlog[@]}" PYTHONPATH="$PYTHONPATH:." \
-      XLA_FLAGS="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
-      "$PY" "${run[@]}" "${q[@]}" --label "$name" --out "$S/data-$name.json"
-    grep -h "not convertible\|Unsupported thunk" "$S/$name.log" | sed 's/^[^]]*] //' | sort | uniq -c \
-      | sort -rn | head -20 > "$S/cb-$name.txt"
-    dsf_sources "$S/dump-$name" > "$S/dsf-$name.txt" 2>&1
-    rm -rf "$S/dump-$name"
-  done
+  logged_bench bench-qseed "" "$PY" -m strata_jax.cli bench
+  forms=${forms:-kv:before+hc:shift}
+  logged_bench "bench-qseed-${forms//[:+]/_}" "" "$PY" benchmarks/slice_probe.py bench "$forms"  # no : or + in names: they do not come back
   local p=(--shape qseed --tokens 8 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB --no-resident)
   phase prefill-4096-cap 170 "$PY" -m strata_jax.cli bench "${p[@]}" --prefill-chunk 4096 --out "$S/data-prefill-4096-cap.json"
   conv_qseed
