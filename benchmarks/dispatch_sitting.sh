@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..11 are later sittings (each described above its pipeline), PART=11 the newest.
+# PART=2..12 are later sittings (each described above its pipeline), PART=12 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -355,5 +355,26 @@ pipeline11() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 11 ] && { pipeline() { pipeline11; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt slcheck-*"; }
+
+# PART=12 (after PART=11: QSA's decode write is now a scatter and READ_BEFORE_WRITE covers the static span):
+# the slice check's 16-layer qwen4exp for kv:before with and without hc:shift beside qseed's file; qseed under
+# 32 GiB with the conversion log as is and with kv:before+hc:shift patched in; then issue 18's verify passes
+# of 2, 4 and 8 tokens on qseed under 32 GiB with drafts forced to acceptance 1, 0.8 and 0.6 (bench/spec.py)
+pipeline12() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  mkdir -p "$S/slcheck"
+  (OUT=$S/slcheck NO_WHEELS=1 SKIP_PROBE=1 FORMS="kv:before kv:before+hc:shift" PYTHONPATH="$PYTHONPATH:." timeout 300 \
+    bash benchmarks/slice_check.sh > "$S/slcheck.log" 2>&1; note "slice check: done") &
+  qseed_file
+  wait
+  cp -f "$S/slcheck/summary.txt" "$S/slcheck-summary.txt"
+  logged_bench bench-qseed "" "$PY" -m strata_jax.cli bench
+  logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
+  phase spec-qseed 300 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic --vram-budget 32GiB \
+    --no-resident --spec-pass 2 --spec-pass 4 --spec-pass 8 --spec-accept 1 --spec-accept 0.8 --spec-accept 0.6 \
+    --out "$S/data-spec-qseed.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 12 ] && { pipeline() { pipeline12; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt slcheck-*"; }
 
 sitting_main "$@"

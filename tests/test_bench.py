@@ -26,7 +26,7 @@ GiB = 1 << 30
 def bench_run(tmp_path_factory):
     """One bench run: resident (in a child process) and LRU 50%, both routing modes, two prefill lengths,
     a 2 GiB budget (every expert fits: its configuration equals resident and is not run twice), decode in
-    3-step calls, a q8_0 KV cache, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data)
+    3-step calls, a q8_0 KV cache, speculative passes of 3 tokens, and a stand-in llama-bench that prints a real llama-bench JSON (tests/data)
     for every placement."""
     from strata_jax.cli import main
 
@@ -38,7 +38,7 @@ def bench_run(tmp_path_factory):
     argv = ["bench", "--shape", "tiny", "--tokens", "8", "--prompt-len", "8", "--prefill-len", "32", "--prefill-len",
             "64", "--cache-fraction", "0.5", "--routing", "model", "--routing", "realistic", "--vram-budget", "2GiB",
             "--resident-process", "child", "--peer-llama-bench", str(fake), "--peer-reps", "2", "--decode-chunk", "3",
-            "--kv", "q8_0", "--out", str(out)]
+            "--kv", "q8_0", "--spec-pass", "3", "--out", str(out)]
     assert main(argv) == 0
     return json.loads(out.read_text()), out
 
@@ -70,6 +70,10 @@ def test_rows(bench_run):
             assert not r["resident"] and r["expert_slots"] == total // 2 and r["store_memory"] == "pinned_host"
             # a prefill chunk streams every expert of every layer from the host store
             assert all(v > 0 for v in r["prefill_h2d_GB_s"].values())
+            # --spec-pass 3: an oracle that is always right (bench/spec.py) has each pass emit 3 tokens
+            (sp,) = r["speculation"]
+            assert sp["pass_tokens"] == 3 and sp["forced_accept"] == 1.0 and sp["same_tokens"] is True
+            assert sp["draft_n_accepted"] == sp["draft_n"] >= 4 and sp["decode_tok_s"] > 0
             per_expert = np.mean(limits.ModelBytes.of(*_gguf_cfg(doc["model"])).expert_M)
             assert r["pcie_MB_per_token"] == pytest.approx((r["misses"] + r["prefetched"]) * per_expert / 7 / 1e6)
     # the resident rows differ between routing modes only in what they route: both carry their tokens

@@ -20,6 +20,7 @@ import pytest
 
 import strata_jax
 from strata_jax.bench.shapes import synthetic_model_path
+from strata_jax.bench.spec import OracleDrafter
 from strata_jax.cli import main
 from strata_jax.core.errors import ConfigError
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -94,6 +95,32 @@ def test_greedy_spec_equals_plain_decode(moe_path, plain, slots):
     # a stop-free greedy request that ends on max_tokens inside a pass ends exactly there
     short = m.generate(PROMPT, max_tokens=7, temperature=0)
     assert short.token_ids == plain.token_ids[:7] and short.finish_reason == "length"
+
+
+def test_a_drafter_of_your_own_keeps_greedy_output_and_its_counts(moe_path, plain):
+    """Model.use_drafter: bench/spec.py's oracle (the greedy continuation, each token right with a forced
+    probability) drafts; output stays plain decode's, every draft of an always-right oracle is accepted
+    (so the passes emit K tokens each), a never-right one gets none accepted, and None turns it off."""
+    m = strata_jax.load(moe_path, ctx=256, expert_slots=6)
+    ids = m.tokenize(PROMPT)
+    ref = plain.token_ids
+    for accept, spec_max in ((1.0, 3), (0.0, 2), (0.6, 4)):
+        m.use_drafter(OracleDrafter(ref, len(ids), accept, m.config.vocab_size, seed=1), spec_max=spec_max)
+        m.reset_stats()
+        out = m.generate(ids, max_tokens=N, temperature=0)
+        t = out.timings
+        assert out.token_ids == ref, accept
+        if accept == 1.0:
+            assert t["draft_n_accepted"] == t["draft_n"] >= N - 1 - (N - 1) // (spec_max + 1) - spec_max
+            assert m.host_timing()["decode_calls"] <= -(-(N - 1) // (spec_max + 1)) + 1
+        elif accept == 0.0:
+            assert t["draft_n"] > 0 and t["draft_n_accepted"] == 0
+        else:
+            assert 0 < t["draft_n_accepted"] < t["draft_n"]
+    m.use_drafter(None)
+    assert "draft_n" not in m.generate(ids, max_tokens=4, temperature=0).timings
+    with pytest.raises(ConfigError, match="spec_max"):
+        m.use_drafter(OracleDrafter(ref, len(ids), 1.0, 512), spec_max=0)
 
 
 def test_verify_pass_looks_each_distinct_expert_up_once(moe_path):

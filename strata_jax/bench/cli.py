@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--vram-budget)")
     p.add_argument("--peer-reps", type=_positive, default=3)
     p.add_argument("--peer-threads", type=_positive, default=None)
+    p.add_argument("--spec-pass", type=_positive, action="append", default=None, metavar="K",
+                   help="after each decode, decode again speculatively with verify passes of K tokens (the last "
+                        "token and K - 1 drafts from an oracle that knows the greedy output; repeatable): the cost "
+                        "of a verify pass on random weights (bench/spec.py)")
+    p.add_argument("--spec-accept", type=_fraction, action="append", default=None, metavar="A",
+                   help="the oracle's forced acceptance per drafted token for --spec-pass (repeatable; default 1)")
     p.add_argument("--out", help="write every row and the machine's description here (JSON), after each row")
     return p
 
@@ -226,7 +232,8 @@ def run(args, argv: list[str]) -> dict:
             continue
         rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, routings=args.routing, traces=traces,
                           prompt=prompt, long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
-                          skip_if_resident=conf.kind == "budget" and has_resident)
+                          skip_if_resident=conf.kind == "budget" and has_resident,
+                          spec=(args.spec_pass, args.spec_accept))
         for r in rows:
             r.setdefault("process", "main" + (", capped at the budget" if capped else ""))
             r["vram_cap_bytes"] = budget if capped else None
@@ -263,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args.routing = list(dict.fromkeys(args.routing or ["model"]))
     args.cache_fraction = args.cache_fraction or ([] if args.vram_budget else [0.5])
     args.prefetch_depth = args.prefetch_depth or [0]
+    args.spec_pass = args.spec_pass or []
+    args.spec_accept = args.spec_accept or [1.0]
     logging.basicConfig(level=logging.INFO, format="strata-jax: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
     from strata_jax.core.errors import StrataError

@@ -13,6 +13,7 @@ import numpy as np
 
 from strata_jax.bench.limits import ModelBytes, limit_figures
 from strata_jax.bench.machine import device_peak_bytes
+from strata_jax.bench.spec import forced_speculation
 from strata_jax.core.units import fmt_bytes
 from strata_jax.engine.config import EngineConfig
 
@@ -136,10 +137,11 @@ def _error(stage: str, e: Exception) -> str:
 
 
 def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt, long_prompts, n_tokens, mb,
-               probes, skip_if_resident: bool = False, kv: str = "f16") -> list[dict]:
+               probes, skip_if_resident: bool = False, kv: str = "f16", spec=((), ())) -> list[dict]:
     """Rows for one configuration, one per routing mode. A failure is recorded in its row ('error', or
     'prefill_errors' per prompt length beside the decode figures) and the model is loaded afresh for the
-    next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest."""
+    next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest.
+    spec: (verify-pass sizes, forced acceptances) of bench/spec.py's speculative decodes after the plain one."""
     import jax
 
     import strata_jax
@@ -176,6 +178,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
         try:
             model.force_routing(traces.get(routing))
             row.update(_decode(model, mb, prompt, n_tokens, probes))
+            if spec[0]:
+                row["speculation"] = forced_speculation(model, prompt, row["token_ids"], n_tokens, *spec)
         except Exception as e:  # noqa: BLE001 - see the docstring
             log.exception("%s, %s routing: decode failed", conf.name, routing)
             row["error"] = _error("decode", e)

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -215,11 +215,12 @@ class Model:
         itemsize = jnp.dtype(self.dtype).itemsize
         # spec "draft:PATH": the draft model loads before anything of the target is planned, so that the
         # free device memory the target's context and expert cache plan from counts the draft
-        self.drafter: DraftModel | None = None
+        self.drafter: Callable[[Sequence[int], int], list[int]] | None = None  # DraftModel, or use_drafter's
         if (path := draft_path(config.spec)) is not None:
             draft = GGUFFile(path)
             check_vocabulary(draft, gguf, path)
             self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=config.ctx, parallel=1), self.device))
+        self.spec, self.spec_max = config.spec, config.spec_max  # the drafter's name; use_drafter changes them
         if config.prefill_chunk == "auto":
             config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(cfg, config, self.device))
         # the context first, from the header alone: one that cannot fit is refused before any weight loads
@@ -365,6 +366,19 @@ class Model:
         """A new session takes the device memory for its rows: the one-row session's cache is freed."""
         if self._session is not None and self._session is not session:
             self._session = None
+
+    def use_drafter(self, drafter: Callable[[Sequence[int], int], list[int]] | None, spec_max: int = 4,
+                    name: str = "custom") -> None:
+        """Speculative decoding with a drafter of your own (None: off): drafter(seq, n_max) returns up to
+        n_max token ids to follow seq (the prompt, the output so far and its last token), verified in one
+        pass as --spec's drafters are, so greedy output stays the model's own. Takes effect with a new
+        one-row session (what the current one holds is dropped)."""
+        if drafter is not None and (not isinstance(spec_max, int) or spec_max < 1):
+            raise ConfigError(f"use_drafter: spec_max={spec_max!r} must be a positive integer (drafted tokens per "
+                              "verify pass).")
+        self.drafter = drafter
+        self.spec, self.spec_max = (name, spec_max) if drafter is not None else (None, self.spec_max)
+        self._session = None
 
     def session(self) -> Session:
         """The one-row session generate and logits use (made again if another session replaced it)."""

@@ -235,7 +235,7 @@ class Session:
         self._stops: tuple[frozenset, jax.Array] | None = None
         cfg = model.config
         ec = model.engine_config
-        self.spec, self.spec_max = ec.spec, ec.spec_max
+        self.spec, self.spec_max = model.spec, model.spec_max
         if self.spec is not None and n_rows > 1:
             log.warning("spec=%r ignored: speculative decoding runs on one-row sessions only (parallel 1), this one "
                         "has %d rows", self.spec, n_rows)
