@@ -74,9 +74,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="f16", help="KV cache storage: f16 (the compute dtype), q8_0 or q4_0 (32-value "
                                                "blocks with a float16 scale), or K,V such as q8_0,q4_0 (default f16)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--prefill-chunk", default=512,
-                   help="prompt tokens per jitted prefill call at most, a power of two >= 16 (default 512), or auto: "
-                        "the largest up to 4096 whose activations take at most 1/8 of the device memory")
+    p.add_argument("--prefill-chunk", default="auto",
+                   help="prompt tokens per jitted prefill call at most, a power of two >= 16, or auto (default): the "
+                        "longest up to 4096 whose activations take at most 1/8 of the device memory and cost no "
+                        "context against 512 (512 on a CPU)")
     p.add_argument("--decode-chunk", default=None,
                    help="decode steps per jitted call, the loop over tokens on the device (default: 16 on a GPU, "
                         "where a step's launch costs as much as the step; 1 elsewhere; docs/benchmarks.md)")
@@ -87,14 +88,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                                       "context (the default context becomes that)")
     p.add_argument("--yarn-orig-ctx", default=None, help="YaRN: the model's original context (default: the file's)")
     def spec(value: str) -> str:
-        if value == "lookup" or value.startswith("draft:") and len(value) > len("draft:"):
+        if value in ("lookup", "mtp") or value.startswith("draft:") and len(value) > len("draft:"):
             return value
         raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(SPEC_DRAFTERS)})")
 
-    p.add_argument("--spec", default=None, type=spec, metavar="{lookup,draft:PATH}",
+    p.add_argument("--spec", default=None, type=spec, metavar="{lookup,mtp,draft:PATH}",
                    help="speculative decoding (greedy and sampled, lossless): lookup drafts n-gram matches from the "
-                        "prompt and output so far, draft:PATH has a small GGUF model with the same vocabulary draft "
-                        "greedily; the drafts are verified in one pass (one-row sessions: --parallel 1)")
+                        "prompt and output so far, mtp has the model's own MTP block draft (qwen3next, qwen35*, "
+                        "glm4moe files that carry one), draft:PATH has a small GGUF model with the same vocabulary "
+                        "draft greedily; the drafts are verified in one pass (one-row sessions: --parallel 1)")
     p.add_argument("--spec-max", default=4, help="drafted tokens per verify pass at most (default 4)")
     p.add_argument("--layer-scan", default="on", choices=LAYER_SCAN,
                    help="compile alike layers once, scanned over their stacked weights (default on); off unrolls "

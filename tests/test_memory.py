@@ -25,6 +25,7 @@ from strata_jax.offload.sizing import DEFAULT_RESERVE, plan_cache
 # "shared" pools group layers 0 and 2 while "per-layer" gives each layer its own.
 SPEC = dataclasses.replace(SHAPES["tiny"], n_layers=3, odd_down_qtype="Q4_K", expert_ffn_dim=256)
 # load as on a GPU (bfloat16, dense weights in their GGML blocks), so fixed_device_bytes(itemsize=2) is what it plans
+# (at ctx 256 the prefill chunk, auto, is 256: no chunk is longer than the context)
 GPU_LIKE = dict(dtype="bfloat16", dequantize_dense=False)
 
 
@@ -108,7 +109,7 @@ def _planned(gguf, cfg, budget, pools, rows=1):
         pool_layers, pool_bytes = ((0,), (1,), (2,)), tuple(per_layer)
     else:
         pool_layers, pool_bytes = ((0, 2), (1,)), (per_layer[0], per_layer[1])
-    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, rows=rows)
+    fixed = memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, rows=rows, prefill_chunk=256)
     return plan_cache(pool_layers=pool_layers, pool_expert_bytes=pool_bytes, n_experts=cfg.n_experts,
                       min_slots_per_pool=min(rows * cfg.n_experts_used, cfg.n_experts), fixed_bytes=fixed,
                       vram_budget=budget)
@@ -119,7 +120,7 @@ def _planned(gguf, cfg, budget, pools, rows=1):
 def test_inspect_slots_are_the_planners(moe, pools, extra_experts):
     _, gguf, cfg = moe
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
-    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256)
                  + extra_experts * per_expert)
     r = report(gguf, vram_budget=budget, ctx=256, expert_pools=pools, **GPU_LIKE)
     plan = _planned(gguf, cfg, budget, pools)
@@ -131,7 +132,7 @@ def test_inspect_agrees_with_load(moe):
     """The same budget through `load` (CPU: the budget is the only limit) and through the report."""
     path, gguf, cfg = moe
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
-    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + 9.5 * per_expert)
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256) + 9.5 * per_expert)
     r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
     m = strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
     assert not m.cache_plan.resident
@@ -140,7 +141,7 @@ def test_inspect_agrees_with_load(moe):
 
 def test_inspect_refuses_what_load_refuses(moe):
     path, gguf, cfg = moe
-    budget = DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2)  # no room for an expert
+    budget = DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256)  # no room for an expert
     r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
     assert not r["fits_dense"] and "too small" in r["too_small"]
     with pytest.raises(ConfigError, match="too small"):
@@ -155,7 +156,7 @@ def test_inspect_places_the_ple_table_as_load_does(tmp_path, extra_experts):
     gguf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gguf)
     per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
-    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2) + extra_experts * per_expert)
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256) + extra_experts * per_expert)
     r = report(gguf, vram_budget=budget, ctx=256, **GPU_LIKE)
     m = strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
     assert r["ple_table"] == m.ple_table == ("device" if extra_experts > 100 else "host")
@@ -196,21 +197,48 @@ def test_every_report_gives_the_bytes_load_allocates(moe, options, caplog):
 
 
 def test_prefill_chunk_auto_follows_the_memory(moe):
-    """prefill_chunk "auto": the largest power of two (<= 4096, <= the context) whose activation bound is
-    at most 1/8 of the budget; 512 where no memory figure is known (CPU without --vram-budget); a load
-    prefills with it."""
+    """prefill_chunk "auto" (the default): the longest power of two (<= 4096, <= the context) whose
+    activation bound is at most 1/8 of the budget and that plans the context 512 plans; 512 where no
+    memory figure is known (CPU without --vram-budget) or where 512 does not fit; a load prefills with it,
+    and inspect reports the chunk load takes."""
     from strata_jax.engine.config import EngineConfig
-    from strata_jax.engine.model import auto_prefill_chunk
+    from strata_jax.engine.inspect import report
+    from strata_jax.engine.model import plan_model_context, resolve_prefill_chunk
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.weights import WeightLoader, expert_spec
+    from strata_jax.offload.manager import expert_floor_bytes
+    from strata_jax.offload.sizing import DEFAULT_RESERVE
 
     path, _, cfg = moe
-    cpu = jax.devices()[0]
-    assert auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto"), cpu) == 512
+    gguf = GGUFFile(path)
+    spec = expert_spec(WeightLoader(gguf, cfg))
+
+    def chunk(budget, ctx):
+        def plan(c):
+            return plan_model_context(gguf, cfg, spec, ctx=ctx, kv="f16", itemsize=4, rows=1, prefill_chunk=c,
+                                      vram_budget=budget)
+        return resolve_prefill_chunk("auto", cfg, ctx=ctx, budget=budget, plan=plan), plan
+
+    assert EngineConfig.create().prefill_chunk == "auto"
+    assert resolve_prefill_chunk(1024, cfg, ctx=None, budget=None, plan=None) == 1024  # a number stays
+    assert chunk(None, 8192)[0] == 512
     for budget in (1 << 26, 1 << 30, 1 << 34):
-        c = auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto", vram_budget=budget, ctx=8192), cpu)
+        c, plan = chunk(budget, 8192)
         assert c & (c - 1) == 0 and 16 <= c <= 4096
-        assert c == 16 or memory.activation_bytes(cfg, c) <= budget // 8
-        assert c == 4096 or memory.activation_bytes(cfg, 2 * c) > budget // 8
-    assert auto_prefill_chunk(cfg, EngineConfig.create(prefill_chunk="auto", vram_budget=1 << 40, ctx=100), cpu) == 128
-    assert strata_jax.load(path, ctx=256, prefill_chunk="auto", vram_budget="2GiB").prefill_chunk == 256
+        assert c == 512 or memory.activation_bytes(cfg, c) <= budget // 8
+        assert c == 4096 or memory.activation_bytes(cfg, 2 * c) > budget // 8 or c == 512
+    assert chunk(1 << 40, 100)[0] == 128  # never past the context
+    # room for half the trained context at 512: a longer chunk would cut the context further, so auto
+    # keeps 512 although 1/8 of the budget would allow 1,024
+    half = (DEFAULT_RESERVE + memory.dense_weight_bytes(gguf) + memory.activation_bytes(cfg, 512)
+            + int(expert_floor_bytes(spec)) + cfg.context_length // 2 * memory.kv_cache_bytes(cfg, 1, 1, 4, "f16"))
+    c, plan = chunk(half, None)
+    assert plan(512).ctx == cfg.context_length // 2 and memory.activation_bytes(cfg, 1024) <= half // 8
+    assert c == 512
+    assert chunk(4 * half, None)[0] >= 1024  # with room, it goes longer
+    m = strata_jax.load(path, ctx=256, vram_budget="2GiB")
+    assert m.prefill_chunk == 256  # the default is auto: the 256-token context caps it
+    assert report(gguf, vram_budget="2GiB", ctx=256)["prefill_chunk"] == 256
+    assert report(gguf, ctx=256)["prefill_chunk"] == 256 and report(gguf)["prefill_chunk"] == 512
     with pytest.raises(ConfigError, match=r"or 'auto'"):
         EngineConfig.create(prefill_chunk="automatic")

@@ -211,9 +211,14 @@ def test_server_timings_report_drafts(moe_path, plain):
     with TestClient(create_app(engine, model_id="moe")) as client:
         assert engine.wait_ready(60)
         body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": N, "temperature": 0}).json()
+        metrics = client.get("/metrics.json").json()
     assert body["choices"][0]["text"] == plain.text
     t = body["timings"]
     assert t["draft_n"] >= t["draft_n_accepted"] > 0
+    # /metrics counts them (a Prometheus counter's sample is its _total)
+    value = lambda f: metrics[f]["samples"][0]["value"]  # noqa: E731
+    assert (value("strata_draft_tokens"), value("strata_draft_accepted_tokens")) == (t["draft_n"], t["draft_n_accepted"])
+    assert value("strata_draft_acceptance_ratio") == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
 
 
 # -- sampling: the target distribution ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ AUTO_PREFILL_MAX = 4096  # prefill_chunk "auto" takes at most this
 # decode steps per jitted call on a GPU, where the host's launch of a step costs as much as the step
 # (docs/benchmarks.md); elsewhere the launch is cheap next to the compute and tokens stream one by one
 DECODE_CHUNK_GPU = 16
-SPEC_DRAFTERS = ("lookup", "draft:PATH")  # speculative decoding's drafters (engine/lookup.py, engine/draft.py)
+SPEC_DRAFTERS = ("lookup", "mtp", "draft:PATH")  # speculative decoding's drafters (engine/lookup.py, engine/draft.py)
 
 
 def default_decode_chunk(platform: str) -> int:
@@ -76,9 +76,10 @@ class EngineConfig:
     # scale, model/kvquant.py), or "K,V" with separate key and value types such as "q8_0,q4_0"
     kv: str = "f16"
     # prompt tokens per jitted prefill call at most, a power of two >= 16 so prefill compiles O(log n)
-    # shapes (a prompt's last chunk takes the smallest that holds it); "auto": the largest up to
-    # AUTO_PREFILL_MAX whose activations take at most 1/8 of the device memory (512 where none is known)
-    prefill_chunk: int | str = 512
+    # shapes (a prompt's last chunk takes the smallest that holds it); "auto": the longest up to
+    # AUTO_PREFILL_MAX whose activations take at most 1/8 of the device memory and cost no context
+    # against 512 (512 where no memory figure is known: engine/model.py resolve_prefill_chunk)
+    prefill_chunk: int | str = "auto"
     # decode steps per jitted call (the token loop runs on the device); None = 16 on a GPU, where a
     # step's launch costs as much as the step, 1 elsewhere, where tokens then stream one by one
     decode_chunk: int | None = None
@@ -117,7 +118,8 @@ class EngineConfig:
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
     # speculative decoding: None (off), "lookup" (drafts are n-gram matches over the prompt and output so
-    # far) or "draft:PATH" (a small GGUF with the same vocabulary drafts greedily: engine/draft.py); the
+    # far), "mtp" (the model's MTP block drafts: model/mtp.py) or "draft:PATH" (a small GGUF with the same
+    # vocabulary drafts greedily: engine/draft.py); the
     # drafts are verified in one multi-token pass that shares its expert fetches
     spec: str | None = None
     # drafted tokens per verify pass at most

@@ -69,10 +69,19 @@ def make_entry(tokens: Sequence[int], kv_row, whole_only: bool) -> Entry:
     """A row's conversation on the host: K/V leaves cut to their first len(tokens) positions, recurrent
     state whole. kv_row: the row's one-row cache (device arrays, the full context)."""
     n = len(tokens)
-    keep = jax.tree.map(lambda a: np.asarray(a)[(slice(None),) * SEQ_AXIS + (slice(0, n),)],
-                        (kv_row.k_LBSKDh, kv_row.v_LBSKDh))
-    kv = dataclasses.replace(kv_row, k_LBSKDh=keep[0], v_LBSKDh=keep[1], rec=jax.tree.map(np.asarray, kv_row.rec))
+    kv = _by_position(kv_row, lambda a: np.asarray(a)[(slice(None),) * SEQ_AXIS + (slice(0, n),)])
     return Entry(tuple(tokens), kv, sum(a.nbytes for a in jax.tree.leaves(kv)), whole_only)
+
+
+def _by_position(kv, f):
+    """kv with f applied to its K/V leaves (the MTP block's too: model/mtp.py) and the rest as host arrays."""
+    def one(c):
+        return dataclasses.replace(c, k_LBSKDh=jax.tree.map(f, c.k_LBSKDh), v_LBSKDh=jax.tree.map(f, c.v_LBSKDh),
+                                   rec=jax.tree.map(np.asarray, c.rec))
+    out = one(kv)
+    if kv.mtp is not None:
+        out = dataclasses.replace(out, mtp=kv.mtp.replace(kv=one(kv.mtp.kv), h_1BD=np.asarray(kv.mtp.h_1BD)))
+    return out
 
 
 def padded(entry: Entry, length: int):
@@ -81,8 +90,7 @@ def padded(entry: Entry, length: int):
         width = [(0, 0)] * a.ndim
         width[SEQ_AXIS] = (0, length - a.shape[SEQ_AXIS])
         return np.pad(a, width)
-    kv = entry.kv
-    return dataclasses.replace(kv, k_LBSKDh=jax.tree.map(pad, kv.k_LBSKDh), v_LBSKDh=jax.tree.map(pad, kv.v_LBSKDh))
+    return _by_position(entry.kv, pad)
 
 
 @dataclasses.dataclass
@@ -319,8 +327,9 @@ def _check_fits(kv, template, n: int) -> None:
                 raise ValueError(f"{n} tokens do not fit the context of {t.shape[SEQ_AXIS]}")
         if tuple(a.shape) != want:
             raise ValueError(f"an array of shape {list(a.shape)} where the model's row has {list(want)}")
-    jax.tree.map(lambda a, t: same(a, t, True), (kv.k_LBSKDh, kv.v_LBSKDh), (template.k_LBSKDh, template.v_LBSKDh))
-    jax.tree.map(lambda a, t: same(a, t, False), kv.rec, template.rec)
+    for c, t in [(kv, template)] + ([(kv.mtp.kv, template.mtp.kv)] if template.mtp is not None else []):
+        jax.tree.map(lambda a, t: same(a, t, True), (c.k_LBSKDh, c.v_LBSKDh), (t.k_LBSKDh, t.v_LBSKDh))
+        jax.tree.map(lambda a, t: same(a, t, False), c.rec, t.rec)
 
 
 class ConversationCache:

@@ -28,15 +28,16 @@ def draft_path(spec: str | None) -> str | None:
 
 
 def check_spec(value: str, name: str) -> str:
-    """A spec value: "lookup", or "draft:PATH" naming an existing file."""
+    """A spec value: "lookup", "mtp", or "draft:PATH" naming an existing file."""
     path = draft_path(value)
-    if value == "lookup" or path:
+    if value in ("lookup", "mtp") or path:
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{name}={value!r}: the draft model {path!r} is not a file. Give the path of a small "
                               "GGUF with the same vocabulary as the model, e.g. --spec draft:qwen2.5-0.5b.gguf.")
         return value
-    raise ConfigError(f"{name}={value!r} is invalid: it must be 'lookup' (n-gram drafts from the prompt and output) "
-                      "or 'draft:PATH' (a small GGUF model with the same vocabulary drafts).")
+    raise ConfigError(f"{name}={value!r} is invalid: it must be 'lookup' (n-gram drafts from the prompt and output), "
+                      "'mtp' (the model's own MTP block drafts) or 'draft:PATH' (a small GGUF model with the same "
+                      "vocabulary drafts).")
 
 
 def _tokens(metadata) -> list[str]:

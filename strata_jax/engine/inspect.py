@@ -19,7 +19,8 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.model.weights import WeightLoader, expert_spec
 from strata_jax.model.kvquant import check_kv
-from strata_jax.engine.model import PLE_TABLE_NAME, plan_model_context, ple_placement, ple_surely_host
+from strata_jax.engine.model import (PLE_TABLE_NAME, plan_model_context, ple_placement, ple_surely_host,
+                                     resolve_prefill_chunk)
 from strata_jax.offload.manager import plan_model_cache
 from strata_jax.offload.sizing import DEFAULT_RESERVE
 from strata_jax.core.units import fmt_bytes, parse_size
@@ -46,7 +47,7 @@ def tensor_kind(name: str) -> str:
 
 def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, *, kv: str = "f16",
            dtype: str = "auto", dequantize_dense: bool | None = None, platform: str | None = None,
-           vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int = 512,
+           vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int | str = "auto",
            expert_pools: str = "per-layer") -> dict[str, Any]:
     """The file's tensors by kind and, given a VRAM budget, the context and expert slots `load` would make
     of it with the same options (offload's planners over model/memory.py's estimates). ctx None: the
@@ -72,11 +73,18 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
     rows = max(parallel, 1)
     spec = expert_spec(WeightLoader(gguf, cfg)) if cfg.is_moe else None
     too_small = None
+
+    def plan(chunk: int):
+        return plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
+                                  prefill_chunk=chunk, expert_pools=expert_pools, vram_budget=vram_budget,
+                                  vram_reserve=vram_reserve, dense_itemsize=dense_itemsize,
+                                  off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else ())
+
+    # "auto" as load resolves it, from the budget (without one, as on a CPU: 512)
+    prefill_chunk = resolve_prefill_chunk(prefill_chunk, cfg, ctx=ctx, plan=plan, budget=parse_size(
+        vram_budget, "vram_budget") if vram_budget is not None else None)
     try:
-        cplan = plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
-                                   prefill_chunk=prefill_chunk, expert_pools=expert_pools, vram_budget=vram_budget,
-                                   vram_reserve=vram_reserve, dense_itemsize=dense_itemsize,
-                                   off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else ())
+        cplan = plan(prefill_chunk)
         ctx, ctx_reason = cplan.ctx, cplan.reason
     except ConfigError as e:  # what load would refuse with
         too_small, ctx_reason = str(e), "does not fit"
@@ -102,6 +110,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         "expert_bytes": expert_bytes,
         "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem, kv),
         "activation_bytes": memory.activation_bytes(cfg, prefill_chunk),
+        "prefill_chunk": prefill_chunk,
         "fixed_bytes": fixed(),
         "reserve_bytes": parse_size(vram_reserve, "vram_reserve") if vram_reserve is not None else DEFAULT_RESERVE,
         "ctx": ctx,
@@ -171,7 +180,8 @@ def format_report(r: dict[str, Any]) -> str:
     rows = f" x {r['rows']} rows" if r["rows"] > 1 else ""
     lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({r['kv_label']}); "
                  f"{r['ctx_reason']}")
-    lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk, bound)")
+    lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk of {r['prefill_chunk']:,} "
+                 "tokens, bound)")
     if r.get("ple_table"):
         lines.append(f"ple table     {fmt_bytes(r['ple_bytes'])} in {r['ple_table']} memory ({r['ple_reason']})")
     if "vram_budget" in r:

@@ -29,17 +29,19 @@ from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
-from strata_jax.core.experts import ExpertSpec
+from strata_jax.core.experts import ExpertCounters, ExpertSpec, expert_parts
 from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.model.forward import KVCache
 from strata_jax.gguf.reader import GGUFFile
 from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
-                                     kv_label)
+                                     kv_label, mtp_bytes)
 from strata_jax.gguf.tokenizer import GGUFTokenizer
-from strata_jax.model import runs
-from strata_jax.model.weights import WeightLoader, expert_spec, load_params
+from strata_jax.model import mtp, runs
+from strata_jax.model.weights import WeightLoader, block_expert_infos, expert_spec, expert_tensor_names, load_params
 from strata_jax.offload.manager import OffloadManager, expert_floor_bytes, plan_model_cache
+from strata_jax.offload.provider import SlotExperts
+from strata_jax.offload.slot_table import resident_slot_table
 from strata_jax.offload.sizing import ContextPlan, describe_context, device_free_bytes, plan_context
 
 log = logging.getLogger("strata_jax")
@@ -88,9 +90,11 @@ def _conversation_cache(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, 
     ram = HostTier(config.conversation_cache_mib << 20) if config.conversation_cache_mib else None
     disk = None
     if config.conversation_cache_dir is not None:
+        mtp_on = config.spec == "mtp"  # the MTP block's cache travels with the row's (model/mtp.py)
         ident = identity(gguf.fingerprint(), kv=config.kv, dtype=jnp.dtype(dtype).name, rope=[
-            config.rope_scaling, config.rope_scale, config.yarn_orig_ctx])
-        row = jax.eval_shape(lambda: KVCache.zeros(cfg, 1, ctx, dtype, kv=config.kv))
+            config.rope_scaling, config.rope_scale, config.yarn_orig_ctx], **({"mtp": True} if mtp_on else {}))
+        row = jax.eval_shape(lambda: KVCache.zeros(cfg, 1, ctx, dtype, kv=config.kv).replace(
+            mtp=mtp.state_zeros(cfg, 1, ctx, dtype, config.kv) if mtp_on else None))
         disk = DiskTier(config.conversation_cache_dir, config.conversation_cache_disk_mib << 20, ident, row)
     return ConversationCache(ram, disk) if ram is not None or disk is not None else None
 
@@ -133,21 +137,42 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
         vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
 
 
-def auto_prefill_chunk(cfg: ModelConfig, config: EngineConfig, device) -> int:
-    """prefill_chunk "auto": the largest power of two up to AUTO_PREFILL_MAX (and the context) whose
-    activation bound takes at most 1/8 of the device's memory (vram_budget, else what is free): longer
-    chunks stream an offloaded model's experts fewer times per prompt, but their activations come out of
-    the expert cache. 512 where no memory figure is known (CPU)."""
-    budget = parse_size(config.vram_budget, "vram_budget") if config.vram_budget is not None else device_free_bytes(device)
-    if budget is None:
-        chunk = 512
-    else:
-        chunk = MIN_PREFILL_CHUNK
-        while chunk * 2 <= AUTO_PREFILL_MAX and activation_bytes(cfg, chunk * 2) <= budget // 8:
-            chunk *= 2
-    ctx = config.ctx or cfg.context_length
-    while chunk > MIN_PREFILL_CHUNK and chunk // 2 >= ctx:
-        chunk //= 2
+def resolve_prefill_chunk(value: int | str, cfg: ModelConfig, *, ctx: int | None, budget: int | None,
+                          plan: Callable[[int], ContextPlan]) -> int:
+    """prefill_chunk "auto" (a number stays as it is): 512 (or the context, if shorter), or longer: the
+    longest power of two up to AUTO_PREFILL_MAX and the context whose activation bound takes at most 1/8 of
+    `budget` (vram_budget, else the free device memory) and with which the model still plans the context
+    it plans at 512 (`plan`: the context plan at a chunk; it raises ConfigError where nothing fits).
+    Longer chunks stream an offloaded model's experts fewer times per prompt; their activations come out
+    of the expert cache. 512 where no memory figure is known (CPU) or where 512 does not fit (the planner
+    then says why)."""
+    if value != "auto":
+        return int(value)
+    ctx = ctx or cfg.context_length
+
+    def capped(c: int) -> int:  # no chunk past the context
+        while c > MIN_PREFILL_CHUNK and c // 2 >= ctx:
+            c //= 2
+        return c
+
+    chunk = capped(512)
+    if budget is not None:
+        top = MIN_PREFILL_CHUNK
+        while top * 2 <= AUTO_PREFILL_MAX and activation_bytes(cfg, top * 2) <= budget // 8:
+            top *= 2
+        try:
+            want = plan(chunk).ctx if capped(top) > chunk else None
+        except ConfigError:
+            want = None
+        c = capped(top)
+        while want is not None and c > chunk:
+            try:
+                if plan(c).ctx >= want:
+                    chunk = c
+                    break
+            except ConfigError:
+                pass
+            c //= 2
     log.info("prefill chunk: %d tokens (auto: activations %s of %s)", chunk, fmt_bytes(activation_bytes(cfg, chunk)),
              fmt_bytes(budget) if budget is not None else "an unknown memory size")
     return chunk
@@ -174,6 +199,28 @@ def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
              f"{r.kind} x{r.factor:g}" + (f" of an original {r.orig_ctx:,}-token context" if r.orig_ctx else "")
              + f": the model's context is {cfg.context_length:,}")
     return cfg
+
+
+def _with_mtp_experts(params, gguf: GGUFFile, loader: WeightLoader, device):
+    """params with the MTP block's routed experts resident in a provider of their own (--spec mtp:
+    model/mtp.py); a ConfigError where the file has no MTP block."""
+    cfg = loader.cfg
+    if not params.nextn:
+        raise ConfigError(f"--spec mtp: {os.path.basename(gguf.path)} has no MTP (nextn) block"
+                          + ("" if cfg.n_nextn_layers else f" ({cfg.arch} files carry none)")
+                          + ". Use --spec lookup, or --spec draft:PATH with a small model of the same vocabulary.")
+    nx = params.nextn[0]
+    if nx.block.moe is None:
+        return params
+    layer = cfg.n_layers  # the MTP block's index in the file
+    names = expert_tensor_names(gguf, layer)
+    spec = ExpertSpec((layer,), cfg.n_experts, cfg.n_experts_used, (expert_parts(block_expert_infos(loader, layer)),),
+                      (names,) if len(names) == 2 else ())
+    provider = SlotExperts(jax.device_put(resident_slot_table(gguf, spec, device), device), None,
+                           jax.device_put(ExpertCounters.zeros(1), device), None, 0)
+    log.info("speculative decoding: MTP block %d, its %d experts resident (%s)", layer, cfg.n_experts,
+             fmt_bytes(spec.bytes_per_expert(0) * cfg.n_experts))
+    return params.replace(nextn=(nx.replace(experts=provider),) + tuple(params.nextn[1:]))
 
 
 def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice: str) -> tuple | None:
@@ -222,7 +269,11 @@ class Model:
             self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=config.ctx, parallel=1), self.device))
         self.spec, self.spec_max = config.spec, config.spec_max  # the drafter's name; use_drafter changes them
         if config.prefill_chunk == "auto":
-            config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(cfg, config, self.device))
+            budget = parse_size(config.vram_budget, "vram_budget") if config.vram_budget is not None else \
+                device_free_bytes(self.device)
+            chunk = resolve_prefill_chunk("auto", cfg, ctx=config.ctx, budget=budget, plan=lambda c: _plan_context(
+                dataclasses.replace(config, prefill_chunk=c), gguf, cfg, spec, itemsize, self.device))
+            config = dataclasses.replace(config, prefill_chunk=chunk)
         # the context first, from the header alone: one that cannot fit is refused before any weight loads
         self.context_plan = _plan_context(config, gguf, cfg, spec, itemsize, self.device)
         self.engine_config = config = dataclasses.replace(config, ctx=self.context_plan.ctx)
@@ -236,7 +287,8 @@ class Model:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
             return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=itemsize, rows=config.parallel,
                                       prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv,
-                                      dense_itemsize=itemsize if dequantize_dense else None)
+                                      dense_itemsize=itemsize if dequantize_dense else None) + (
+                mtp_bytes(gguf, cfg, self.ctx, config.parallel, itemsize, config.kv) if config.spec == "mtp" else 0)
 
         self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
@@ -251,6 +303,8 @@ class Model:
                                           batch_rows=config.parallel, cache_state=config.expert_cache_state,
                                           stacked=config.layer_scan == "on", fetch=config.expert_fetch)
             loader.bytes_loaded += self.experts.device_bytes
+        if config.spec == "mtp":
+            self.params = _with_mtp_experts(self.params, gguf, loader, self.device)
         self.layer_runs = _layer_runs(self.params, cfg, self.experts, config.layer_scan)
         if self.layer_runs is not None:
             self.params = self.params.replace(layers=runs.stack_layers(self.params.layers, self.layer_runs, free=True))
@@ -431,6 +485,13 @@ class Model:
         ids = self.prompt_tokens(list(token_ids))
         self.check_len(len(ids))
         return self.session().logits(ids)
+
+    def mtp_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the MTP block's logits at each position p, its guess at the token
+        after the next (spec="mtp" only: model/mtp.py)."""
+        ids = self.prompt_tokens(list(token_ids))
+        self.check_len(len(ids))
+        return self.session().mtp_logits(ids)
 
     # -- generation -----------------------------------------------------------------------------
     def generate_stream(

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
+from strata_jax.model import mtp
 from strata_jax.model.forward import KVCache, forward, rewind
 from strata_jax.model.runs import masked_put, masked_take
 from strata_jax.engine.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts,
@@ -84,6 +85,7 @@ class PrefillOut:
     logits: jax.Array  # float32 [1, T, V] with all_logits, else [1, V]: the chunk's last valid token
     tok_1: jax.Array  # int32: the first token, sampled from the last logits
     logprobs: Logprobs  # its logprobs (zeros unless mode.logprobs)
+    mtp_logits: jax.Array | None = None  # with all_logits and an MTP state: the MTP block's, [1, T, V]
 
 
 @struct.dataclass
@@ -114,19 +116,46 @@ def _set_row(tree, row, value, axis: int = 0):
 def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, *, cfg,
                  dtype, kernels, all_logits, attn_len, attn_block, forced, tape=False):
     """forward on row `row` alone (prefill's and verify's shared part). Returns (logits, kv, experts' donated
-    part, routed), and with `tape` (forward's) also the row's recurrent state before the pass and the tape."""
+    part, routed, h): h is the hidden state after the output norm at every position when the cache keeps
+    an MTP state (for mtp.process), else None; with `tape` (forward's) also the row's recurrent state
+    before the pass and the tape."""
     B = rows.tok_B.shape[0]
     # the row is sliced out of the donated cache, run at batch 1 and written back in place
     row_kv = kv if B == 1 else kv.take_row(row)
     before = row_kv.rec
+    hidden = kv.mtp is not None
     out = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype,
                   kernels=kernels, all_logits=all_logits, attn_len=attn_len, attn_block=attn_block, forced_MNk=forced,
-                  tape=tape)
+                  tape=tape, hidden=hidden)
     logits, row_kv, experts, routed = out[:4]
     kv = row_kv if B == 1 else kv.put_row(row, row_kv)
+    h = out[-1] if hidden else None
     if tape:
-        return logits, kv, split_provider(experts)[0], routed, (before, out[4])
-    return logits, kv, split_provider(experts)[0], routed
+        return logits, kv, split_provider(experts)[0], routed, h, (before, out[4])
+    return logits, kv, split_provider(experts)[0], routed, h
+
+
+def _mtp_row(params, kv: KVCache, B: int, row, tokens_1T, h_1TD, start_1, n_valid_1, keep_1, *, cfg, dtype, kernels,
+             attn_len, attn_block, all_logits=False):
+    """mtp.process on row `row` of the cache's MTP state (a no-op without one). Returns (kv, its logits or None)."""
+    if kv.mtp is None:
+        return kv, None
+    take = lambda a: a if B == 1 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1)  # noqa: E731
+    logits, st = mtp.process(params, jax.tree.map(take, kv.mtp), tokens_1T, h_1TD, start_1, n_valid_1, keep_1, cfg=cfg,
+                             dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
+                             all_logits=all_logits)
+    return kv.replace(mtp=st if B == 1 else _set_row(kv.mtp, row, st, axis=1)), logits
+
+
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n",), donate_argnames=("kv",))
+def mtp_draft(params, kv: KVCache, rows: RowState, row, *, cfg, dtype, kernels, attn_len, n: int, attn_block=None):
+    """n greedy MTP drafts [n] for row `row` after its last token (model/mtp.py draft); returns (drafts, kv)."""
+    B = rows.tok_B.shape[0]
+    take = lambda a: a if B == 1 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1)  # noqa: E731
+    one = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1)  # noqa: E731
+    drafts_1N, st = mtp.draft(params, jax.tree.map(take, kv.mtp), one(rows.tok_B), one(rows.pos_B), n, cfg=cfg,
+                              dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block)
+    return drafts_1N[0], kv.replace(mtp=st if B == 1 else _set_row(kv.mtp, row, st, axis=1))
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
@@ -143,9 +172,12 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
     routed experts to replay (see forward). Returns (PrefillOut, kv, experts, routed [M, T, k], rows)."""
-    logits, kv, experts, routed = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1,
-                                               cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
-                                               attn_len=attn_len, attn_block=attn_block, forced=forced)
+    logits, kv, experts, routed, h = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1,
+                                                  cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
+                                                  attn_len=attn_len, attn_block=attn_block, forced=forced)
+    kv, mtp_logits = _mtp_row(params, kv, rows.tok_B.shape[0], row, tokens_1T, h, start_1, n_valid_1, n_valid_1 - 1,
+                              cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
+                              all_logits=all_logits)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
@@ -155,7 +187,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     state = RowState(tok_1, start_1 + n_valid_1, jnp.ones((1,), jnp.int32), left_1,
                      ~_is_stop(tok_1, stop_St) & (left_1 > 0), req.key_2[None], req.sp, pen)
     rows = _set_row(rows, row, state)
-    return PrefillOut(logits, tok_1, lp), kv, experts, routed, rows
+    return PrefillOut(logits, tok_1, lp, mtp_logits), kv, experts, routed, rows
 
 
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
@@ -187,11 +219,15 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
             allowed = jnp.where((i == n_ff_B)[:, None], allowed_BVw, -1)
         # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
-        logits_BV, kv, experts, routed_MBk = forward(
+        logits_BV, kv, experts, routed_MBk, *h = forward(
             params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
             dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
-            forced_MNk=None if forced is None else masked_take(forced, i))
+            forced_MNk=None if forced is None else masked_take(forced, i), hidden=kv.mtp is not None)
         experts = split_provider(experts)[0]  # the loop carries only the donated part
+        if kv.mtp is not None:  # the MTP block's cache follows every token (a row that is not live keeps its state)
+            kv = kv.replace(mtp=mtp.process(params, kv.mtp, r.tok_B[:, None], h[0], pos_B, live.astype(jnp.int32),
+                                            jnp.zeros_like(pos_B), cfg=cfg, dtype=dtype, kernels=kernels,
+                                            attn_len=attn_len, attn_block=attn_block)[1])
         keys_B2 = jax.vmap(jax.random.fold_in)(r.key_B2, r.step_B)
         tok_B, pen, lp = next_token(logits_BV, keys_B2, r.sp, r.pen, mode, live, allowed)
         if constraint is not None:  # a forced token replaces the draw; penalties and logprobs take it instead
@@ -265,7 +301,7 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     T = tokens_1T.shape[1]
     start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
     tape = cfg.has_recurrent_state
-    logits_1TV, kv, experts, routed, *taped = _row_forward(
+    logits_1TV, kv, experts, routed, h, *taped = _row_forward(
         params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels,
         all_logits=True, attn_len=attn_len, attn_block=attn_block, forced=forced, tape=tape)
     r = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows)
@@ -273,6 +309,10 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     tokens_T, n_acc, pen, lp = accept_drafts(logits_1TV[0], tokens_1T[0, 1:], n_valid_1[0] - 1, r.key_B2[0],
                                              r.step_B[0], left, r.sp, r.pen, mode)
     n_emit = jnp.minimum(n_acc + 1, left)
+    # the MTP block's cache over the pass; the hidden state kept is the last emitted token's input's
+    kv, _ = _mtp_row(params, kv, rows.tok_B.shape[0], row, tokens_1T, h, start_1, n_valid_1,
+                     jnp.maximum(n_emit - 1, 0).reshape(1), cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len,
+                     attn_block=attn_block)
     if tape:  # the row's recurrent state after its last token and the accepted drafts only
         before, taped = taped[0]
         rec = rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg, kernels=kernels,

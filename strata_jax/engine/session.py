@@ -61,6 +61,7 @@ import numpy as np
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.core.units import fmt_bytes
+from strata_jax.model import mtp
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.engine import compiling, programs
@@ -82,10 +83,21 @@ QUEUED = 2  # decode calls in flight: the one the host waits for and one queued 
 
 _take_row = jax.jit(lambda kv, row: kv.take_row(row))  # a row's cache, to spill it
 _put_row = jax.jit(lambda kv, row, one: kv.put_row(row, one), donate_argnums=0)  # in place
-_take_rec = jax.jit(lambda kv, row: kv.take_row(row).rec)  # a row's recurrent state
-# only the recurrent state, in place: put_row over a cache of the state alone
-_put_rec = jax.jit(lambda kv, row, rec: dataclasses.replace(
-    kv, rec=KVCache(None, None, kv.rec).put_row(row, KVCache(None, None, rec)).rec), donate_argnums=0)
+
+
+def _state(kv: KVCache) -> KVCache:
+    """What of a cache is not by position: the recurrent state and the MTP block's kept hidden state."""
+    return KVCache(None, None, kv.rec, None if kv.mtp is None else mtp.MTPState(None, kv.mtp.h_1BD))
+
+
+def _with_state(kv: KVCache, state: KVCache) -> KVCache:
+    """kv with `state` (a _state of the same batch) in place of its own."""
+    return dataclasses.replace(kv, rec=state.rec, mtp=None if kv.mtp is None else kv.mtp.replace(h_1BD=state.mtp.h_1BD))
+
+
+_take_rec = jax.jit(lambda kv, row: _state(kv).take_row(row))  # a row's state that cannot be rewound
+# only that state, in place: put_row over a cache of the state alone
+_put_rec = jax.jit(lambda kv, row, st: _with_state(kv, _state(kv).put_row(row, st)), donate_argnums=0)
 
 
 def attn_bucket(end: int, ctx: int) -> int:
@@ -453,14 +465,24 @@ class Session:
     def logits(self, ids: list[int]) -> np.ndarray:
         """float32 [len(ids), vocab]: the next-token logits after each position, prefilled into a free row
         (which then holds ids for prefix reuse; the row is not decoded)."""
+        return np.concatenate([o for o, _ in self._all_logits(ids)], axis=0)
+
+    def mtp_logits(self, ids: list[int]) -> np.ndarray:
+        """float32 [len(ids), vocab]: the MTP block's logits at each position p, its guess at the token after
+        ids[p + 1] from ids[p] and the trunk's state before it (model/mtp.py), prefilled as `logits`
+        does; a session of an "mtp" spec only (it keeps the block's cache)."""
+        if self.spec != "mtp":
+            raise ConfigError("mtp_logits: load the model with spec='mtp' (its MTP block's cache is kept then).")
+        return np.concatenate([o for _, o in self._all_logits(ids)], axis=0)
+
+    def _all_logits(self, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         if not self.free_rows:
             raise ConfigError(f"all {self.n_rows} rows are busy: take logits after a request finishes.")
         row = self._pick_row(ids, cache_prompt=False)
         sp = jax.tree.map(np.asarray, SamplingParams.make(1))
         start = programs.RowStart(np.zeros(2, np.uint32), sp, PenaltyState.window(ids), np.int32(0),
                                   np.zeros(3, bool), allowed_mask(self.model.config.vocab_size))
-        outs = self._prefill(row, ids, 0, start, all_logits=True, keep=True)
-        return np.concatenate(outs, axis=0)
+        return self._prefill(row, ids, 0, start, all_logits=True, keep=True)
 
     # -- internals ------------------------------------------------------------------------------------
     @property
@@ -550,7 +572,12 @@ class Session:
         if n_max < 1 or not q.spec.should_draft():
             return None
         seq = q.fed + [q.last]
-        drafts = self.model.drafter(seq, n_max) if self.model.drafter is not None else lookup_draft(seq, n_max)
+        if self.spec == "mtp":
+            drafts = self._mtp_draft(r, len(q.fed))[:n_max]
+        elif self.model.drafter is not None:
+            drafts = self.model.drafter(seq, n_max)
+        else:
+            drafts = lookup_draft(seq, n_max)
         if not drafts:
             return None
         m = self.model
@@ -587,6 +614,18 @@ class Session:
                 break
         return {r: chunks} if chunks else {}
 
+    def _mtp_draft(self, row: int, pos: int) -> list[int]:
+        """spec_max greedy drafts of the model's MTP block for `row`, whose last token goes to `pos`."""
+        m = self.model
+        span = attn_span(pos + self.spec_max + 1, m.ctx, False, not m.config.has_qsa)
+        kv, self._kv = self._kv_now(), None
+        try:
+            drafts, kv = programs.mtp_draft(m.params, kv, self._rows_now(), np.int32(row), cfg=m.config, dtype=m.dtype,
+                                            kernels=m.kernels, n=self.spec_max, **span)
+        finally:
+            self._kv = kv
+        return np.asarray(drafts).tolist()
+
     def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, all_logits: bool,
                  keep: bool = False):
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
@@ -606,8 +645,9 @@ class Session:
                                      all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
-            if all_logits:
-                outs.append(np.asarray(out.logits[0, : len(chunk)]))
+            if all_logits:  # the trunk's logits, and the MTP block's where the cache keeps its state
+                outs.append((np.asarray(out.logits[0, : len(chunk)]),
+                             None if out.mtp_logits is None else np.asarray(out.mtp_logits[0, : len(chunk)])))
             pos += len(chunk)
         if keep:
             self._cached[row] = list(ids)
@@ -725,9 +765,14 @@ class Session:
         return jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
 
     def _kv_now(self) -> KVCache:
-        """The rows' cache, allocated at its first use."""
+        """The rows' cache, allocated at its first use (with the MTP block's, when it drafts)."""
         m = self.model
-        return self._kv if self._kv is not None else KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, m.kv)
+        if self._kv is not None:
+            return self._kv
+        kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, kv=m.kv)
+        if self.spec == "mtp":
+            kv = kv.replace(mtp=mtp.state_zeros(m.config, self.n_rows, m.ctx, m.dtype, m.kv))
+        return jax.device_put(kv, m.device)
 
     def _spill(self, row: int) -> None:
         """Before the content of a free row is overwritten: its conversation to the host tier."""
@@ -736,7 +781,7 @@ class Session:
             return
         for tokens, state in self._snaps[row]:  # the kept states (a turn's start, a prompt's end), each whole
             if tuple(held) != tokens:
-                self._conv.spill(tokens, lambda s=state: dataclasses.replace(_take_row(kv, np.int32(row)), rec=s), True)
+                self._conv.spill(tokens, lambda s=state: _with_state(_take_row(kv, np.int32(row)), s), True)
         if held:  # last: the longest, and the most recently used in each tier
             self._conv.spill(held, lambda: _take_row(kv, np.int32(row)), self.model.config.has_recurrent_state)
 

@@ -65,6 +65,7 @@ class KVCache:
     k_LBSKDh: jax.Array | QuantKV
     v_LBSKDh: jax.Array | QuantKV | None
     rec: Any = None
+    mtp: Any = None  # speculative decoding by MTP: model/mtp.py's MTPState (its block's cache, every leaf [1, B, ...])
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None, kv: str = "f16") -> "KVCache":
@@ -109,6 +110,9 @@ def forward(
     attn_block: int | None = None,
     forced_MNk: jax.Array | None = None,
     tape: bool = False,
+    x_BTD: jax.Array | None = None,
+    hidden: bool = False,
+    head: bool = True,
 ) -> tuple[jax.Array, KVCache, ExpertProvider | None, jax.Array]:
     """Run T new tokens per sequence starting at cache position start_B.
 
@@ -134,6 +138,11 @@ def forward(
     tape (static; models with recurrent state): also return, last, the input of every recurrent part
     (DeltaNet, QSA indexer, PLE), stacked per kind as hybrid.HybridState stacks state: what `rewind` re-runs.
 
+    x_BTD: the blocks' input in place of the tokens' embeddings (an MTP block's, model/mtp.py).
+    hidden (static; no hyper-connections): also return, last, every position's hidden state after the
+    output norm [B, T, D], what the head reads and an MTP block takes as its input. head (static): False
+    skips the head (logits None), for a pass that only fills a cache.
+
     Returns (logits, kv cache, experts, routed expert ids [M, B*T, k], -1 for tokens that are not real). Logits are float32, [B, T, V]
     with all_logits, else [B, V] for each sequence's last valid token.
     """
@@ -154,7 +163,7 @@ def forward(
     depth = experts.prefetch_depth if few and not cfg.is_hybrid else 0
     predicted: dict[int, jax.Array] = {}  # MoE index -> experts predicted for it by the layer before
 
-    x = take_rows(params.embed, tokens_BT, dtype)  # [B, T, D]
+    x = take_rows(params.embed, tokens_BT, dtype) if x_BTD is None else x_BTD.astype(dtype)  # [B, T, D]
     xs = hyper.streams(x, hd) if hc else x  # qwen4exp: [B, T, Hc, D]
     taped = hybrid.tape_zeros(cfg, xs.shape, xs.dtype) if tape and cfg.has_recurrent_state else None
 
@@ -251,20 +260,26 @@ def forward(
         params.layers, (xs, kv.k_LBSKDh, kv.v_LBSKDh, kv.rec, taped, experts), block, unroll=depth > 0,
         detach=runs.detach_provider, attach=runs.attach_provider, enter=enter)
     routed = [ids for ids in outs if ids is not None]
+    h_BTD = None
     with jax.named_scope("head"):
-        if not all_logits:
-            xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]
-        if hc:
-            x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
-        else:
-            x = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
-        logits = lm_head(x, params.lm_head, dtype, kernels)
-        if not all_logits:
-            logits = logits[:, 0]
+        if hidden:
+            if hc:
+                raise NotImplementedError("forward(hidden=True): no MTP input is defined with hyper-connections")
+            h_BTD = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
+        logits = None
+        if head:
+            if not all_logits:
+                xs = xs[jnp.arange(B), jnp.maximum(n_valid_B, 1) - 1][:, None]
+            if hc:
+                x, _ = hyper.mix(params.hc_head, xs, hd, kernels)  # the final mixer: no output norm after it
+            else:
+                x = rms_norm(xs, params.out_norm_D, cfg.rms_eps)
+            logits = lm_head(x, params.lm_head, dtype, kernels)
+            if not all_logits:
+                logits = logits[:, 0]
     routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
-    if tape:
-        return logits, KVCache(k_all, v_all, rec), experts, routed_MNk, taped
-    return logits, KVCache(k_all, v_all, rec), experts, routed_MNk
+    out = (logits, KVCache(k_all, v_all, rec, kv.mtp), experts, routed_MNk)
+    return out + ((taped,) if tape else ()) + ((h_BTD,) if hidden else ())
 
 
 def rewind(params: Params, rec_before: Any, taped: Any, tokens_BT: jax.Array, start_B: jax.Array,

@@ -82,6 +82,14 @@ def routed_expert_bytes(gguf: GGUFFile, cfg: ModelConfig | None = None) -> int:
                and (cfg is None or (_block(t.name) is not None and _block(t.name) < cfg.n_layers)))
 
 
+def mtp_bytes(gguf: GGUFFile, cfg: ModelConfig, ctx: int, rows: int = 1, itemsize: int = 2, kv: str = "f16") -> int:
+    """What drafting with the MTP block (--spec mtp, model/mtp.py) adds on the device: its routed experts,
+    resident, and its KV cache (one attention layer of the trunk's dims)."""
+    experts = sum(t.nbytes for t in gguf.tensors.values() if is_routed_expert(t.name)
+                  and _block(t.name) is not None and _block(t.name) >= cfg.n_layers)
+    return experts + kv_cache_bytes(cfg, ctx, rows, itemsize, kv) // max(cfg.n_kv_layers, 1)
+
+
 def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
     """A bound on the live activations of one prefill chunk: 32 float32 buffers of the chunk's tokens by
     the widest per-token dimension (the residual with its hyper-connection streams, the attention's

@@ -54,6 +54,7 @@ class NextNParams:
     shared_head: QTensor | None  # [V, D]; None: the model's lm_head
     embed: QTensor | None  # [V, D]; None: the model's embedding
     expert_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    experts: Any = None  # drafting (--spec mtp): the block's routed experts, resident (an ExpertProvider)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -161,10 +162,10 @@ def expert_tensor_names(gguf: GGUFFile, layer: int) -> tuple[str, ...]:
 
 def expert_infos(loader: WeightLoader, moe_idx: int) -> list[TensorInfo]:
     """The expert tensors of MoE layer moe_idx (gate, up, down; or gate_up, down), shape- and type-checked."""
-    return _block_expert_infos(loader, loader.cfg.moe_layers[moe_idx])
+    return block_expert_infos(loader, loader.cfg.moe_layers[moe_idx])
 
 
-def _block_expert_infos(loader: WeightLoader, layer: int) -> list[TensorInfo]:
+def block_expert_infos(loader: WeightLoader, layer: int) -> list[TensorInfo]:
     """The routed-expert tensors of block `layer` (a trunk MoE layer or an MTP block), shape- and type-checked."""
     cfg = loader.cfg
     E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model
@@ -378,7 +379,7 @@ def _nextn_params(loader: WeightLoader) -> tuple[NextNParams, ...]:
             block = _hybrid_nextn_block(loader, p)
         else:
             block = _layer_params(loader, i, moe=g.has(p + "ffn_gate_inp.weight"))
-        experts = tuple(t.name for t in _block_expert_infos(loader, i)) if block.moe is not None else ()
+        experts = tuple(t.name for t in block_expert_infos(loader, i)) if block.moe is not None else ()
         optional_q = lambda n: loader.qtensor(n, (V, D)) if g.has(n) else None  # noqa: E731
         out.append(NextNParams(
             eh_proj=loader.qtensor(p + "nextn.eh_proj.weight", (D, 2 * D)),

@@ -44,6 +44,13 @@ class Metrics:
         self.kv_slots = Gauge(p + "kv_slots", "KV-cache slots: requests decoded at once (--parallel)", registry=r)
         self.kv_slots_in_use = Gauge(p + "kv_slots_in_use", "KV-cache slots holding a running request", registry=r)
         self.decode_tps = Gauge(p + "decode_tokens_per_second", "Decode speed of the last request", registry=r)
+        self.drafted = Counter(p + "draft_tokens", "Speculative decoding: drafted tokens of finished requests",
+                               registry=r)
+        self.draft_accepted = Counter(p + "draft_accepted_tokens", "Speculative decoding: drafted tokens the "
+                                      "verify passes accepted", registry=r)
+        self.draft_rate = Gauge(p + "draft_acceptance_ratio", "draft_accepted_tokens / draft_tokens since load",
+                                registry=r)
+        self._drafts = (0, 0)  # drafted, accepted: the ratio's terms
         self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens held in the KV cache (all slots; kept for prefix "
                                "reuse), as of the last request event", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "kv_cache_tokens / (context length x slots)", registry=r)
@@ -69,6 +76,11 @@ class Metrics:
             self.ttft.labels(endpoint).observe(ttft)
         if timings.get("predicted_per_second"):
             self.decode_tps.set(timings["predicted_per_second"])
+        if timings.get("draft_n"):
+            self.drafted.inc(timings["draft_n"])
+            self.draft_accepted.inc(timings.get("draft_n_accepted", 0))
+            self._drafts = (self._drafts[0] + timings["draft_n"], self._drafts[1] + timings.get("draft_n_accepted", 0))
+            self.draft_rate.set(self._drafts[1] / self._drafts[0])
 
     def refresh(self, engine: Any) -> None:
         """Copy the engine's state into the gauges (at scrape time; the snapshot is taken on the engine thread)."""
