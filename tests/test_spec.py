@@ -105,7 +105,8 @@ def test_a_drafter_of_your_own_keeps_greedy_output_and_its_counts(moe_path, plai
     ids = m.tokenize(PROMPT)
     ref = plain.token_ids
     for accept, spec_max in ((1.0, 3), (0.0, 2), (0.6, 4)):
-        m.use_drafter(OracleDrafter(ref, len(ids), accept, m.config.vocab_size, seed=1), spec_max=spec_max)
+        m.use_drafter(OracleDrafter(ref, len(ids), accept, m.config.vocab_size, seed=1, force=False),
+                      spec_max=spec_max)
         m.reset_stats()
         out = m.generate(ids, max_tokens=N, temperature=0)
         t = out.timings
@@ -121,6 +122,27 @@ def test_a_drafter_of_your_own_keeps_greedy_output_and_its_counts(moe_path, plai
     assert "draft_n" not in m.generate(ids, max_tokens=4, temperature=0).timings
     with pytest.raises(ConfigError, match="spec_max"):
         m.use_drafter(OracleDrafter(ref, len(ids), 1.0, 512), spec_max=0)
+
+
+def test_a_benchmark_can_force_the_acceptance(moe_path, plain):
+    """bench/spec.py's forced acceptance (the verify program's accept_n): drafts the model would reject
+    (a constant token) are accepted as many as the oracle says and emitted as drafted; every pass of an
+    always-accepting oracle then emits spec_max + 1 tokens."""
+    m = strata_jax.load(moe_path, ctx=256)
+    ids = m.tokenize(PROMPT)
+    bad = 7 if plain.token_ids[0] != 7 else 8
+    for accept, spec_max in ((1.0, 3), (0.0, 3)):
+        oracle = OracleDrafter([bad] * (N + 8), len(ids), accept, m.config.vocab_size)
+        m.use_drafter(oracle, spec_max=spec_max)
+        out = m.generate(ids, max_tokens=N, temperature=0)
+        t = out.timings
+        if accept == 1.0:
+            assert t["draft_n_accepted"] == t["draft_n"] and t["draft_n"] + oracle.calls == N - 1  # no plain step
+            assert t["draft_n"] >= (oracle.calls - 1) * spec_max
+            assert out.token_ids[1:1 + spec_max] == [bad] * spec_max  # the drafts, not the model's tokens
+        else:
+            assert t["draft_n_accepted"] == 0 and out.token_ids[:4] == plain.token_ids[:4]
+    m.use_drafter(None)
 
 
 def test_verify_pass_looks_each_distinct_expert_up_once(moe_path):

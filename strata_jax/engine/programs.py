@@ -287,7 +287,7 @@ class VerifyOut:
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode",), donate_argnames=STEP_DONATE)
 def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
-           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None):
+           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None, accept_n=None):
     """A speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
     n_valid_1) at the row's position, all logits; sampling.accept_drafts draws the token after each
     position as decode would (the argmax for a greedy row) and accepts the longest prefix of drafts equal
@@ -296,7 +296,9 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     for rejected drafts lie past it, where attention never reads (it masks by position) and the next
     steps overwrite them. A model's recurrent state (DeltaNet, QSA, PLE) cannot be left past the position:
     the pass tapes its recurrent parts' inputs and forward.rewind re-runs them up to the accepted tokens.
-    No constrained rows (their mask needs the host). Returns (VerifyOut, kv, experts, routed [M, T, k],
+    No constrained rows (their mask needs the host). accept_n (int32, benchmarks only: bench/spec.py):
+    accept exactly this many drafts whatever the draws, their tokens emitted as drafted, so a pass's cost
+    can be timed at a chosen acceptance on random weights. Returns (VerifyOut, kv, experts, routed [M, T, k],
     rows)."""
     T = tokens_1T.shape[1]
     start_1 = jax.lax.dynamic_slice_in_dim(rows.pos_B, row, 1)
@@ -308,6 +310,9 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     left = r.left_B[0]
     tokens_T, n_acc, pen, lp = accept_drafts(logits_1TV[0], tokens_1T[0, 1:], n_valid_1[0] - 1, r.key_B2[0],
                                              r.step_B[0], left, r.sp, r.pen, mode)
+    if accept_n is not None:
+        n_acc = jnp.minimum(accept_n, n_valid_1[0] - 1)
+        tokens_T = jnp.where(jnp.arange(T) < n_acc, jnp.concatenate([tokens_1T[0, 1:], tokens_T[-1:]]), tokens_T)
     n_emit = jnp.minimum(n_acc + 1, left)
     # the MTP block's cache over the pass; the hidden state kept is the last emitted token's input's
     kv, _ = _mtp_row(params, kv, rows.tok_B.shape[0], row, tokens_1T, h, start_1, n_valid_1,

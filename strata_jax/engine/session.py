@@ -585,9 +585,11 @@ class Session:
         toks[0, 0], toks[0, 1: len(drafts) + 1] = q.last, drafts
         pos = len(q.fed)
         t_d = time.perf_counter()
+        forced_accept = getattr(self.model.drafter, "accept_n", None)  # a benchmark's oracle (bench/spec.py)
         (out, routed) = self._call(programs.verify, np.int32(r), toks, np.array([len(drafts) + 1], np.int32),
                                    self._stop_St, end=pos + toks.shape[1], mode=q.mode,
-                                   **m.forced_prefill(pos, toks.shape[1]))
+                                   **m.forced_prefill(pos, toks.shape[1]),
+                                   **({} if forced_accept is None else {"accept_n": np.int32(forced_accept)}))
         m.host.dispatch(time.perf_counter() - t_d)
         t_w = time.perf_counter()
         tokens, n_emit, accepted = np.asarray(out.tokens_T), int(out.n_emit), int(out.n_acc)
