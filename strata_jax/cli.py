@@ -222,7 +222,8 @@ def _cmd_generate(args) -> int:
           + (f" ({compiled_first:.1f} s of it compiling)" if compiled_first else "") + "; "
           f"prefill: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms ({t['prompt_per_second']:.1f} tok/s); "
           f"decode: {t['predicted_n']} tokens, {t['decode_per_second']:.1f} tok/s; "
-          + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted; " if "draft_n" in t else "")
+          + (f"drafts: {t['draft_n_accepted']}/{t['draft_n']} accepted in {t['draft_passes']} passes; "
+             if "draft_n" in t else "")
           + (f"compiling: {compiled:.1f} s in all (first run only: {compiling.cache_where()}); " if compiled else "")
           + f"finish: {final.finish_reason}{length_reason(model, args.max_tokens, final)}", file=sys.stderr)
     if config.expert_cache_state is not None:

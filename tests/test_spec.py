@@ -241,6 +241,9 @@ def test_server_timings_report_drafts(moe_path, plain):
     value = lambda f: metrics[f]["samples"][0]["value"]  # noqa: E731
     assert (value("strata_draft_tokens"), value("strata_draft_accepted_tokens")) == (t["draft_n"], t["draft_n_accepted"])
     assert value("strata_draft_acceptance_ratio") == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
+    assert value("strata_verify_passes") == t["draft_passes"] > 0
+    assert value("strata_tokens_per_verify_pass") == pytest.approx((t["draft_n_accepted"] + t["draft_passes"])
+                                                                   / t["draft_passes"])
 
 
 # -- sampling: the target distribution ----------------------------------------------------------------------

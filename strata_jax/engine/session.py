@@ -185,6 +185,7 @@ class _Request:
     spec: Acceptance | None = None  # its speculative decoding's recent acceptance; None: it does not speculate
     draft_n: int = 0  # tokens drafted for it (llama.cpp's names) ...
     draft_n_accepted: int = 0  # ... and how many of them the verify passes accepted
+    draft_passes: int = 0  # verify passes run for it (tokens per pass: (accepted + passes) / passes)
     spec_on: bool = False  # the session speculates: its timings report the draft counts
     spec_max: int = 0  # drafted tokens per verify pass at most: the session's, or fewer if the request asks
     t_prefill: float = 0.0
@@ -200,7 +201,7 @@ class _Request:
         timings = request_timings(len(self.ids) - self.n_cached, self.n_cached, self.t_prefill, len(self.generated),
                                   self.t1, self.t_steady, time.perf_counter(), n_before_steady=1)
         if self.spec_on:
-            timings.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
+            timings.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted, draft_passes=self.draft_passes)
         return self.stream.last(finish, timings, self.ids)
 
 
@@ -602,6 +603,7 @@ class Session:
             m.routing.append(np.asarray(routed).transpose(1, 0, 2)[:n_emit])
         q.draft_n += len(drafts)
         q.draft_n_accepted += accepted
+        q.draft_passes += 1
         q.spec.record(len(drafts), accepted)
         q.planned += n_emit
         if q.t_steady == q.t1:

@@ -50,7 +50,10 @@ class Metrics:
                                       "verify passes accepted", registry=r)
         self.draft_rate = Gauge(p + "draft_acceptance_ratio", "draft_accepted_tokens / draft_tokens since load",
                                 registry=r)
-        self._drafts = (0, 0)  # drafted, accepted: the ratio's terms
+        self.verify_passes = Counter(p + "verify_passes", "Speculative decoding: verify passes run", registry=r)
+        self.tokens_per_pass = Gauge(p + "tokens_per_verify_pass", "Tokens a verify pass emitted on average "
+                                     "(accepted drafts + 1) since load", registry=r)
+        self._drafts = (0, 0, 0)  # drafted, accepted, passes: the ratios' terms
         self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens held in the KV cache (all slots; kept for prefix "
                                "reuse), as of the last request event", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "kv_cache_tokens / (context length x slots)", registry=r)
@@ -79,8 +82,13 @@ class Metrics:
         if timings.get("draft_n"):
             self.drafted.inc(timings["draft_n"])
             self.draft_accepted.inc(timings.get("draft_n_accepted", 0))
-            self._drafts = (self._drafts[0] + timings["draft_n"], self._drafts[1] + timings.get("draft_n_accepted", 0))
-            self.draft_rate.set(self._drafts[1] / self._drafts[0])
+            passes = timings.get("draft_passes", 0)
+            self.verify_passes.inc(passes)
+            d, a, n = (x + y for x, y in zip(self._drafts, (timings["draft_n"], timings.get("draft_n_accepted", 0), passes)))
+            self._drafts = (d, a, n)
+            self.draft_rate.set(a / d)
+            if n:
+                self.tokens_per_pass.set((a + n) / n)
 
     def refresh(self, engine: Any) -> None:
         """Copy the engine's state into the gauges (at scrape time; the snapshot is taken on the engine thread)."""

@@ -403,7 +403,7 @@ TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "pre
                "cache_n")
 
 
-SPEC_TIMING_KEYS = ("draft_n", "draft_n_accepted")  # with speculative decoding on, as llama.cpp's server
+SPEC_TIMING_KEYS = ("draft_n", "draft_n_accepted", "draft_passes")  # speculative decoding on: llama.cpp's, and the passes
 
 
 def timings(t: dict[str, Any] | None) -> dict[str, Any]:
