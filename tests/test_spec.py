@@ -80,6 +80,22 @@ def test_acceptance_pauses_drafting_after_low_acceptance_and_resumes():
         assert a.should_draft()
 
 
+def test_acceptance_drafts_about_what_it_accepts():
+    """The draft count follows the recent acceptance r: one more than the r / (1 - r) drafts a pass accepts in a
+    run on average, at least 1, at most n_max; all accepted or nothing recorded yet: n_max; not adaptive: n_max."""
+    a = Acceptance()
+    assert a.draft_count(6) == 6
+    for drafted, accepted, want in ((4, 4, 6), (4, 2, 2), (4, 3, 4), (8, 1, 2)):
+        a = Acceptance()
+        for _ in range(lookup.WINDOW - 1):
+            a.record(drafted, accepted)
+        assert a.draft_count(6) == want, (drafted, accepted)
+    a = Acceptance(adaptive=False)
+    for _ in range(3 * lookup.WINDOW):
+        a.record(4, 0)
+        assert a.should_draft() and a.draft_count(6) == 6
+
+
 # -- identical greedy tokens ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("slots", [None, 8], ids=["resident", "offloaded"])

@@ -29,7 +29,7 @@ class OracleDrafter:
                  force: bool = True):
         self.ref, self.prompt_len, self.accept, self.vocab, self.force = list(ref), prompt_len, accept, vocab, force
         self.rng = np.random.default_rng(seed)
-        self.accept_n: int | None = None
+        self.accept_n: int | None = 0 if force else None  # set (forced) by each call
         self.calls = 0  # drafts made: the verify passes
 
     def __call__(self, seq: Sequence[int], n_max: int) -> list[int]:

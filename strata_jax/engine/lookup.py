@@ -5,13 +5,15 @@ occurs earlier proposes the tokens that followed its latest earlier occurrence. 
 context (code being edited, quoted passages) is drafted well; elsewhere there is often no match, and
 the session takes a plain decode step.
 
-`Acceptance` is the adaptive part: after a few passes that accepted little, a row drafts nothing for a
-while, so a prompt that does not repeat itself pays (almost) nothing for speculation.
+`Acceptance` is the adaptive part (every drafter's): a row drafts about as many tokens as its recent passes
+accepted in a run, plus one, and after a few passes that accepted little it drafts nothing for a while, so
+a prompt that does not repeat itself pays (almost) nothing for speculation.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,11 +45,22 @@ def lookup_draft(seq: Sequence[int], n_max: int, ngram_max: int = NGRAM_MAX, ngr
 
 
 class Acceptance:
-    """A row's recent verify passes (drafted, accepted): whether its next step should draft."""
+    """A row's recent verify passes (drafted, accepted): whether its next step should draft, and how many.
+    adaptive False: always the most (a benchmark's forced acceptance: bench/spec.py)."""
 
-    def __init__(self):
+    def __init__(self, adaptive: bool = True):
         self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=WINDOW)
         self.cooldown = 0
+        self.adaptive = adaptive
+
+    def draft_count(self, n_max: int) -> int:
+        """Tokens to draft, at most n_max: with a per-token acceptance r over the window, a pass accepts
+        r / (1 - r) drafts in a run on average; drafting one more than that wastes little of the pass."""
+        d = sum(x for x, _ in self.recent)
+        if not self.adaptive or not d:
+            return n_max
+        r = sum(y for _, y in self.recent) / d
+        return n_max if r >= 1 else max(1, min(n_max, math.ceil(r / (1 - r)) + 1))
 
     def should_draft(self) -> bool:
         if self.cooldown:
@@ -57,7 +70,7 @@ class Acceptance:
 
     def record(self, drafted: int, accepted: int) -> None:
         self.recent.append((drafted, accepted))
-        if len(self.recent) == WINDOW:
+        if self.adaptive and len(self.recent) == WINDOW:
             d = sum(x for x, _ in self.recent)
             if d and sum(y for _, y in self.recent) / d < MIN_RATE:
                 self.cooldown = COOLDOWN

@@ -373,7 +373,7 @@ class Session:
             q.spec_on = True
             q.spec_max = self.spec_max if spec_max is None else min(spec_max, self.spec_max)
             if constraint is None and q.spec_max > 0:
-                q.spec = Acceptance()
+                q.spec = Acceptance(adaptive=getattr(m.drafter, "accept_n", None) is None)  # not a forced one
             elif constraint is not None:
                 log.info("spec %s: this request decodes without speculation (it has a grammar, whose mask for each "
                          "token needs the host)", self.spec)
@@ -572,6 +572,7 @@ class Session:
         n_max = min(q.spec_max, q.max_tokens - q.planned - 1)  # the bonus token is one more
         if n_max < 1 or not q.spec.should_draft():
             return None
+        n_max = q.spec.draft_count(n_max)
         seq = q.fed + [q.last]
         if self.spec == "mtp":
             drafts = self._mtp_draft(r, len(q.fed))[:n_max]
