@@ -1,5 +1,6 @@
-"""The engine's two jitted programs over a session of B rows: `prefill` (one chunk of one row's prompt,
-then that row's first token) and `decode` (up to n_max tokens for every live row, the loop on the device).
+"""The engine's jitted programs over a session of B rows: `prefill` (one chunk of one row's prompt, then that
+row's first token) and `decode` (up to n_max tokens for every live row, the loop on the device); for
+speculative decoding `verify` (one row's drafts in one pass) and `mtp_draft` (its MTP block's drafts).
 
 Why a loop on the device: a decode step of a 48-layer MoE is ~1,600 kernels; launched from the host one
 step at a time, the launch costs as much as the step. `decode` runs a `while_loop` whose body is one
@@ -135,27 +136,32 @@ def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, token
     return logits, kv, split_provider(experts)[0], routed, h
 
 
-def _mtp_row(params, kv: KVCache, B: int, row, tokens_1T, h_1TD, start_1, n_valid_1, keep_1, *, cfg, dtype, kernels,
+def _mtp_of_row(kv: KVCache, row):
+    """Row `row` of the cache's MTP state (its leaves have the batch on axis 1), and what puts one back."""
+    B = kv.mtp.h_1BD.shape[1]
+    take = lambda a: a if B == 1 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1)  # noqa: E731
+    return jax.tree.map(take, kv.mtp), lambda st: kv.replace(mtp=st if B == 1 else _set_row(kv.mtp, row, st, axis=1))
+
+
+def _mtp_row(params, kv: KVCache, row, tokens_1T, h_1TD, start_1, n_valid_1, keep_1, *, cfg, dtype, kernels,
              attn_len, attn_block, all_logits=False):
     """mtp.process on row `row` of the cache's MTP state (a no-op without one). Returns (kv, its logits or None)."""
     if kv.mtp is None:
         return kv, None
-    take = lambda a: a if B == 1 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1)  # noqa: E731
-    logits, st = mtp.process(params, jax.tree.map(take, kv.mtp), tokens_1T, h_1TD, start_1, n_valid_1, keep_1, cfg=cfg,
-                             dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
-                             all_logits=all_logits)
-    return kv.replace(mtp=st if B == 1 else _set_row(kv.mtp, row, st, axis=1)), logits
+    st, put = _mtp_of_row(kv, row)
+    logits, st = mtp.process(params, st, tokens_1T, h_1TD, start_1, n_valid_1, keep_1, cfg=cfg, dtype=dtype,
+                             kernels=kernels, attn_len=attn_len, attn_block=attn_block, all_logits=all_logits)
+    return put(st), logits
 
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("n",), donate_argnames=("kv",))
 def mtp_draft(params, kv: KVCache, rows: RowState, row, *, cfg, dtype, kernels, attn_len, n: int, attn_block=None):
     """n greedy MTP drafts [n] for row `row` after its last token (model/mtp.py draft); returns (drafts, kv)."""
-    B = rows.tok_B.shape[0]
-    take = lambda a: a if B == 1 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1)  # noqa: E731
+    st, put = _mtp_of_row(kv, row)
     one = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1)  # noqa: E731
-    drafts_1N, st = mtp.draft(params, jax.tree.map(take, kv.mtp), one(rows.tok_B), one(rows.pos_B), n, cfg=cfg,
-                              dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block)
-    return drafts_1N[0], kv.replace(mtp=st if B == 1 else _set_row(kv.mtp, row, st, axis=1))
+    drafts_1N, st = mtp.draft(params, st, one(rows.tok_B), one(rows.pos_B), n, cfg=cfg, dtype=dtype, kernels=kernels,
+                              attn_len=attn_len, attn_block=attn_block)
+    return drafts_1N[0], put(st)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
@@ -175,9 +181,8 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
     logits, kv, experts, routed, h = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1,
                                                   cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
                                                   attn_len=attn_len, attn_block=attn_block, forced=forced)
-    kv, mtp_logits = _mtp_row(params, kv, rows.tok_B.shape[0], row, tokens_1T, h, start_1, n_valid_1, n_valid_1 - 1,
-                              cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
-                              all_logits=all_logits)
+    kv, mtp_logits = _mtp_row(params, kv, row, tokens_1T, h, start_1, n_valid_1, n_valid_1 - 1, cfg=cfg, dtype=dtype,
+                              kernels=kernels, attn_len=attn_len, attn_block=attn_block, all_logits=all_logits)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
     pen = PenaltyState(jnp.zeros(last_1V.shape, jnp.int32), req.recent_1W)
     mode = SamplingMode(*(req.mode_3[i] for i in range(3)))  # traced: one program for every request
@@ -315,9 +320,8 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
         tokens_T = jnp.where(jnp.arange(T) < n_acc, jnp.concatenate([tokens_1T[0, 1:], tokens_T[-1:]]), tokens_T)
     n_emit = jnp.minimum(n_acc + 1, left)
     # the MTP block's cache over the pass; the hidden state kept is the last emitted token's input's
-    kv, _ = _mtp_row(params, kv, rows.tok_B.shape[0], row, tokens_1T, h, start_1, n_valid_1,
-                     jnp.maximum(n_emit - 1, 0).reshape(1), cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len,
-                     attn_block=attn_block)
+    kv, _ = _mtp_row(params, kv, row, tokens_1T, h, start_1, n_valid_1, jnp.maximum(n_emit - 1, 0).reshape(1),
+                     cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block)
     if tape:  # the row's recurrent state after its last token and the accepted drafts only
         before, taped = taped[0]
         rec = rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg, kernels=kernels,
