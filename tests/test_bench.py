@@ -82,6 +82,19 @@ def test_rows(bench_run):
     assert len(res["model"]["token_ids"]) == len(res["realistic"]["token_ids"]) == 8
 
 
+def test_a_drafter_decodes_the_rows(tmp_path):
+    """--spec: the decode runs with that drafter and its rows carry the draft counts; a bad one is refused
+    before anything loads."""
+    from strata_jax.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "--shape", "tiny", "--tokens", "12", "--prompt-len", "8", "--no-resident", "--spec",
+                 "lookup", "--spec-max", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row and row["draft_n"] >= row["draft_n_accepted"] >= 0 and "draft_passes" in row
+    assert main(["bench", "--shape", "tiny", "--spec", "guess", "--out", str(tmp_path / "bad.json")]) == 2
+
+
 def test_failures_are_rows(tmp_path, monkeypatch):
     """A configuration that cannot load, and a prefill that fails, become rows that say so; the rest of the
     run goes on (the decode figures of the failed prefill's row stay, the next mode gets a fresh model)."""

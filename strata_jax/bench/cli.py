@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--vram-budget)")
     p.add_argument("--peer-reps", type=_positive, default=3)
     p.add_argument("--peer-threads", type=_positive, default=None)
+    p.add_argument("--spec", default=None, metavar="{lookup,mtp,draft:PATH}",
+                   help="decode with this drafter (speculative decoding, as generate's --spec): the rows carry "
+                        "draft_n, draft_n_accepted and draft_passes; random weights accept little")
+    p.add_argument("--spec-max", type=_positive, default=4, help="with --spec: drafted tokens per pass at most")
     p.add_argument("--spec-pass", type=_positive, action="append", default=None, metavar="K",
                    help="after each decode, decode again speculatively with verify passes of K tokens (the last "
                         "token and K - 1 drafts from an oracle that knows the greedy output; repeatable): the cost "
@@ -149,6 +153,8 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
     if args.prefill_chunk:
         argv += ["--prefill-chunk", str(args.prefill_chunk)]
     argv += ["--layer-scan", args.layer_scan]
+    if args.spec:
+        argv += ["--spec", args.spec, "--spec-max", str(args.spec_max)]
     log.info("resident reference in a child process without the VRAM cap: %s", shlex.join(argv))
     proc = subprocess.run(argv, env=dict(machine.uncapped_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
     try:
@@ -260,7 +266,8 @@ def check_engine_options(args) -> None:
         EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
                             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
-                            layer_scan=args.layer_scan, expert_fetch=args.expert_fetch)
+                            layer_scan=args.layer_scan, expert_fetch=args.expert_fetch, spec=args.spec,
+                            spec_max=args.spec_max)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,8 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
         shared["decode_chunk"] = args.decode_chunk
     if getattr(args, "prefill_chunk", None) is not None:
         shared["prefill_chunk"] = EngineConfig.create(flags=True, prefill_chunk=args.prefill_chunk).prefill_chunk
+    if getattr(args, "spec", None) is not None:  # a real drafter: the decode rows carry its counts
+        shared.update(spec=args.spec, spec_max=args.spec_max)
     return [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
 
 
@@ -113,6 +115,7 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"), "prefill_chunk": model.prefill_chunk,
         "token_ids": gen.token_ids,
     }
+    row.update({k: gen.timings[k] for k in ("draft_n", "draft_n_accepted", "draft_passes") if k in gen.timings})
     row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes))
     return row
 
