@@ -121,14 +121,16 @@ def test_mtp_logits_match_the_reference(arch):
     assert not np.allclose(ours, _engine(tm).logits(ids), atol=1e-2)
 
 
-@pytest.mark.parametrize("arch,slots", [("qwen35-mtp", None), ("qwen3next-mtp", None), ("qwen3next-mtp", 10),
-                                        ("glm4moe", 6)])
-def test_greedy_mtp_spec_equals_plain_decode(arch, slots):
-    """MTP drafts verified in one pass: the greedy tokens are plain decode's (resident and offloaded), the
-    drafts are counted, and a second request on the same row continues as plain decode does."""
+@pytest.mark.parametrize("arch,slots,kv", [("qwen35-mtp", None, "f16"), ("qwen3next-mtp", None, "f16"),
+                                           ("qwen3next-mtp", 10, "f16"), ("glm4moe", 6, "f16"),
+                                           ("qwen35-mtp", None, "q8_0")])
+def test_greedy_mtp_spec_equals_plain_decode(arch, slots, kv):
+    """MTP drafts verified in one pass: the greedy tokens are plain decode's (resident and offloaded, and with
+    a quantized KV cache, which the block's cache then shares), the drafts are counted, and a second request
+    on the same row continues as plain decode does."""
     tm = _model(arch)
     ids = _ids(tm, 29)
-    kw = {} if slots is None else {"expert_slots": slots}
+    kw = ({} if slots is None else {"expert_slots": slots}) | {"kv": kv}
     spec, plain = _engine(tm, spec="mtp", spec_max=3, **kw), _engine(tm, **kw)
     assert spec.cache_plan is None or spec.cache_plan.resident == (slots is None)
     a, b = spec.generate(ids, max_tokens=24, temperature=0), plain.generate(ids, max_tokens=24, temperature=0)
