@@ -191,3 +191,20 @@ def test_the_mtp_cache_travels_with_a_conversation():
     assert back.timings["cache_n"] > 0
     assert (back.timings["draft_n"], back.timings["draft_n_accepted"]) == \
         (in_row.timings["draft_n"], in_row.timings["draft_n_accepted"])
+
+
+def test_a_pass_drafts_the_next_as_a_draft_call_would():
+    """With MTP the verify pass also drafts the next pass's tokens (one call less per pass): after each pass
+    they equal what a separate draft call at that point gives, and they are used."""
+    tm = hybrid_model("qwen3next-mtp")
+    m = _engine(tm, spec="mtp", spec_max=3)
+    s = m.session()
+    row, _ = s.admit(_ids(tm, 25), max_tokens=20, temperature=0, cache_prompt=False)
+    checked = 0
+    while row in s.active_rows:
+        s.step()
+        q = s._reqs[row]
+        if q is not None and q.next_drafts is not None and q.next_drafts[0] == len(q.fed):
+            assert s._mtp_draft(row, len(q.fed)) == q.next_drafts[1]
+            checked += 1
+    assert checked >= 2

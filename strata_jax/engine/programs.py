@@ -288,11 +288,12 @@ class VerifyOut:
     n_emit: jax.Array  # int32 scalar: tokens the pass produced (accepted drafts + the bonus, capped by tokens left)
     n_acc: jax.Array  # int32 scalar: drafts accepted (n_emit may cut them shorter)
     logprobs: Logprobs | None  # fields [T, 1, ...] (mode.logprobs), else None
+    next_drafts: jax.Array | None = None  # with draft_next: the MTP block's drafts after the pass's last token
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode",), donate_argnames=STEP_DONATE)
+@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "draft_next"), donate_argnames=STEP_DONATE)
 def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
-           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None, accept_n=None):
+           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None, accept_n=None, draft_next: int = 0):
     """A speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
     n_valid_1) at the row's position, all logits; sampling.accept_drafts draws the token after each
     position as decode would (the argmax for a greedy row) and accepts the longest prefix of drafts equal
@@ -301,7 +302,9 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     for rejected drafts lie past it, where attention never reads (it masks by position) and the next
     steps overwrite them. A model's recurrent state (DeltaNet, QSA, PLE) cannot be left past the position:
     the pass tapes its recurrent parts' inputs and forward.rewind re-runs them up to the accepted tokens.
-    No constrained rows (their mask needs the host). accept_n (int32, benchmarks only: bench/spec.py):
+    No constrained rows (their mask needs the host). draft_next (static; an MTP state in the cache): also
+    draft that many tokens after the pass's last one with the MTP block (as mtp_draft would, one call less
+    per pass; attn_len must reach draft_next positions further). accept_n (int32, benchmarks only: bench/spec.py):
     accept exactly this many drafts whatever the draws, their tokens emitted as drafted, so a pass's cost
     can be timed at a chosen acceptance on random weights. Returns (VerifyOut, kv, experts, routed [M, T, k],
     rows)."""
@@ -333,4 +336,10 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
         r, tok_B=one(tokens_T[jnp.maximum(n_emit - 1, 0)]), pos_B=start_1 + n_emit, step_B=r.step_B + n_emit,
         left_B=r.left_B - n_emit, live_B=r.live_B & ~stopped & (left - n_emit > 0), pen=pen)
     rows = _set_row(rows, row, state)
-    return (VerifyOut(tokens_T, n_emit, n_acc, lp if mode.logprobs else None), kv, experts, routed, rows)
+    nxt = None
+    if draft_next and kv.mtp is not None:
+        st, put = _mtp_of_row(kv, row)
+        nxt, st = mtp.draft(params, st, state.tok_B, state.pos_B, draft_next, cfg=cfg, dtype=dtype, kernels=kernels,
+                            attn_len=attn_len, attn_block=attn_block)
+        kv, nxt = put(st), nxt[0]
+    return (VerifyOut(tokens_T, n_emit, n_acc, lp if mode.logprobs else None, nxt), kv, experts, routed, rows)

@@ -187,6 +187,7 @@ class _Request:
     draft_n: int = 0  # tokens drafted for it (llama.cpp's names) ...
     draft_n_accepted: int = 0  # ... and how many of them the verify passes accepted
     draft_passes: int = 0  # verify passes run for it (tokens per pass: (accepted + passes) / passes)
+    next_drafts: tuple[int, list[int]] | None = None  # MTP drafts a pass made for the next: (position, tokens)
     spec_on: bool = False  # the session speculates: its timings report the draft counts
     spec_max: int = 0  # drafted tokens per verify pass at most: the session's, or fewer if the request asks
     t_prefill: float = 0.0
@@ -575,8 +576,9 @@ class Session:
             return None
         n_max = q.spec.draft_count(n_max)
         seq = q.fed + [q.last]
-        if self.spec == "mtp":
-            drafts = self._mtp_draft(r, len(q.fed))[:n_max]
+        if self.spec == "mtp":  # the previous pass drafted them, if it ended where this row now is
+            ahead = q.next_drafts if q.next_drafts is not None and q.next_drafts[0] == len(q.fed) else None
+            drafts = (ahead[1] if ahead is not None else self._mtp_draft(r, len(q.fed)))[:n_max]
         elif self.model.drafter is not None:
             drafts = self.model.drafter(seq, n_max)
         else:
@@ -589,13 +591,15 @@ class Session:
         pos = len(q.fed)
         t_d = time.perf_counter()
         forced_accept = getattr(self.model.drafter, "accept_n", None)  # a benchmark's oracle (bench/spec.py)
+        ahead = self.spec_max if self.spec == "mtp" else 0  # the MTP block drafts the next pass's tokens in this one
         (out, routed) = self._call(programs.verify, np.int32(r), toks, np.array([len(drafts) + 1], np.int32),
-                                   self._stop_St, end=pos + toks.shape[1], mode=q.mode,
+                                   self._stop_St, end=pos + toks.shape[1] + ahead, mode=q.mode, draft_next=ahead,
                                    **m.forced_prefill(pos, toks.shape[1]),
                                    **({} if forced_accept is None else {"accept_n": np.int32(forced_accept)}))
         m.host.dispatch(time.perf_counter() - t_d)
         t_w = time.perf_counter()
         tokens, n_emit, accepted = np.asarray(out.tokens_T), int(out.n_emit), int(out.n_acc)
+        q.next_drafts = None if out.next_drafts is None else (pos + n_emit, np.asarray(out.next_drafts).tolist())
         lps = jax.device_get(out.logprobs) if out.logprobs is not None else None
         now = time.perf_counter()
         m.host.wait(now - t_w, 1)
