@@ -379,13 +379,20 @@ pipeline12() {
 
 # PART=13 (after PART=12: the oracle drafted plain decode's greedy tokens, which the bf16 verify pass does not
 # always reproduce, so its acceptance fell short of the forced one and drafting paused): issue 18's verify
-# passes of 2, 4 and 8 tokens on qseed under 32 GiB with the acceptance forced in the pass (bench/spec.py)
+# passes of 2, 4 and 8 tokens on qseed under 32 GiB with the acceptance forced in the pass (bench/spec.py);
+# then issue 33's prefill reading the cached experts in place (STRATA_JAX_PREFILL_CACHED=1) against copying
+# them all, 4,096 and 64 tokens after the decode has warmed the cache
 pipeline13() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   qseed_file
   phase spec-qseed 320 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic --vram-budget 32GiB \
     --no-resident --spec-pass 2 --spec-pass 4 --spec-pass 8 --spec-accept 1 --spec-accept 0.8 --spec-accept 0.6 \
     --out "$S/data-spec-qseed.json"
+  local p=(--shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 --prefill-len 64
+           --vram-budget 32GiB --no-resident)
+  phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
+  phase prefill-cached 200 env STRATA_JAX_PREFILL_CACHED=1 "$PY" -m strata_jax.cli bench "${p[@]}" --label cached \
+    --out "$S/data-prefill-cached.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json"; }

@@ -50,10 +50,10 @@ class OnePool:
     def prefetch(self, moe_idx, predicted, after):
         return self, after
 
-    def stream(self, moe_idx):
+    def stream(self, moe_idx, cached=False):
         return self.count(moe_idx, streamed=self.n_experts)
 
-    def group(self, moe_idx, first_expert, n):
+    def group(self, moe_idx, first_expert, n, cached=False):
         start = moe_idx * self.n_experts + first_expert
         return ExpertRows(jax.lax.dynamic_slice_in_dim(self.rows.data, start, n, axis=0), self.rows.parts)
 

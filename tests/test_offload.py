@@ -324,6 +324,29 @@ def test_grouped_prefill_equals_dense(moe_path):
         Kernels(moe_prefill="sparse")
 
 
+def test_a_prefill_reads_the_cached_experts_in_place(moe_path):
+    """Kernels.prefill_cached: a many-token step takes the experts its cache holds from their slots and
+    copies only the others from the store. The logits are those of copying them all (the same bytes), and
+    the streamed count is only what was not cached: after a decode has filled the cache, fewer."""
+    import dataclasses
+
+    from strata_jax.model.kernels import Kernels
+
+    ids = list(range(3, 40))
+    ref = strata_jax.load(moe_path, ctx=128, expert_slots=10)
+    on = strata_jax.load(moe_path, ctx=128, expert_slots=10, kernels=dataclasses.replace(Kernels(), prefill_cached="on"))
+    assert not on.cache_plan.resident
+    for m in (ref, on):
+        m.generate(ids[:6], max_tokens=6, temperature=0)  # a decode fills part of each layer's cache
+        m.reset_stats()
+    np.testing.assert_array_equal(on.logits(ids), ref.logits(ids))
+    total = on.config.n_experts * len(on.config.moe_layers)
+    assert ref.experts.counters()[:, 2].sum() == total  # every expert streamed
+    assert 0 < on.experts.counters()[:, 2].sum() <= total - 10 + len(on.config.moe_layers)
+    with pytest.raises(ValueError, match="prefill_cached"):
+        Kernels(prefill_cached="yes")
+
+
 def test_short_prompt_routing_more_experts_than_a_pool_holds(tmp_path):
     """A 16-token prefill bucket at top-2 can route 32 experts of 64 at once, more than a per-layer pool
     of 8 slots: it must stream the layer like a long prompt (it used to fail in the policy: '32 experts

@@ -211,12 +211,14 @@ class ExpertProvider(Protocol):
         """Once `after` (the layer's output, so its reads of the pool) is computed, admit and fetch the
         experts predicted for later layers ((MoE index, ids_Nk), nearest first). Returns (provider, after)."""
 
-    def stream(self, moe_idx: int) -> "ExpertProvider":
-        """A many-token step is about to read every expert of the layer (counts what that moves)."""
+    def stream(self, moe_idx: int, cached: bool = False) -> "ExpertProvider":
+        """A many-token step is about to read every expert of the layer (counts what that moves; cached:
+        only the experts its cache does not hold)."""
 
-    def group(self, moe_idx: int, first_expert: jax.Array, n: int) -> ExpertRows:
+    def group(self, moe_idx: int, first_expert: jax.Array, n: int, cached: bool = False) -> ExpertRows:
         """Experts first_expert .. first_expert + n - 1 of the layer, on the device (inside a scan step:
-        the device holds one group, never the layer)."""
+        the device holds one group, never the layer). cached: those the cache holds are read from their
+        slots and only the others copied in."""
 
     def layer(self, moe_idx: int) -> ExpertRows:
         """All E experts of the layer on the device, row e = expert e."""

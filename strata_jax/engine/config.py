@@ -218,8 +218,8 @@ def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
 # -- the environment's defaults ---------------------------------------------------------------------------
 
 def kernels_from_env() -> Kernels:
-    """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL and
-    STRATA_JAX_STATE_ROWS (as QMATVEC)."""
+    """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL,
+    STRATA_JAX_STATE_ROWS (as QMATVEC) and STRATA_JAX_PREFILL_CACHED (1 on, else off)."""
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
@@ -233,8 +233,13 @@ def kernels_from_env() -> Kernels:
     if rows not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_STATE_ROWS={rows!r} is invalid: set 1 (the row kernels for the scanned "
                           "layers' recurrent state), 0 (dynamic slices) or leave it unset (auto: the kernels on a GPU).")
+    cached = os.environ.get("STRATA_JAX_PREFILL_CACHED", "")
+    if cached not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_PREFILL_CACHED={cached!r} is invalid: set 1 (a prefill reads the experts the "
+                          "cache holds from their slots, copying only the others) or 0 / unset (it copies them all).")
     on_off = {"": "auto", "0": "off", "1": "on"}
-    return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows])
+    return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows],
+                   prefill_cached="on" if cached == "1" else "off")
 
 
 def compilation_cache_from_env() -> bool:

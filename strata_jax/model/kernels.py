@@ -31,6 +31,9 @@ class Kernels:
     # by the row kernels of core/hostrows.py ("on"), by dynamic slices ("off"; XLA's memcpy thunk for one
     # keeps the scan out of its command buffers on a GPU), "auto": the kernels on a GPU
     state_rows: str = "auto"
+    # an offloaded model's many-token MoE step (dense/blocked prefill): "on" reads the experts the cache holds
+    # from their slots and copies only the others from the host store; "off" copies every expert of a group
+    prefill_cached: str = "off"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -41,5 +44,7 @@ class Kernels:
             raise ValueError(f"moe_prefill={self.moe_prefill!r}: choose one of {MOE_PREFILL}")
         if self.state_rows not in QMATVEC:
             raise ValueError(f"state_rows={self.state_rows!r}: choose one of {QMATVEC}")
+        if self.prefill_cached not in ("on", "off"):
+            raise ValueError(f"prefill_cached={self.prefill_cached!r}: choose 'on' or 'off'")
         if self.mla not in MLA_FORMS:
             raise ValueError(f"mla={self.mla!r}: choose one of {MLA_FORMS}")

@@ -19,7 +19,7 @@ from flax import struct
 from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
-from strata_jax.offload.policies import Policy
+from strata_jax.offload.policies import Plan, Policy
 from strata_jax.offload.slot_table import SlotTable
 from strata_jax.offload.store import ExpertStore
 
@@ -74,17 +74,27 @@ class SlotExperts:
             prefetched = prefetched + plan.n_misses.astype(jnp.int32)
         return self.replace(table=table).count(moe_idx, prefetched=prefetched), after
 
-    def stream(self, moe_idx: int) -> "SlotExperts":
+    def stream(self, moe_idx: int, cached: bool = False) -> "SlotExperts":
         if self.resident:
             return self
+        if cached:
+            return self.count(moe_idx, streamed=jnp.sum(self.table.slot_map(moe_idx, self._rows) < 0))
         return self.count(moe_idx, streamed=self.table.n_experts)
 
-    def group(self, moe_idx, first_expert: jax.Array, n: int) -> ExpertRows:
+    def group(self, moe_idx, first_expert: jax.Array, n: int, cached: bool = False) -> ExpertRows:
         if self.resident:
             pool = self.table.pool(moe_idx)
             at = self.table.local(moe_idx) * self.table.n_experts + first_expert
             return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, at, n, axis=0), pool.parts)
-        return stream_group(self.store, moe_idx, first_expert, n)
+        if not cached:
+            return stream_group(self.store, moe_idx, first_expert, n)
+        # the group's experts the cache holds come from their slots, the others from the store (one fetch)
+        pool = self.table.pool(moe_idx)
+        slot_n = jax.lax.dynamic_slice_in_dim(self.table.slot_map(moe_idx, self._rows), first_expert, n)
+        rows = ExpertRows(pool.data[jnp.maximum(slot_n, 0)], pool.parts)
+        ids_n = first_expert + jnp.arange(n, dtype=jnp.int32)
+        plan = Plan(ids_n, jnp.arange(n, dtype=jnp.int32), slot_n < 0, jnp.full((n,), -1, jnp.int32))
+        return fetch_misses(rows, self.store, moe_idx, plan)
 
     def layer(self, moe_idx) -> ExpertRows:
         if self.resident:

@@ -164,16 +164,17 @@ def prefill_group_bytes(n_tokens: int, n_experts: int, ffn_dim: int, d_model: in
     return g * _prefill_expert_bytes(n_tokens, ffn_dim, d_model, jnp.dtype(dtype).itemsize)
 
 
-def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: int, dtype, bias):
+def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: int, dtype, bias, cached=False):
     """Experts first .. first + n - 1 of a prefill's scan step: their gate, up and down weights dequantized
-    (offloaded, copied from the host store in that step) and their biases (Nones without)."""
-    rows = experts.group(moe_idx, first, n)
+    (offloaded, copied from the host store in that step; cached: only those the cache does not hold) and
+    their biases (Nones without)."""
+    rows = experts.group(moe_idx, first, n, cached)
     biases = (None,) * 3 if bias is None else tuple(jax.lax.dynamic_slice_in_dim(b, first, n) for b in bias)
     return _dequant_rows(rows, rows.data, dtype), biases
 
 
 def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
-                   cfg: ModelConfig | None = None, bias=None):
+                   cfg: ModelConfig | None = None, bias=None, cached: bool = False):
     """Every token through every expert, weighted by its routing weight (zero where it did not route):
     E/k times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
     weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
@@ -195,7 +196,7 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
 
     def group(acc_ND, xs):
         first, combine_NJ = xs
-        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias)
+        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias, cached)
         g = _plus(jnp.einsum("nd,gfd->ngf", x_ND, g_JFD, preferred_element_type=f32), bg)
         u = _plus(jnp.einsum("nd,gfd->ngf", x_ND, u_JFD, preferred_element_type=f32), bu)
         h = expert_glu(g, u, cfg) * combine_NJ[:, :, None]
@@ -208,7 +209,7 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
 
 
 def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
-                     cfg: ModelConfig | None = None, bias=None):
+                     cfg: ModelConfig | None = None, bias=None, cached: bool = False):
     """Every (token, expert) pair computed once, within the dense path's scan over streamed groups of
     experts: the pairs sorted by expert, each expert of a group multiplies a block of up to `cap` of its
     rows (one batched GEMM over the group's experts), and a group holding a busier expert takes more
@@ -226,7 +227,7 @@ def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, 
     J = _prefill_group(cap, n_experts, ffn_dim, D, dtype)
 
     def group(y_PD, first):
-        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias)
+        (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias, cached)
         size_J, start_J = (jax.lax.dynamic_slice_in_dim(a, first, J) for a in (sizes_E, starts_E))
 
         def block(r, y_PD):
@@ -326,10 +327,11 @@ def moe_block(
         out_ND = _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
-        experts = experts.stream(moe_idx)
         impl = _many_token_impl(kernels)
+        cached = kernels.prefill_cached == "on" and impl is not _experts_grouped  # Kernels.prefill_cached
+        experts = experts.stream(moe_idx, cached)
         if impl is not _experts_grouped:
-            out_ND = impl(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias)
+            out_ND = impl(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias, cached)
         else:
             out_ND = _experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(moe_idx), dtype, E, cfg, bias)
     if predicted_Nk is not None:
