@@ -19,7 +19,9 @@ def report(dump: pathlib.Path) -> None:
     for f in sorted(dump.glob("*after_optimizations.txt")):
         text = f.read_text()
         comps = {m.group(1): m.start() for m in re.finditer(r"^%?([\w.\-]+) .*\{$", text, re.M)}
-        for m in re.finditer(r"^\s*(%[\w.\-]+) = .*fusion\(.*calls=(%?[\w.\-]+).*dynamic.*$", text, re.M):
+        # a loop fusion of a dynamic slice, or a custom one of a library call at a dynamic address
+        # (XLA's dynamic-slice fusion rewriter: "dynamic_address_computation", "address_computation")
+        for m in re.finditer(r"^\s*(%[\w.\-]+) = .*fusion\(.*calls=(%?[\w.\-]+).*(dynamic|address).*$", text, re.M):
             print(f"== {f.name}: {m.group(0).strip()[:400]}")
             at = comps.get(m.group(2).lstrip("%"))
             if at is None:
