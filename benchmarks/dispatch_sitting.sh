@@ -393,8 +393,10 @@ pipeline13() {
   phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
   phase prefill-cached 200 env STRATA_JAX_PREFILL_CACHED=1 "$PY" -m strata_jax.cli bench "${p[@]}" --label cached \
     --out "$S/data-prefill-cached.json"
+  # which library calls read a loop-dependent slice (the 6 loops PART=12 left out; dsf_report now lists them)
+  logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
   note "pipeline: done"
 }
-[ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json"; }
+[ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
 
 sitting_main "$@"
