@@ -64,7 +64,9 @@ def block_params(params: Any, j: int = 0) -> Any:
 
 
 def state_zeros(cfg: ModelConfig, batch: int, length: int, dtype, kv: str = "f16") -> MTPState:
-    return MTPState(KVCache.zeros(block_config(cfg), batch, length, dtype, kv=kv), jnp.zeros((1, batch, cfg.d_model), dtype))
+    """An empty state: the block's cache (kv: its storage, as the trunk's) and zero hidden states."""
+    return MTPState(KVCache.zeros(block_config(cfg), batch, length, dtype, kv=kv),
+                    jnp.zeros((1, batch, cfg.d_model), dtype))
 
 
 def _inputs(params: Any, tokens_BT: jax.Array, h_BTD: jax.Array, cfg: ModelConfig, dtype, kernels: Kernels) -> jax.Array:
@@ -96,8 +98,8 @@ def process(params: Any, state: MTPState, tokens_BT: jax.Array, h_BTD: jax.Array
     return (out[0] if all_logits else None), MTPState(out[1], h_BD[None])
 
 
-def draft(params: Any, state: MTPState, tok_B: jax.Array, pos_B: jax.Array, n: int, *, cfg: ModelConfig, dtype, kernels: Kernels, attn_len: int | None = None,
-          attn_block: int | None = None) -> tuple[jax.Array, MTPState]:
+def draft(params: Any, state: MTPState, tok_B: jax.Array, pos_B: jax.Array, n: int, *, cfg: ModelConfig, dtype,
+          kernels: Kernels, attn_len: int | None = None, attn_block: int | None = None) -> tuple[jax.Array, MTPState]:
     """n greedy drafts per row [B, n] after its last token tok_B (at position pos_B, not yet run by the
     trunk), chained through the block's own hidden state; the state with the draft's cache entries."""
     mcfg, mparams = block_config(cfg), block_params(params)
@@ -106,9 +108,9 @@ def draft(params: Any, state: MTPState, tok_B: jax.Array, pos_B: jax.Array, n: i
     def step(carry, j):
         tok, h, kv = carry
         x = _inputs(params, tok[:, None], h[:, None], cfg, dtype, kernels)
-        logits_BV, kv, _, _, h_BTD = forward(mparams, params.nextn[0].experts, kv, tok[:, None], pos_B + j, ones, cfg=mcfg, dtype=dtype,
-                                             kernels=kernels, attn_len=attn_len, attn_block=attn_block, x_BTD=x,
-                                             hidden=True)
+        logits_BV, kv, _, _, h_BTD = forward(mparams, params.nextn[0].experts, kv, tok[:, None], pos_B + j, ones,
+                                             cfg=mcfg, dtype=dtype, kernels=kernels, attn_len=attn_len,
+                                             attn_block=attn_block, x_BTD=x, hidden=True)
         nxt = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         return (nxt, h_BTD[:, 0], kv), nxt
 
