@@ -33,8 +33,9 @@ Speculative decoding (EngineConfig.spec "lookup", "mtp" or "draft:PATH", or Mode
 one-row sessions): a request's step drafts up to spec_max tokens (fewer while its passes accept few:
 lookup.Acceptance) by prompt lookup (engine/lookup.py), the model's MTP block (model/mtp.py: its cache is a
 part of the rows' cache, KVCache.mtp, that every program keeps up) or a draft model's greedy decode
-(engine/draft.py) and verifies them in one multi-token pass of its row (engine/programs.py verify). Each position's token is drawn on the device as plain decode draws it
-(same processed distribution, penalties included, same key and step); drafts are accepted while they
+(engine/draft.py) and verifies them in one multi-token pass of its row (engine/programs.py verify). Each
+position's token is drawn on the device as plain decode draws it (same processed distribution, penalties
+included, same key and step); drafts are accepted while they
 equal those draws, plus the token drawn after them. For a deterministic drafter that is speculative
 sampling's rejection rule (accept with probability p(d), else draw from the residual), so sampled
 output keeps the target distribution, and greedy output is plain greedy decode's very tokens: several
