@@ -29,7 +29,7 @@ from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
-from strata_jax.core.experts import ExpertCounters, ExpertSpec, expert_parts
+from strata_jax.core.experts import ExpertCounters, ExpertSpec
 from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.model.forward import KVCache
 from strata_jax.gguf.reader import GGUFFile
@@ -38,7 +38,7 @@ from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed
                                      kv_label, mtp_bytes)
 from strata_jax.gguf.tokenizer import GGUFTokenizer
 from strata_jax.model import mtp, runs
-from strata_jax.model.weights import WeightLoader, block_expert_infos, expert_spec, expert_tensor_names, load_params
+from strata_jax.model.weights import WeightLoader, expert_spec, load_params
 from strata_jax.offload.manager import OffloadManager, expert_floor_bytes, plan_model_cache
 from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.slot_table import resident_slot_table
@@ -201,21 +201,23 @@ def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
     return cfg
 
 
-def _with_mtp_experts(params, gguf: GGUFFile, loader: WeightLoader, device):
-    """params with the MTP block's routed experts resident in a provider of their own (--spec mtp:
-    model/mtp.py); a ConfigError where the file has no MTP block."""
-    cfg = loader.cfg
-    if not params.nextn:
+def _check_mtp(gguf: GGUFFile, cfg: ModelConfig) -> None:
+    """--spec mtp: a ConfigError, before any weight loads, where the file has no MTP block to draft with."""
+    if not (cfg.n_nextn_layers and gguf.has(f"blk.{cfg.n_layers}.nextn.eh_proj.weight")):
         raise ConfigError(f"--spec mtp: {os.path.basename(gguf.path)} has no MTP (nextn) block"
                           + ("" if cfg.n_nextn_layers else f" ({cfg.arch} files carry none)")
                           + ". Use --spec lookup, or --spec draft:PATH with a small model of the same vocabulary.")
+
+
+def _with_mtp_experts(params, gguf: GGUFFile, loader: WeightLoader, device):
+    """params with the MTP block's routed experts resident in a provider of their own (--spec mtp:
+    model/mtp.py)."""
+    cfg = loader.cfg
     nx = params.nextn[0]
     if nx.block.moe is None:
         return params
     layer = cfg.n_layers  # the MTP block's index in the file
-    names = expert_tensor_names(gguf, layer)
-    spec = ExpertSpec((layer,), cfg.n_experts, cfg.n_experts_used, (expert_parts(block_expert_infos(loader, layer)),),
-                      (names,) if len(names) == 2 else ())
+    spec = expert_spec(loader, (layer,))
     provider = SlotExperts(jax.device_put(resident_slot_table(gguf, spec, device), device), None,
                            jax.device_put(ExpertCounters.zeros(1), device), None, 0)
     log.info("speculative decoding: MTP block %d, its %d experts resident (%s)", layer, cfg.n_experts,
@@ -263,6 +265,8 @@ class Model:
         # spec "draft:PATH": the draft model loads before anything of the target is planned, so that the
         # free device memory the target's context and expert cache plan from counts the draft
         self.drafter: Callable[[Sequence[int], int], list[int]] | None = None  # DraftModel, or use_drafter's
+        if config.spec == "mtp":
+            _check_mtp(gguf, cfg)
         if (path := draft_path(config.spec)) is not None:
             draft = GGUFFile(path)
             check_vocabulary(draft, gguf, path)

@@ -174,12 +174,14 @@ def block_expert_infos(loader: WeightLoader, layer: int) -> list[TensorInfo]:
     return [loader.info(n, shape) for n, shape in zip(names, shapes)]
 
 
-def expert_spec(loader: WeightLoader) -> ExpertSpec:
-    """The routed experts' layout (checked against the config) as plain values, for offloading."""
+def expert_spec(loader: WeightLoader, layers: tuple[int, ...] | None = None) -> ExpertSpec:
+    """The routed experts' layout (checked against the config) as plain values, for offloading: of the
+    blocks `layers` (default the MoE layers; an MTP block's, for its own provider)."""
     cfg = loader.cfg
-    names = tuple(expert_tensor_names(loader.gguf, layer) for layer in cfg.moe_layers)
-    return ExpertSpec(tuple(cfg.moe_layers), cfg.n_experts, cfg.n_experts_used,
-                      tuple(expert_parts(expert_infos(loader, i)) for i in range(len(cfg.moe_layers))),
+    layers = tuple(cfg.moe_layers) if layers is None else layers
+    names = tuple(expert_tensor_names(loader.gguf, layer) for layer in layers)
+    return ExpertSpec(layers, cfg.n_experts, cfg.n_experts_used,
+                      tuple(expert_parts(block_expert_infos(loader, layer)) for layer in layers),
                       names if any(len(n) == 2 for n in names) else ())
 
 
