@@ -19,7 +19,8 @@ from strata_jax.model.kernels import Kernels
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
 
 MISSING = "/nonexistent/model.gguf"
-ENV = ("STRATA_JAX_QMATVEC", "STRATA_JAX_MOE_PREFILL", "STRATA_JAX_COMPILATION_CACHE", "STRATA_JAX_STATE_ROWS")
+ENV = ("STRATA_JAX_QMATVEC", "STRATA_JAX_MOE_PREFILL", "STRATA_JAX_COMPILATION_CACHE", "STRATA_JAX_STATE_ROWS",
+       "STRATA_JAX_PREFILL_CACHED")
 
 
 @pytest.fixture(autouse=True)
@@ -123,6 +124,9 @@ def test_the_environment_gives_defaults(monkeypatch):
     assert c.kernels == Kernels("on", "grouped") and c.compilation_cache is False
     monkeypatch.setenv("STRATA_JAX_QMATVEC", "0")
     assert EngineConfig.create().kernels.qmatvec == "off"
+    assert EngineConfig.create().kernels.prefill_cached == "off"
+    monkeypatch.setenv("STRATA_JAX_PREFILL_CACHED", "1")
+    assert EngineConfig.create().kernels.prefill_cached == "on"
     # an explicit option wins over the environment
     c = EngineConfig.create(kernels=Kernels("auto", "dense"), compilation_cache=True)
     assert c.kernels == Kernels("auto", "dense") and c.compilation_cache is True
@@ -139,7 +143,8 @@ def test_decode_xla_options_come_typed_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("var, value", [("STRATA_JAX_QMATVEC", "yes"), ("STRATA_JAX_MOE_PREFILL", "sparse"),
-                                        ("STRATA_JAX_COMPILATION_CACHE", "off"), ("STRATA_JAX_STATE_ROWS", "on")])
+                                        ("STRATA_JAX_COMPILATION_CACHE", "off"), ("STRATA_JAX_STATE_ROWS", "on"),
+                                        ("STRATA_JAX_PREFILL_CACHED", "yes")])
 def test_a_bad_environment_value_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=f"{var}='{value}' is invalid: set "):
