@@ -381,20 +381,23 @@ pipeline12() {
 # always reproduce, so its acceptance fell short of the forced one and drafting paused): issue 18's verify
 # passes of 2, 4 and 8 tokens on qseed under 32 GiB with the acceptance forced in the pass (bench/spec.py);
 # then issue 33's prefill reading the cached experts in place (STRATA_JAX_PREFILL_CACHED=1) against copying
-# them all, 4,096 and 64 tokens after the decode has warmed the cache
+# them all, 4,096 and 64 tokens after the decode has warmed the cache; first, the patched qseed dump naming the
+# library calls that read a loop-dependent slice, with and without XLA's dynamic-slice fusion
 pipeline13() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   qseed_file
-  phase spec-qseed 320 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic --vram-budget 32GiB \
-    --no-resident --spec-pass 2 --spec-pass 4 --spec-pass 8 --spec-accept 1 --spec-accept 0.8 --spec-accept 0.6 \
-    --out "$S/data-spec-qseed.json"
+  # which library calls read a loop-dependent slice (the 6 loops PART=12 left out; dsf_report now lists them),
+  # then the same with XLA's dynamic-slice fusion off (does the V2 kind go with it?)
+  logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
+  logged_bench bench-qseed-kvb_hcs_nodsf "$NODSF" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
   local p=(--shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 --prefill-len 64
            --vram-budget 32GiB --no-resident)
   phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
   phase prefill-cached 200 env STRATA_JAX_PREFILL_CACHED=1 "$PY" -m strata_jax.cli bench "${p[@]}" --label cached \
     --out "$S/data-prefill-cached.json"
-  # which library calls read a loop-dependent slice (the 6 loops PART=12 left out; dsf_report now lists them)
-  logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
+  phase spec-qseed 320 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic --vram-budget 32GiB \
+    --no-resident --spec-pass 2 --spec-pass 4 --spec-pass 8 --spec-accept 1 --spec-accept 0.8 --spec-accept 0.6 \
+    --out "$S/data-spec-qseed.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
