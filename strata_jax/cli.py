@@ -30,6 +30,17 @@ def _positive_int(name):
     return _int_at_least(name, 1)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """--promote-after: comma-separated integers >= 0."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers >= 0, e.g. 1,2,4")
+    return out
+
+
 def _fractions(text: str) -> list[float]:
     """--fractions: comma-separated shares of all experts, each in (0, 1]."""
     try:
@@ -130,6 +141,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="keep the expert cache warm across restarts: its state is restored from DIR at load (when "
                         "saved for this model, slot plan and policy) and saved there at the end of generate or on "
                         "serve's clean shutdown (offloading only)")
+    c.add_argument("--cold-experts", default=None, metavar="GGUF",
+                   help="mixed precision: the same model at a lower-bit expert type (e.g. IQ2_XXS); a cache miss is "
+                        "served from it (fewer bytes over PCIe) until the expert is used --promote-after times, then "
+                        "fetched at the model's own type (offloading only)")
+    c.add_argument("--promote-after", default=2,
+                   help="low-bit uses of an expert before it is fetched into the cache at full type (default 2; "
+                        "0: always, i.e. no low-bit serving)")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
     p.add_argument("--ple-table", default="auto", choices=PLE_TABLES,
@@ -147,6 +165,8 @@ def engine_config(args):
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                expert_fetch=getattr(args, "expert_fetch", "auto"),
                                expert_cache_state=getattr(args, "expert_cache_state", None),
+                               cold_experts=getattr(args, "cold_experts", None),
+                               promote_after=getattr(args, "promote_after", 2),
                                parallel=getattr(args, "parallel", 1),
                                ple_table=getattr(args, "ple_table", "auto"), spec=getattr(args, "spec", None),
                                spec_max=getattr(args, "spec_max", 4), rope_scaling=args.rope_scaling,
@@ -328,7 +348,8 @@ def _cmd_trace_report(args) -> int:
     from strata_jax.offload.traces import read_trace
 
     trace, meta = read_trace(args.trace, args.prompt)
-    r = analysis.report(trace, args.fractions, per_layer=args.per_layer, n_experts=meta.get("experts"))
+    r = analysis.report(trace, args.fractions, per_layer=args.per_layer, n_experts=meta.get("experts"),
+                        promote_after=args.promote_after, cold_ratio=args.cold_ratio)
     if args.json:
         print(json.dumps(r))
     else:
@@ -446,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--fractions", type=_fractions, default="0.125,0.25,0.5",
                      help="cache sizes as shares of all experts (default 0.125,0.25,0.5)")
     rep.add_argument("--per-layer", action="store_true", help="a cache per layer instead of one shared cache")
+    rep.add_argument("--promote-after", type=_counts, default=(), metavar="N,N,...",
+                     help="also replay mixed-precision experts (--cold-experts) promoting after these low-bit uses")
+    rep.add_argument("--cold-ratio", type=float, default=0.6,
+                     help="with --promote-after: a low-bit expert's bytes over a high-bit one's (default 0.6, about "
+                          "IQ2_XXS against IQ3_S)")
     rep.add_argument("--plots", default=None, metavar="DIR", help="also write PNG plots there (needs matplotlib)")
     rep.add_argument("--json", action="store_true", help="print the report as JSON")
     rep.set_defaults(func=_cmd_trace_report)

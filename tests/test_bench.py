@@ -95,6 +95,20 @@ def test_a_drafter_decodes_the_rows(tmp_path):
     assert main(["bench", "--shape", "tiny", "--spec", "guess", "--out", str(tmp_path / "bad.json")]) == 2
 
 
+def test_cold_experts_rows(tmp_path, monkeypatch):
+    """--cold-qtype: the shape written again with low-bit experts serves the offloaded rows' misses; the rows
+    carry the low-bit share and count those misses at their own bytes."""
+    from strata_jax.cli import main
+
+    monkeypatch.setenv("STRATA_JAX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cold.json"
+    assert main(["bench", "--shape", "tiny", "--tokens", "12", "--prompt-len", "8", "--no-resident", "--cold-qtype",
+                 "Q4_0", "--promote-after", "1000", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row and "cold after 1000" in row["config"] and row["cold_share"] == 1.0
+    assert row["decode_MB_per_token"] > 0
+
+
 def test_failures_are_rows(tmp_path, monkeypatch):
     """A configuration that cannot load, and a prefill that fails, become rows that say so; the rest of the
     run goes on (the decode figures of the failed prefill's row stay, the next mode gets a fresh model)."""

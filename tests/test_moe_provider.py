@@ -45,7 +45,7 @@ class OnePool:
         wanted = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
         me = self.replace(looked_up=self.looked_up + ((moe_idx, wanted),),
                           counters=self.counters.add(moe_idx, hits=jnp.sum(wanted >= 0).astype(jnp.int32)))
-        return me, self.rows, moe_idx * self.n_experts + ids_Nk
+        return me, self.rows, moe_idx * self.n_experts + ids_Nk, None
 
     def prefetch(self, moe_idx, predicted, after):
         return self, after

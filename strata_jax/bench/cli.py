@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "of a verify pass on random weights (bench/spec.py)")
     p.add_argument("--spec-accept", type=_fraction, action="append", default=None, metavar="A",
                    help="the oracle's forced acceptance per drafted token for --spec-pass (repeatable; default 1)")
+    p.add_argument("--cold-experts", default=None, metavar="GGUF",
+                   help="mixed precision in the offloaded rows: misses served from this lower-bit copy of the model")
+    p.add_argument("--cold-qtype", default=None, metavar="TYPE",
+                   help="with --shape: the shape written again with its routed experts in TYPE (e.g. IQ2_XXS) as "
+                        "the --cold-experts copy")
+    p.add_argument("--promote-after", type=int, default=2,
+                   help="with --cold-experts/--cold-qtype: low-bit uses before an expert is cached (default 2)")
     p.add_argument("--out", help="write every row and the machine's description here (JSON), after each row")
     return p
 
@@ -174,6 +181,10 @@ def run(args, argv: list[str]) -> dict:
 
     t_start = time.perf_counter()
     path = str(args.model or synthetic_model_path(args.shape))
+    if args.cold_qtype is not None:
+        if args.model:
+            raise SystemExit("--cold-qtype writes a copy of a synthetic --shape; with --model give --cold-experts")
+        args.cold_experts = str(synthetic_model_path(args.shape, args.cold_qtype))
     shape = args.label or (Path(path).stem if args.model else args.shape)
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
     smi = machine.nvidia_smi()

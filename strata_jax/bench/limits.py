@@ -132,10 +132,13 @@ def resident_estimate(gguf, cfg, ctx: int, itemsize: int, prefill_chunk: int = 5
 
 
 def limit_figures(mb: ModelBytes, counters_MS: np.ndarray | None, decode_steps: int, decode_tok_s: float,
-                  context: float, itemsize: int, probes: dict) -> dict:
+                  context: float, itemsize: int, probes: dict, moved: int | None = None) -> dict:
     """The module docstring's formula for one run. counters_MS: the engine's per-layer counters of the
-    timed run (columns: hits, misses, streamed, prefetched, ...), None when every expert is resident."""
-    if counters_MS is None or not len(counters_MS):
+    timed run (columns: hits, misses, streamed, prefetched, ...), None when every expert is resident;
+    moved: the decode's bytes over PCIe when the caller knows them better (low-bit misses)."""
+    if moved is not None:
+        pass
+    elif counters_MS is None or not len(counters_MS):
         moved = 0
     else:
         moved = int(((counters_MS[:, 1] + counters_MS[:, 3]) * np.asarray(mb.expert_M, np.int64)).sum())

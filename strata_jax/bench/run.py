@@ -43,7 +43,12 @@ def build_configs(args, total_experts: int, budget: int | None, resident: bool) 
         shared["prefill_chunk"] = EngineConfig.create(flags=True, prefill_chunk=args.prefill_chunk).prefill_chunk
     if getattr(args, "spec", None) is not None:  # a real drafter: the decode rows carry its counts
         shared.update(spec=args.spec, spec_max=args.spec_max)
-    return [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
+    configs = [dataclasses.replace(c, load_kw=dict(c.load_kw, **shared)) for c in configs]
+    if getattr(args, "cold_experts", None) is not None:  # mixed precision: the offloaded rows only
+        configs = [c if c.kind == "resident" else dataclasses.replace(
+            c, name=f"{c.name}, cold after {args.promote_after}",
+            load_kw=dict(c.load_kw, cold_experts=args.cold_experts, promote_after=args.promote_after)) for c in configs]
+    return configs
 
 
 def _cache_configs(args, total_experts: int, budget: int | None) -> list[Config]:
@@ -98,7 +103,9 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
     tps = gen.timings["decode_per_second"]
     n = len(gen.token_ids)
     steps = max(n - 1, 1)  # the first token comes out of prefill
-    moved = int((counters[:, 1] + counters[:, 3]) @ np.asarray(mb.expert_M, np.int64)) if counters is not None else 0
+    # misses served low-bit (counters[:, 6], --cold-experts) moved their cold rows' bytes
+    moved = int((counters[:, 1] - counters[:, 6] + counters[:, 3]) @ np.asarray(mb.expert_M, np.int64)
+                + model.experts.cold_bytes(counters)) if counters is not None else 0
     row = {
         "decode_tok_s": tps, "n_tokens": n, "wall_s": wall, "prompt_len": len(prompt), "first_request_s": first_s,
         "prompt_prefill_tok_s": gen.timings["prompt_per_second"],
@@ -110,13 +117,14 @@ def _decode(model, mb: ModelBytes, prompt, n_tokens, probes) -> dict:
         "prefetch_precision": st.get("prefetch_precision"), "prefetch_recall": st.get("prefetch_recall"),
         "expert_slots": st.get("expert_slots"), "total_experts": st.get("total_experts"),
         "resident": st.get("resident", True), "store_memory": st.get("store_memory"),
-        "expert_fetch": st.get("expert_fetch"),
+        "expert_fetch": st.get("expert_fetch"), "cold_share": st.get("cold_share"),
         "host_dispatch_ms_per_step": host["dispatch_ms_per_step"], "host_wait_ms_per_step": host["wait_ms_per_step"],
         "decode_chunk": model.decode_chunk, "decode_calls": host.get("decode_calls"), "prefill_chunk": model.prefill_chunk,
         "token_ids": gen.token_ids,
     }
     row.update({k: gen.timings[k] for k in ("draft_n", "draft_n_accepted", "draft_passes") if k in gen.timings})
-    row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes))
+    row.update(limit_figures(mb, counters, steps, tps, len(prompt) + n / 2, np.dtype(model.dtype).itemsize, probes,
+                              moved=moved if counters is not None else None))
     return row
 
 

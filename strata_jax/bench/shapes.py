@@ -64,10 +64,12 @@ SHAPES = {
 }
 
 
-def synthetic_model_path(shape: str) -> Path:
+def synthetic_model_path(shape: str, expert_qtype: str | None = None) -> Path:
+    """The shape's synthetic GGUF, written once into the cache; expert_qtype: its routed experts in that
+    type instead (a low-bit copy for --cold-experts: random weights, the speed is what it measures)."""
     from strata_jax.core.paths import cache_dir, file_lock
 
-    spec = SHAPES[shape]
+    spec = SHAPES[shape] if expert_qtype is None else dataclasses.replace(SHAPES[shape], expert_qtype=expert_qtype)
     key = hashlib.sha256(repr(dataclasses.astuple(spec)).encode()).hexdigest()[:16]
     path = cache_dir() / "synthetic" / f"{shape}-{key}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -121,7 +121,7 @@ class ExpertSpec:
         return sum(p.nbytes for p in self.layer_parts[moe_idx])
 
 
-COUNTERS = ("hits", "misses", "streamed", "prefetched", "predicted_routed", "predicted")
+COUNTERS = ("hits", "misses", "streamed", "prefetched", "predicted_routed", "predicted", "cold")
 
 
 @struct.dataclass
@@ -131,7 +131,9 @@ class ExpertCounters:
     streamed: experts a many-token step brought over from the host (a whole layer per chunk);
     prefetched: experts the layer's prefetch fetched for later layers;
     predicted_routed, predicted: of the experts the previous layer predicted for this one, how many
-    were routed, and how many there were (prefetch precision and recall)."""
+    were routed, and how many there were (prefetch precision and recall);
+    cold: distinct experts a few-token step served from the low-bit copy (--cold-experts) instead of
+    fetching them into the cache (counted in misses too: they crossed PCIe)."""
 
     hits: jax.Array
     misses: jax.Array
@@ -139,6 +141,7 @@ class ExpertCounters:
     prefetched: jax.Array
     predicted_routed: jax.Array
     predicted: jax.Array
+    cold: jax.Array
 
     @classmethod
     def zeros(cls, n_moe_layers: int) -> "ExpertCounters":
@@ -199,12 +202,13 @@ class ExpertProvider(Protocol):
         """Whether a step routing n_lookups (token, expert) pairs in this layer looks them up (else it
         takes the many-token path). Static."""
 
-    def lookup(self, moe_idx: int, ids_Nk: jax.Array,
-               valid_N: jax.Array | None = None) -> tuple["ExpertProvider", ExpertRows, jax.Array]:
-        """Make the routed experts readable: (provider, pool, slot_Nk), expert ids_Nk[n, j] being row
-        slot_Nk[n, j] of pool. Counts hits and misses. valid_N (bool, None: all): the tokens that are
-        real; the others (bucket padding, idle rows) neither fetch nor count, and get some readable
-        slot (their output is never read)."""
+    def lookup(self, moe_idx: int, ids_Nk: jax.Array, valid_N: jax.Array | None = None
+               ) -> tuple["ExpertProvider", ExpertRows, jax.Array, tuple[ExpertRows, jax.Array, jax.Array] | None]:
+        """Make the routed experts readable: (provider, pool, slot_Nk, cold), expert ids_Nk[n, j] being row
+        slot_Nk[n, j] of pool, unless cold (mixed precision, else None) = (rows, row_Nk, cold_Nk) says
+        it is served from row row_Nk[n, j] of those (low-bit) rows where cold_Nk[n, j]. Counts hits and
+        misses. valid_N (bool, None: all): the tokens that are real; the others (bucket padding, idle
+        rows) neither fetch nor count, and get some readable slot (their output is never read)."""
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["ExpertProvider", jax.Array]:

@@ -113,6 +113,10 @@ class SyntheticSpec:
     # routed experts written as F32: the same random blocks, dequantized by gguf-py (the reference
     # model a quant type's model-level test compares against)
     dequantize_experts: bool = False
+    # routed experts drawn as this type (the same random stream as a file of that type, so every other
+    # tensor is that file's too) and requantized to expert_qtype by gguf-py: a lower-bit copy of the same
+    # model (--cold-experts). gguf-py quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
+    experts_from: str | None = None
     seed: int = 0
     # qwen4exp (llama.cpp's conversion/qwen4exp.py layout; ignored by the other archs). Every layer is
     # MoE with a sigmoid-gated shared expert (shared_expert_ffn_dim > 0); attention heads are gated
@@ -335,6 +339,10 @@ def _write(path: Path, spec: SyntheticSpec, tensors: list[tuple[str, Q, tuple[in
             data = _as_type(std(rng, shape).astype(np.float32), qtype)
         elif std < 0:  # norm weights: around 1
             data = _as_type(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32), qtype)
+        elif spec.experts_from and name.endswith("_exps.weight"):
+            src = Q[spec.experts_from]
+            vals = gguf_quants.dequantize(random_tensor_bytes(rng, src, shape, std), src).astype(np.float32)
+            data = gguf_quants.quantize(vals, qtype)
         else:
             data = random_tensor_bytes(rng, qtype, shape, std)
             if written(name, qtype) != qtype:

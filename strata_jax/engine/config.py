@@ -52,7 +52,7 @@ FLAGS = {
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
     "expert_fetch": "--expert-fetch",
-    "expert_cache_state": "--expert-cache-state",
+    "expert_cache_state": "--expert-cache-state", "cold_experts": "--cold-experts", "promote_after": "--promote-after",
     "ple_table": "--ple-table", "spec": "--spec", "spec_max": "--spec-max",
     "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
     "layer_scan": "--layer-scan", "conversation_cache_mib": "--conversation-cache-mib",
@@ -62,7 +62,7 @@ FLAGS = {
 # options that only a MoE model's expert cache reads, with their defaults (check_model warns on a dense model;
 # vram_budget and vram_reserve size every model's context too)
 _EXPERT_OPTIONS = {"expert_slots": None, "policy": "lru", "prefetch": 0, "expert_pools": "per-layer",
-                   "expert_cache_state": None, "expert_fetch": "auto"}
+                   "expert_cache_state": None, "expert_fetch": "auto", "cold_experts": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,11 @@ class EngineConfig:
     # policy's metadata), restored at load when it was saved for this model, slot plan and policy, and
     # saved by Model.save_expert_cache (serve on shutdown, generate at its end); None = start cold
     expert_cache_state: str | None = None
+    # MoE, offloading: a second GGUF of the same model with lower-bit experts (mixed precision): a miss is
+    # served from its copy (fewer bytes over PCIe, nothing evicted) until the expert has been used
+    # promote_after times that way, then fetched into the cache at the model's own type (0: always)
+    cold_experts: str | None = None
+    promote_after: int = 2
     # KV-cache rows (requests decoded at once, a server's --parallel) the expert cache leaves room for
     parallel: int = 1
     # qwen4exp's PLE n-gram table: "device", "host" (pinned host memory: only the rows a step gathers
@@ -372,6 +377,19 @@ def _check_profile(path: str, name: str) -> None:
                           f"a trace; {save}")
 
 
+def _gguf_file(value: Any, name: str) -> str | None:
+    """An existing GGUF file (its first shard for a split model), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise _bad(name, value, "the path of a GGUF file (the same model with lower-bit experts) or None")
+    path = os.path.abspath(os.path.expanduser(os.fspath(value)))
+    if not os.path.isfile(path):
+        raise ConfigError(f"{_show(name, value)} is not a file: give the path of a GGUF of the same model with "
+                          "lower-bit experts (e.g. an IQ2_XXS quantization of it).")
+    return path
+
+
 def _cache_state(value: Any, name: str) -> str | None:
     """A directory the expert cache's state can be saved in: it exists or its parent does, and is writable
     (checked now, so a run does not end unable to save)."""
@@ -464,6 +482,9 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "prefetch": lambda v: _prefetch(v, n("prefetch"), text),
         "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
         "expert_cache_state": lambda v: _cache_state(v, n("expert_cache_state")),
+        "cold_experts": lambda v: _gguf_file(v, n("cold_experts")),
+        "promote_after": lambda v: _int(v, n("promote_after"), text, 0, "an integer >= 0 (low-bit uses of an expert "
+                                        "before it is fetched into the cache at the model's own type; 0: always)"),
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
         "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),

@@ -243,6 +243,30 @@ def _layer_runs(params, cfg: ModelConfig, experts: OffloadManager | None, choice
     return runs.plan_runs([runs.signature(layer, static(i)) for i, layer in enumerate(params.layers)], starts=ple_layers)
 
 
+def _cold_experts(path: str | None, gguf: GGUFFile, cfg: ModelConfig, spec: ExpertSpec,
+                  device) -> tuple[GGUFFile, ExpertSpec] | None:
+    """--cold-experts: the low-bit GGUF and its experts' layout, once it is checked to be the same model
+    (architecture, shapes, expert count, vocabulary); only its experts are read."""
+    if path is None:
+        return None
+    cold = GGUFFile(path)
+    ccfg = ModelConfig.from_gguf(cold)
+    for what, mine, theirs in (("architecture", ccfg.arch, cfg.arch), ("layer count", ccfg.n_layers, cfg.n_layers),
+                               ("width", ccfg.d_model, cfg.d_model), ("expert count", ccfg.n_experts, cfg.n_experts),
+                               ("experts per token", ccfg.n_experts_used, cfg.n_experts_used),
+                               ("expert FFN width", ccfg.expert_ffn_dim, cfg.expert_ffn_dim),
+                               ("MoE layers", tuple(ccfg.moe_layers), tuple(cfg.moe_layers))):
+        if mine != theirs:
+            raise ConfigError(f"--cold-experts {path}: its {what} is {mine}, the model's is {theirs}: give a "
+                              "lower-bit quantization of the same model.")
+    check_vocabulary(cold, gguf, path, "--cold-experts ", "so it is not the same model: give a lower-bit "
+                     "quantization of the model itself.")
+    cold_spec = expert_spec(WeightLoader(cold, ccfg, device))
+    log.info("cold experts: %s, %s per expert against the model's %s, serve misses until promoted", path,
+             fmt_bytes(cold_spec.bytes_per_expert(0)), fmt_bytes(spec.bytes_per_expert(0)))
+    return cold, cold_spec
+
+
 class Model:
     """A loaded model. Built by load(), which validates the EngineConfig before the file is opened."""
 
@@ -305,7 +329,9 @@ class Model:
                                           vram_reserve=config.vram_reserve, policy=config.policy,
                                           prefetch=config.prefetch, expert_pools=config.expert_pools,
                                           batch_rows=config.parallel, cache_state=config.expert_cache_state,
-                                          stacked=config.layer_scan == "on", fetch=config.expert_fetch)
+                                          stacked=config.layer_scan == "on", fetch=config.expert_fetch,
+                                          cold=_cold_experts(config.cold_experts, gguf, cfg, spec, self.device),
+                                          promote_after=config.promote_after)
             loader.bytes_loaded += self.experts.device_bytes
         if config.spec == "mtp":
             self.params = _with_mtp_experts(self.params, gguf, loader, self.device)

@@ -95,9 +95,37 @@ def hit_rates(trace_TLk, fractions: Sequence[float] = FRACTIONS, policies: Seque
     return out
 
 
+def mixed_rows(trace_TLk, fractions: Sequence[float] = FRACTIONS, promote_after: Sequence[int] = (1, 2, 4), *,
+               cold_ratio: float = 0.6, policy: str = "lru", per_layer: bool = False,
+               n_experts: int | None = None) -> list[dict]:
+    """Mixed-precision experts (--cold-experts) replayed: per cache fraction and promote_after, the hit rate,
+    the share of lookups served low-bit, and the bytes over PCIe against plain offloading with the same policy
+    (a low-bit expert weighing cold_ratio of a high-bit one: IQ2_XXS against IQ3_S is ~0.6)."""
+    t = np.asarray(trace_TLk)
+    T, L, _ = t.shape
+    E = n_experts or n_experts_of(t)
+    need = int((unique_requests(t) >= 0).sum(-1).max(initial=1))
+    rows = []
+    for f in fractions:
+        per = max(1, round(f * E))
+        slots = per * L if per_layer else max(1, round(f * E * L))
+        if (per if per_layer else slots) < need:
+            continue
+        plain = simulate(t, policy, slots, per_layer=per_layer, n_experts=E)
+        for after in promote_after:
+            r = simulate(t, policy, slots, per_layer=per_layer, n_experts=E, promote_after=after)
+            moved = (r["misses"] - r["cold"]) + cold_ratio * r["cold"]
+            rows.append({"fraction": f, "promote_after": after, "hit_rate": r["hit_rate"], "cold_share": r["cold_share"],
+                         "plain_hit_rate": plain["hit_rate"],
+                         "bytes_vs_plain": moved / plain["misses"] if plain["misses"] else float("nan")})
+    return rows
+
+
 def report(trace_TLk, fractions: Sequence[float] = FRACTIONS, policies: Sequence[str] = POLICIES, *,
-           per_layer: bool = False, n_experts: int | None = None) -> dict:
-    """Everything above as one record: shape, per-layer popularity, reuse and overlap, hit rates."""
+           per_layer: bool = False, n_experts: int | None = None, promote_after: Sequence[int] = (),
+           cold_ratio: float = 0.6) -> dict:
+    """Everything above as one record: shape, per-layer popularity, reuse and overlap, hit rates (and, given
+    promote_after, mixed_rows with LRU)."""
     t = np.asarray(trace_TLk)
     T, L, K = t.shape
     E = n_experts or n_experts_of(t)
@@ -112,6 +140,9 @@ def report(trace_TLk, fractions: Sequence[float] = FRACTIONS, policies: Sequence
         "next_token_overlap": next_token_overlap(t).tolist(),
         "fractions": list(fractions), "per_layer": per_layer,
         "hit_rates": hit_rates(t, fractions, policies, per_layer=per_layer, n_experts=E),
+        "cold_ratio": cold_ratio,
+        "mixed": mixed_rows(t, fractions, promote_after, cold_ratio=cold_ratio, per_layer=per_layer, n_experts=E)
+        if promote_after else [],
     }
 
 
@@ -128,6 +159,12 @@ def format_report(r: dict) -> str:
               "policy  " + "".join(f"{f:>9.1%}" for f in r["fractions"])]
     for p, row in r["hit_rates"].items():
         lines.append(f"{p:<8}" + "".join(f"{v:>9.1%}" if not math.isnan(v) else f"{'-':>9}" for v in row))
+    if r.get("mixed"):
+        lines += ["", f"mixed precision (LRU; a low-bit expert is {r['cold_ratio']:.2f} of a high-bit one's bytes):",
+                  "cached  promote after  hit rate  low-bit share  PCIe bytes vs plain (its hit rate)"]
+        for m in r["mixed"]:
+            lines.append(f"{m['fraction']:>6.1%}  {m['promote_after']:>13}  {m['hit_rate']:>8.1%}  {m['cold_share']:>13.1%}"
+                         f"  {m['bytes_vs_plain']:>19.1%} ({m['plain_hit_rate']:.1%})")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.core.errors import ConfigError
@@ -87,7 +88,8 @@ class OffloadManager:
     def __init__(self, gguf, spec: ExpertSpec, device, *, fixed_bytes: int, expert_slots: int | None = None,
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
-                 batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False, fetch: str = "auto"):
+                 batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False, fetch: str = "auto",
+                 cold: tuple[Any, ExpertSpec] | None = None, promote_after: int = 2):
         self.device = device if device is not None else jax.devices()[0]
         self.spec = spec
         self.policy = get_policy(policy)
@@ -124,6 +126,11 @@ class OffloadManager:
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
         self._loading: Future | None = None  # the store's load, until `wait` takes it
+        # mixed precision: (the low-bit GGUF, its experts' layout), used only when offloading
+        self.cold_spec = cold[1] if cold is not None and not self.plan.resident else None
+        self.promote_after = promote_after
+        if cold is not None and self.plan.resident:
+            log.info("cold experts not used: every expert is resident at the model's own type")
         if self.plan.resident:
             slots = resident_slot_table(gguf, spec, self.device)
             if cache_state is not None:
@@ -132,10 +139,12 @@ class OffloadManager:
         else:
             # the store loads in the background (most of a cold start: allocating pinned memory and reading
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
-            self._loading = _in_background(load_expert_store, gguf, spec, self.device)
+            self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None)
             store = store_shapes(spec, self.device)
+            if self.cold_spec is not None:
+                store = store.replace(cold=store_shapes(self.cold_spec, self.device))
             if self.fetch_kernel:
-                store = store.replace(addr=hostrows.address_shapes(len(store.groups), self.device))
+                store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), self.device))
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
                                      stacked=stacked and expert_pools == "per-layer")
             if len(slots.pools) != len(self.plan.slots_per_pool):
@@ -150,9 +159,11 @@ class OffloadManager:
         self._n_layers = len(spec.moe_layers)
         # Step inputs are committed to the device up front: jit's cache key includes committedness and
         # step outputs are committed, so uncommitted initial state would recompile the second step.
+        uses_ME = None if self.cold_spec is None else jax.device_put(
+            jnp.zeros((len(spec.moe_layers), spec.n_experts), jnp.int32), self.device)
         self._experts: SlotExperts | None = SlotExperts(
             jax.device_put(slots, self.device), store, self._zero_counters(), None if self.plan.resident else self.policy,
-            0 if self.plan.resident else self.prefetch)
+            0 if self.plan.resident else self.prefetch, uses_ME=uses_ME, promote_after=promote_after)
         self.reset_stats()
         free = device_free_bytes(self.device)
         if free is not None and free < LOW_FREE_VRAM:
@@ -199,13 +210,13 @@ class OffloadManager:
             return
         store = self._loading.result()
         if self.fetch_kernel:
-            addr = hostrows.addresses(store.groups, self.device)
-            if addr is None:
+            stores = (store,) if store.cold is None else (store, store.cold)
+            if any(hostrows.addresses(s.groups, self.device) is None for s in stores):
                 log.warning("the expert store is not in memory the device can read (%s host memory): misses are "
                             "fetched by a loop of copies instead of the fetch kernel", store.memory_kind)
                 self.fetch_kernel = False
             else:
-                store = store.replace(addr=addr)
+                store = _with_addr(store, lambda s: hostrows.addresses(s.groups, self.device))
         slots = self._experts.table
         if self._saved is not None:
             slots = jax.device_put(restore_slot_table(self._cache_state, self._saved, slots, store), self.device)
@@ -255,7 +266,7 @@ class OffloadManager:
         self.steps += n
 
     def counters(self) -> np.ndarray:
-        """int64 [MoE layers, 6]: hits, misses, streamed, prefetched, predicted-and-routed, predicted
+        """int64 [MoE layers, 7]: hits, misses, streamed, prefetched, predicted-and-routed, predicted, cold
         (core.experts.COUNTERS)."""
         return self._experts.counters.as_array()
 
@@ -263,10 +274,10 @@ class OffloadManager:
         """Counters since load or reset_stats: decode lookups, hits, misses, hit rate, bytes moved
         host->device (misses, prefetches, and whole layers streamed for prefill), prefetch quality."""
         st = self.counters()
-        hits, misses, streamed, prefetched, pred_hit, pred_total = (int(x) for x in st.sum(axis=0))
+        hits, misses, streamed, prefetched, pred_hit, pred_total, cold = (int(x) for x in st.sum(axis=0))
         actual = hits + misses - int(st[0, 0] + st[0, 1])  # lookups of layers that had a prediction
         per_expert_M = self.bytes_per_expert_M
-        moved = int(((st[:, 1] + st[:, 2] + st[:, 3]) * per_expert_M).sum())
+        moved = int(((st[:, 1] - st[:, 6] + st[:, 2] + st[:, 3]) * per_expert_M).sum() + self.cold_bytes(st))
         # in-step fetches are not overlapped with compute, so their time is time the step waits:
         # fetched experts x the per-expert cost measured at load through the same code path
         transfer_s = (misses + prefetched) * self.fetch_s + streamed * self.stream_s
@@ -297,4 +308,25 @@ class OffloadManager:
             "prefetch": 0 if self.plan.resident else self.prefetch,
             "store_memory": self.store_memory_kind,
             "expert_fetch": "kernel" if self.fetch_kernel else "loop",
+            "cold_experts": cold,
+            "cold_share": cold / (hits + misses) if self.cold_spec is not None and hits + misses else None,
+            "promote_after": self.promote_after if self.cold_spec is not None else None,
         }
+
+    def cold_bytes(self, st: np.ndarray) -> int:
+        """Bytes the misses served low-bit moved (counters() rows st)."""
+        if self.cold_spec is None or self.store_memory_kind is None:
+            return 0
+        return int(sum(int(st[i, 6]) * self.cold_spec.bytes_per_expert(i) for i in range(self._n_layers)))
+
+
+def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | None) -> ExpertStore:
+    """The expert store, with its low-bit twin when mixed precision is on."""
+    store = load_expert_store(gguf, spec, device)
+    return store if cold is None else store.replace(cold=load_expert_store(cold[0], cold[1], device))
+
+
+def _with_addr(store: ExpertStore, addr) -> ExpertStore:
+    """The store (and its cold twin) with the fetch kernel's addresses addr(store)."""
+    cold = None if store.cold is None else store.cold.replace(addr=addr(store.cold))
+    return store.replace(addr=addr(store), cold=cold)

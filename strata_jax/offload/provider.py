@@ -4,6 +4,9 @@ Resident (every expert has a slot, slot = expert id): a lookup is the identity a
 its hits are counted once per step for all layers (`finish`), not with a few kernels per layer.
 Offloaded: a lookup runs the policy and DMAs the misses from the pinned-host store into their slots,
 all inside the jitted step; prefill streams each layer's experts from the store.
+Mixed precision (the store has a low-bit `cold` twin, --cold-experts): a miss not yet promoted
+(policies.promote) is not admitted; its low-bit row is copied into a per-layer staging buffer and
+computed from there, so it moves fewer bytes over PCIe and evicts nothing.
 
 Shape legend: strata_jax/core/shapes.py
 """
@@ -19,8 +22,9 @@ from flax import struct
 from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
-from strata_jax.offload.policies import Plan, Policy
-from strata_jax.offload.slot_table import SlotTable
+from strata_jax.core import layer_ref
+from strata_jax.offload.policies import Plan, Policy, promote
+from strata_jax.offload.slot_table import SlotTable, _put_row, _row
 from strata_jax.offload.store import ExpertStore
 
 
@@ -35,6 +39,10 @@ class SlotExperts:
     # in once by `finish`, one stack and add per counter rather than a scatter per layer and counter
     pending_keys: tuple[tuple[int, str], ...] = struct.field(pytree_node=False, default=())
     pending: tuple[jax.Array, ...] = ()
+    # mixed precision (store.cold): each MoE layer's low-bit uses per expert, int32 [M, E]
+    # (policies.promote), and the uses after which a miss is promoted to the cache
+    uses_ME: jax.Array | None = None
+    promote_after: int = struct.field(pytree_node=False, default=0)
 
     @property
     def resident(self) -> bool:
@@ -48,17 +56,42 @@ class SlotExperts:
         by one dynamic slice)."""
         if self.store is None:
             return self.table.layer_key(moe_idx)
-        return self.table.layer_key(moe_idx), self.store.layer_group[moe_idx]
+        cold = () if self.store.cold is None else (self.store.cold.layer_group[moe_idx],)
+        return (self.table.layer_key(moe_idx), self.store.layer_group[moe_idx]) + cold
 
-    def lookup(self, moe_idx, ids_Nk: jax.Array,
-               valid_N: jax.Array | None = None) -> tuple["SlotExperts", ExpertRows, jax.Array]:
+    def lookup(self, moe_idx, ids_Nk: jax.Array, valid_N: jax.Array | None = None):
         if self.resident:  # expert e is in slot local * E + e of its layer's pool (resident_layout): no lookup
-            return self, self.table.pool(moe_idx), ids_Nk + self.table.local(moe_idx) * self.table.n_experts
+            return self, self.table.pool(moe_idx), ids_Nk + self.table.local(moe_idx) * self.table.n_experts, None
         wanted_Nk = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
-        table, plan = self._access_and_fetch(self.table, moe_idx, unique_ids(wanted_Nk, self.table.n_experts))
-        me = self.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses)
+        ids_U = unique_ids(wanted_Nk, self.table.n_experts)
+        me, cold = self, None
+        if self.store.cold is not None:
+            me, ids_U, cold = self._cold_rows(moe_idx, ids_Nk, ids_U)
+        table, plan = me._access_and_fetch(me.table, moe_idx, ids_U)
+        n_cold = jnp.zeros((), jnp.int32) if cold is None else jnp.sum(cold[2]).astype(jnp.int32)
+        me = me.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses + n_cold)
+        if cold is not None:
+            me = me.count(moe_idx, cold=n_cold)
+            cold = cold[0], cold[1], cold[2][cold[1]] & (ids_Nk >= 0)
         # a token that is not real may route to an expert that was not fetched (slot -1): read slot 0
-        return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx, self._rows)[ids_Nk], 0)
+        return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx, self._rows)[ids_Nk], 0), cold
+
+    def _cold_rows(self, moe_idx, ids_Nk: jax.Array, ids_U: jax.Array):
+        """Mixed precision: (provider, the ids the cache serves (-1 for the others), (the low-bit rows of the
+        others [U, P'], each routed id's row among them [N, k], whether ids_U[u] is served low-bit [U]))."""
+        rows = self._rows
+        hit_U = (ids_U >= 0) & (self.table.slot_map(moe_idx, rows)[jnp.maximum(ids_U, 0)] >= 0)
+        m = layer_ref.value(moe_idx)  # the MoE layer's index (traced in a scanned run)
+        uses_E, promote_U = promote(_row(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after)
+        cold_U = (ids_U >= 0) & ~promote_U
+        store = self.store.cold
+        g, U = store.group(moe_idx), ids_U.shape[0]
+        staging = ExpertRows(jnp.zeros((U, store.groups[g].shape[2]), jnp.uint8), store.parts[g])
+        at_U = jnp.arange(U, dtype=jnp.int32)
+        staged = fetch_misses(staging, store, moe_idx, Plan(ids_U, at_U, cold_U, jnp.full((U,), -1, jnp.int32)))
+        at_Nk = jnp.argmax(ids_Nk[..., None] == ids_U, axis=-1).astype(jnp.int32)
+        me = self.replace(uses_ME=_put_row(self.uses_ME, uses_E, m, rows))
+        return me, jnp.where(promote_U, ids_U, -1), (staged, at_Nk, cold_U)
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],
                  after: jax.Array) -> tuple["SlotExperts", jax.Array]:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.offload.policies import (DISABLED, CacheState, Policy, belady_access, belady_policy, get_policy,
-                                         static_policy, usage_profile)
+                                         promote, static_policy, usage_profile)
 
 
 def load_trace(path, prompt: str | None = None) -> np.ndarray:
@@ -80,6 +80,45 @@ def _replay_per_layer(access, states_L: CacheState, ids_TLU: jax.Array):
     return jax.lax.scan(step, states_L, ids_TLU)[1]
 
 
+def _mixed_access(access, after: int, st: CacheState, uses_E: jax.Array, layer, ids_U: jax.Array):
+    """One access with mixed-precision experts, as the engine's lookup does it (offload/provider.py): the
+    misses not promoted (policies.promote) are served low-bit and never reach the policy. Returns (state,
+    uses_E, plan, cold_U)."""
+    valid_U = ids_U >= 0
+    hit_U = valid_U & (st.slot_map_LE[layer, jnp.maximum(ids_U, 0)] >= 0)
+    uses_E, promote_U = promote(uses_E, ids_U, hit_U, after)
+    st, plan = access(st, layer, jnp.where(promote_U, ids_U, -1))
+    return st, uses_E, plan, valid_U & ~promote_U
+
+
+@functools.partial(jax.jit, static_argnames=("access", "after"))
+def _replay_mixed(access, after: int, state: CacheState, layer_Ac: jax.Array, ids_AcU: jax.Array):
+    """`replay` with mixed-precision experts (one cache): (plans [A, U], cold [A, U])."""
+    uses_LE = jnp.zeros(state.slot_map_LE.shape, jnp.int32)
+
+    def step(carry, x):
+        st, uses = carry
+        st, uses_E, plan, cold_U = _mixed_access(access, after, st, uses[x[0]], x[0], x[1])
+        return (st, uses.at[x[0]].set(uses_E)), (plan, cold_U)
+
+    return jax.lax.scan(step, (state, uses_LE), (layer_Ac, ids_AcU))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("access", "after"))
+def _replay_per_layer_mixed(access, after: int, states_L: CacheState, ids_TLU: jax.Array):
+    """`_replay_per_layer` with mixed-precision experts: (plans [T, L, U], cold [T, L, U])."""
+    L = ids_TLU.shape[1]
+    layer_L = jnp.arange(L, dtype=jnp.int32)
+    uses_LE = jnp.zeros((L, states_L.slot_map_LE.shape[-1]), jnp.int32)
+
+    def step(carry, ids_LU):
+        st, uses = carry
+        st, uses, plan, cold = jax.vmap(functools.partial(_mixed_access, access, after))(st, uses, layer_L, ids_LU)
+        return (st, uses), (plan, cold)
+
+    return jax.lax.scan(step, (states_L, uses_LE), ids_TLU)[1]
+
+
 def with_slots(state: CacheState, n_usable: int) -> CacheState:
     """An empty cache with only its first n_usable slots in use (the rest DISABLED)."""
     owner = jnp.where(jnp.arange(state.owner_X.shape[0]) < n_usable, state.owner_X, DISABLED)
@@ -109,7 +148,7 @@ def _rate(h, m) -> float:
 
 
 def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool = False, warmup_tokens: int = 0,
-             n_experts: int | None = None) -> dict:
+             n_experts: int | None = None, promote_after: int | None = None) -> dict:
     """Replay `trace_TLk` (int [tokens, layers, k] of routed ids, -1 padding) through `policy` with
     `n_slots` slots in total, starting from an empty cache.
 
@@ -120,6 +159,8 @@ def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool =
     per_layer: each layer gets its own cache of n_slots // L slots instead of one shared cache.
     warmup_tokens: the first tokens still fill the cache but are left out of the *_after_warmup counts.
     n_experts: experts per layer (default: the largest id in the trace + 1).
+    promote_after: mixed-precision experts (--cold-experts): a miss is served low-bit (counted in misses and
+    in `cold`, never admitted) until that expert has been served so `promote_after` times.
 
     Returns hits, misses, lookups, hit_rate, per_layer_hit_rate, the same after warmup, compulsory
     misses (distinct experts in the trace: no cache size can do better), and the setup."""
@@ -146,16 +187,29 @@ def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool =
     S_use = min(S, S_pad)
     if per_layer and isinstance(policy, Policy) and policy.access is belady_access:
         raise ValueError("a belady_policy(...) Policy is built for the shared replay; pass 'belady' by name")
+    if promote_after is not None and (isinstance(policy, Policy) and policy.access is belady_access or name == "belady"):
+        raise ValueError("Belady's optimum knows every future access, so low-bit serving does not apply to it")
+    cold_TLU = np.zeros(ids_TLU.shape, bool)
     if per_layer:
         pols = [make(trace_TLk[:, l:l + 1]) for l in range(L)]
         states = _stack([with_slots(p.init(S_pad, L, E), S_use) for p in pols])
-        plans = _replay_per_layer(pols[0].access, states, jnp.asarray(ids_TLU))  # leaves [T, L, U]
+        if promote_after is None:
+            plans = _replay_per_layer(pols[0].access, states, jnp.asarray(ids_TLU))  # leaves [T, L, U]
+        else:
+            plans, cold = _replay_per_layer_mixed(pols[0].access, int(promote_after), states, jnp.asarray(ids_TLU))
+            cold_TLU = np.asarray(cold)
     else:
         pol = make(trace_TLk)
         layer_Ac = jnp.asarray(np.tile(np.arange(L, dtype=np.int32), T))
-        _, plans, _ = replay(pol.access, with_slots(pol.init(S_pad, L, E), S_use), layer_Ac,
-                             jnp.asarray(ids_TLU.reshape(T * L, U)))
-    miss_TLU = np.asarray(plans.miss_U).reshape(T, L, U)
+        state = with_slots(pol.init(S_pad, L, E), S_use)
+        if promote_after is None:
+            _, plans, _ = replay(pol.access, state, layer_Ac, jnp.asarray(ids_TLU.reshape(T * L, U)))
+        else:
+            plans, cold = _replay_mixed(pol.access, int(promote_after), state, layer_Ac,
+                                        jnp.asarray(ids_TLU.reshape(T * L, U)))
+            cold_TLU = np.asarray(cold).reshape(T, L, U)
+    # a low-bit miss is a miss (it crossed PCIe), outside the policy's plan
+    miss_TLU = np.asarray(plans.miss_U).reshape(T, L, U) | cold_TLU
     valid_TLU = ids_TLU >= 0
     hit_TL = (valid_TLU & ~miss_TLU).sum(-1)
     miss_TL = miss_TLU.sum(-1)
@@ -172,4 +226,6 @@ def simulate(trace_TLk, policy: str | Policy, n_slots: int, *, per_layer: bool =
         "warmup_tokens": w, "hits_after_warmup": hits_w, "misses_after_warmup": misses_w,
         "hit_rate_after_warmup": _rate(hits_w, misses_w),
         "compulsory_misses": distinct,
+        "promote_after": promote_after, "cold": int(cold_TLU.sum()),
+        "cold_share": float(cold_TLU.sum() / (hits + misses)) if hits + misses else 0.0,
     }

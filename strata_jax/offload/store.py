@@ -49,6 +49,9 @@ class ExpertStore:
     # per group, where the fetch kernel reads it (core/hostrows.py: uint32 [2] on the device); () = the
     # misses are fetched by a loop of copies (offload/fetch.py)
     addr: tuple[jax.Array, ...] = ()
+    # mixed precision (--cold-experts): the same experts at a lower-bit type, from a second GGUF of the
+    # model; misses not promoted to the cache are served from it (offload/provider.py)
+    cold: "ExpertStore | None" = None
 
     @property
     def nbytes(self) -> int:

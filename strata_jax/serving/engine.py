@@ -42,7 +42,7 @@ log = logging.getLogger("strata_jax")
 
 SNAPSHOT_PERIOD_S = 0.5  # how often a watched engine refreshes its snapshot
 EXPERT_COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "prefill_streamed_experts", "prefetched",
-                   "transfer_stall_seconds")
+                   "transfer_stall_seconds", "cold_experts")
 
 
 @dataclasses.dataclass

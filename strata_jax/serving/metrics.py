@@ -64,6 +64,8 @@ class Metrics:
         self.expert_misses = Gauge(p + "expert_cache_misses", "Expert-cache misses since load (MoE)", registry=r)
         self.expert_bytes = Gauge(p + "expert_cache_bytes_h2d", "Expert bytes copied host->device since load (MoE)",
                                   registry=r)
+        self.expert_cold = Gauge(p + "expert_cache_cold_served", "Misses served from the low-bit copy "
+                                 "(--cold-experts) since load (MoE)", registry=r)
         self.conversation = Gauge(p + "conversation_cache", "Conversation cache "
                                   "per tier (ram_, disk_): spills, hits (restores), tokens_restored, evictions, refused, "
                                   "entries, bytes, capacity, since load", ["what"], registry=r)
@@ -111,6 +113,7 @@ class Metrics:
                 self.expert_lookups.set(ex.get("lookups") or 0)
                 self.expert_misses.set(ex.get("misses") or 0)
                 self.expert_bytes.set(ex.get("bytes_h2d") or 0)
+                self.expert_cold.set(ex.get("cold_experts") or 0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -323,8 +323,13 @@ def moe_block(
     w_Nk, ids_Nk = route(x_ND, p.router_ED, cfg, forced_Nk, p.score_bias_E, p.router_bias_E, kernels)
     bias = p.expert_bias
     if experts.few_path(moe_idx, N * k):
-        experts, pool, slot_Nk = experts.lookup(moe_idx, ids_Nk, valid_N)
-        out_ND = _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
+        experts, pool, slot_Nk, cold = experts.lookup(moe_idx, ids_Nk, valid_N)
+        if cold is None:
+            out_ND = _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
+        else:  # mixed precision: each routed expert from its pool, the other product weighted zero
+            rows, row_Nk, cold_Nk = cold
+            out_ND = (_routed(x_ND, jnp.where(cold_Nk, 0.0, w_Nk), ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
+                      + _routed(x_ND, jnp.where(cold_Nk, w_Nk, 0.0), ids_Nk, row_Nk, rows, dtype, kernels, cfg, bias))
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
         impl = _many_token_impl(kernels)

@@ -1,0 +1,136 @@
+"""Mixed-precision experts (--cold-experts): a miss not yet promoted is computed from the low-bit copy of
+the same model, a promoted one from the cache at the model's own type. The two ends are exact: never
+promoting decodes exactly what the low-bit model decodes, promoting at once what the model does (its tokens;
+its logits to float32 rounding: the low-bit product, weighted zero, still changes how XLA fuses the sum)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import strata_jax
+from strata_jax.core.errors import ConfigError
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.offload.policies import promote
+
+# 4 MoE layers x 64 experts, top-2; the cold copy's experts are the same values requantized to Q4_0. 32 slots a
+# layer hold a 16-token prefill bucket's 32 lookups, so the prompt takes the few-token path (the lookups) too
+HOT = SyntheticSpec(arch="qwen3moe", n_layers=4, d_model=128, head_dim=32, n_experts=64, expert_ffn_dim=64,
+                    vocab_size=512, qtype="Q8_0", expert_qtype="Q8_0", seed=5)
+SLOTS = 128
+COLD = dataclasses.replace(HOT, expert_qtype="Q4_0", experts_from="Q8_0")
+NEVER = 10**6
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mixed")
+    return write_synthetic_gguf(d / "hot.gguf", HOT), write_synthetic_gguf(d / "cold.gguf", COLD)
+
+
+@pytest.fixture(scope="module")
+def prompt(files):
+    return strata_jax.load(files[0], ctx=64).tokenize("the rain is there, so she sat on the stairs")[:12]
+
+
+def _run(model, ids, n=12):
+    logits = model.logits(ids)
+    gen = model.generate(ids, max_tokens=n, temperature=0, logprobs=True)
+    return logits, gen.token_ids, [t.logprob for t in gen.logprobs]
+
+
+@pytest.mark.parametrize("scan,fetch", [("on", "loop"), ("off", "loop"), ("on", "kernel")])
+def test_never_promoted_is_the_low_bit_model(files, prompt, scan, fetch):
+    hot, cold = files
+    ref = _run(strata_jax.load(cold, ctx=64), prompt)
+    m = strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=cold, promote_after=NEVER, layer_scan=scan,
+                        expert_fetch=fetch)
+    got = _run(m, prompt)
+    np.testing.assert_array_equal(got[0], ref[0])
+    assert got[1] == ref[1] and got[2] == ref[2]
+    st = m.stats()
+    assert st["hits"] == 0 and st["misses"] == st["cold_experts"] == st["lookups"] > 0 and st["cold_share"] == 1.0
+    # what crossed PCIe is the low-bit rows only
+    per_cold = m.experts.cold_spec.bytes_per_expert(0)
+    assert st["bytes_h2d"] == st["cold_experts"] * per_cold < st["cold_experts"] * m.experts.spec.bytes_per_expert(0)
+
+
+def test_promoted_at_once_is_the_model(files):
+    hot, cold = files
+    ref = strata_jax.load(hot, ctx=64)
+    ids = ref.tokenize("the rain is there, so she sat on the stairs")
+    want = _run(ref, ids)
+    m = strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=cold, promote_after=0)
+    got = _run(m, ids)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    st = m.stats()
+    assert st["cold_experts"] == 0 and st["misses"] > 0 and st["cold_share"] == 0.0
+
+
+def test_an_expert_used_keeps_being_promoted(files, prompt):
+    """promote_after=1: an expert's first miss is served low-bit, its next one fetched into the cache; the
+    output lies between the two models', close to both (the cold copy is the same weights at 4 bits)."""
+    hot, cold = files
+    m = strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=cold, promote_after=1)
+    logits, tokens, _ = _run(m, prompt, n=16)
+    st = m.stats()
+    assert 0 < st["cold_experts"] < st["misses"] and st["hits"] > 0
+    hot_logits = strata_jax.load(hot, ctx=64).logits(prompt)
+    cold_logits = strata_jax.load(cold, ctx=64).logits(prompt)
+    # the prompt's first lookups are all misses served low-bit: its logits are the cold model's
+    np.testing.assert_array_equal(logits, cold_logits)
+    assert np.max(np.abs(cold_logits - hot_logits)) < 0.5 * np.max(np.abs(hot_logits))
+
+
+def test_resident_ignores_the_cold_copy(files, caplog):
+    hot, cold = files
+    m = strata_jax.load(hot, ctx=64, cold_experts=cold)
+    assert m.cache_plan.resident and m.experts.cold_spec is None
+
+
+def test_another_model_is_refused_by_name(files, tmp_path):
+    hot, _ = files
+    other = write_synthetic_gguf(tmp_path / "other.gguf", dataclasses.replace(HOT, n_experts=32))
+    with pytest.raises(ConfigError, match="expert count is 32, the model's is 64"):
+        strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=other)
+    with pytest.raises(ConfigError, match="cold_experts=.*is not a file"):
+        strata_jax.load(hot, ctx=64, cold_experts=tmp_path / "missing.gguf")
+    with pytest.raises(ConfigError, match="promote"):
+        strata_jax.load(hot, ctx=64, promote_after=-1)
+
+
+@pytest.mark.parametrize("pools", ["per-layer", "shared"])
+def test_simulator_equals_engine_telemetry(files, pools):
+    """The simulator replays the engine's decode routing with the same promotion rule: the same hits, misses
+    and low-bit serves (the prompt, over 16 tokens, streams whole layers and leaves the cache alone)."""
+    from strata_jax.offload.simulate import simulate
+
+    hot, cold = files
+    m = strata_jax.load(hot, ctx=128, expert_slots=SLOTS, cold_experts=cold, promote_after=2, record_routing=True,
+                        expert_pools=pools)
+    ids = m.tokenize("the tea is hot and the rain is there, so she sat on the stairs to read a book")
+    assert len(ids) > 16
+    m.generate(ids, max_tokens=40, temperature=0)
+    sim = simulate(m.routing_trace()[len(ids):], "lru", SLOTS, per_layer=pools == "per-layer", promote_after=2,
+                   n_experts=64)
+    st = m.stats()
+    assert (sim["hits"], sim["misses"], sim["cold"]) == (st["hits"], st["misses"], st["cold_experts"])
+    assert 0 < sim["cold"] < sim["misses"]
+
+
+def test_promotion_rule():
+    """Hits go through the cache; a miss is served low-bit until it has been so `after` times since it last
+    entered the cache; after=0 promotes every miss."""
+    ids = jnp.array([2, 0, -1, 3], jnp.int32)
+    hit = jnp.array([False, True, False, False])
+    uses, prom = promote(jnp.zeros(4, jnp.int32), ids, hit, 1)
+    assert prom.tolist() == [False, True, False, False] and uses.tolist() == [0, 0, 1, 1]
+    uses, prom = promote(uses, jnp.array([3, 2, 1, -1], jnp.int32), jnp.zeros(4, bool), 1)
+    assert prom.tolist() == [True, True, False, False] and uses.tolist() == [0, 1, 0, 0]  # admitted: back to 0
+    uses, prom = promote(jnp.zeros(4, jnp.int32), ids, hit, 0)
+    assert prom.tolist() == [True, True, False, True] and uses.tolist() == [0, 0, 0, 0]
