@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..13 are later sittings (each described above its pipeline), PART=13 the newest.
+# PART=2..14 are later sittings (each described above its pipeline), PART=14 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -401,5 +401,21 @@ pipeline13() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
+
+# PART=14 (issue 35): qseed under 32 GiB, realistic routing, with its experts' low-bit copy (IQ2_XXS, written
+# beside it as a second synthetic file) serving misses until promoted after 2 uses, beside the plain run
+pipeline14() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  (phase write-qseed-cold 400 "$PY" -c "import logging, sys; logging.basicConfig(level=logging.INFO)
+from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path('qseed', 'IQ2_XXS'))") &
+  qseed_file
+  wait
+  local q=(--shape qseed --tokens 64 --prompt-len 32 --routing realistic --vram-budget 32GiB --no-resident)
+  phase mixed-plain 220 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
+  phase mixed-cold 220 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-qtype IQ2_XXS --promote-after 2 \
+    --out "$S/data-mixed-cold.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 14 ] && { pipeline() { pipeline14; }; RETURNED="progress phases.tsv data-*.json"; }
 
 sitting_main "$@"
