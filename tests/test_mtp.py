@@ -164,6 +164,25 @@ def test_a_file_without_an_mtp_block_is_refused():
         _engine(hybrid_model("qwen35"), spec="mtp")
 
 
+def test_the_context_plan_counts_the_mtp_block():
+    """--spec mtp adds a KV layer and the block's resident experts: under a budget that bounds the context,
+    the plan with them holds fewer positions."""
+    from strata_jax.engine.model import plan_model_context
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.config import ModelConfig
+    from strata_jax.model.memory import activation_bytes, dense_weight_bytes, kv_cache_bytes, mtp_bytes
+
+    gguf = GGUFFile(str(hybrid_model("qwen35moe-mtp").gguf_path))
+    cfg = ModelConfig.from_gguf(gguf)
+    assert mtp_bytes(gguf, cfg, 0) > 0  # its experts
+    fixed = dense_weight_bytes(gguf) + activation_bytes(cfg, 16)
+    budget = fixed + 2048 * kv_cache_bytes(cfg, 1, 1, 2, "f16")
+    kw = dict(ctx=None, kv="f16", itemsize=2, rows=1, prefill_chunk=16, vram_budget=budget, vram_reserve=0)
+    plain = plan_model_context(gguf, cfg, None, **kw)
+    mtp = plan_model_context(gguf, cfg, None, **kw, mtp=True)
+    assert mtp.ctx < plain.ctx <= 2048
+
+
 def test_the_mtp_cache_travels_with_a_conversation():
     """A conversation spilled to the conversation cache (RAM, and disk after a restart) comes back with
     its MTP block's cache: the next turn drafts as it would have in the row (the same counts) and its

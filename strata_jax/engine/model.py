@@ -122,17 +122,23 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
                        prefill_chunk: int, expert_pools: str = "per-layer", expert_slots: int | None = None,
                        vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                        free_bytes: int | None = None, off_device: tuple[str, ...] = (),
-                       dense_itemsize: int | None = None) -> ContextPlan:
+                       dense_itemsize: int | None = None, mtp: bool = False) -> ContextPlan:
     """The context load allocates for a model (ctx, or the trained length), checked against the budget
     beside its dense weights (but off_device; dequantized to dense_itemsize bytes a value, or None: in
     their blocks), activations and the fewest expert slots a step needs (spec: its experts' layout, None
-    for a dense model): what load and `strata-jax inspect` both use."""
+    for a dense model), and with mtp (--spec mtp) the MTP block's KV layer and resident experts
+    (memory.mtp_bytes): what load and `strata-jax inspect` both use."""
     floor = 0.0
     if spec is not None:
         floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
+    kv_position = kv_cache_bytes(cfg, 1, rows, itemsize, kv)
+    other = dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk)
+    if mtp:
+        kv_position += kv_position // max(cfg.n_kv_layers, 1)
+        other += mtp_bytes(gguf, cfg, 0, rows, itemsize, kv)
     return plan_context(
-        requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_cache_bytes(cfg, 1, rows, itemsize, kv),
-        other_bytes=dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk),
+        requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_position,
+        other_bytes=other,
         expert_bytes=floor,
         vram_budget=vram_budget, vram_reserve=vram_reserve, free_bytes=free_bytes)
 
@@ -186,7 +192,8 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
                               expert_slots=config.expert_slots, vram_budget=config.vram_budget,
                               vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
                               off_device=(PLE_TABLE_NAME,) if ple_host else (),
-                              dense_itemsize=itemsize if config.dequantize_dense else None)
+                              dense_itemsize=itemsize if config.dequantize_dense else None,
+                              mtp=config.spec == "mtp")
 
 
 def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
