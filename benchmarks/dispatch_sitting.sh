@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..14 are later sittings (each described above its pipeline), PART=14 the newest.
+# PART=2..15 are later sittings (each described above its pipeline), PART=15 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -417,5 +417,19 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
   note "pipeline: done"
 }
 [ "${PART:-1}" = 14 ] && { pipeline() { pipeline14; }; RETURNED="progress phases.tsv data-*.json"; }
+
+# PART=15: PART=14's two runs, then PART=13's prefill with the cached experts read in place against copied, and
+# its patched dump naming the loop-dependent library calls (what fits one sitting's device time)
+pipeline15() {
+  pipeline14
+  local p=(--shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 --prefill-len 64
+           --vram-budget 32GiB --no-resident)
+  phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
+  phase prefill-cached 200 env STRATA_JAX_PREFILL_CACHED=1 "$PY" -m strata_jax.cli bench "${p[@]}" --label cached \
+    --out "$S/data-prefill-cached.json"
+  logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 15 ] && { pipeline() { pipeline15; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
 
 sitting_main "$@"
