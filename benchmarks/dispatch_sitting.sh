@@ -404,8 +404,7 @@ pipeline13() {
 
 # PART=14 (issue 35): qseed under 32 GiB, realistic routing, with its experts' low-bit copy (IQ2_XXS, written
 # beside it as a second synthetic file) serving misses until promoted after 2 uses, beside the plain run
-pipeline14() {
-  note "pipeline: start in $PWD (deadline $(deadline) s)"
+mixed_rows() {  # PART=14's two runs
   (phase write-qseed-cold 400 "$PY" -c "import logging, sys; logging.basicConfig(level=logging.INFO)
 from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path('qseed', 'IQ2_XXS'))") &
   qseed_file
@@ -414,6 +413,11 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
   phase mixed-plain 220 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
   phase mixed-cold 220 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-qtype IQ2_XXS --promote-after 2 \
     --out "$S/data-mixed-cold.json"
+}
+
+pipeline14() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  mixed_rows
   note "pipeline: done"
 }
 [ "${PART:-1}" = 14 ] && { pipeline() { pipeline14; }; RETURNED="progress phases.tsv data-*.json"; }
@@ -421,7 +425,8 @@ from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_
 # PART=15: PART=14's two runs, then PART=13's prefill with the cached experts read in place against copied, and
 # its patched dump naming the loop-dependent library calls (what fits one sitting's device time)
 pipeline15() {
-  pipeline14
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  mixed_rows
   local p=(--shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 --prefill-len 64
            --vram-budget 32GiB --no-resident)
   phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
@@ -430,6 +435,7 @@ pipeline15() {
   logged_bench bench-qseed-kv_before_hc_shift "" "$PY" benchmarks/slice_probe.py bench kv:before+hc:shift
   note "pipeline: done"
 }
-[ "${PART:-1}" = 15 ] && { pipeline() { pipeline15; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
+[ "${PART:-1}" = 15 ] && { pipeline() { pipeline15; }; RETURNED="progress phases.tsv cb-*.txt dsf-*.txt"
+  collect_more() { (cd "$S" && ls data-*.json > /dev/null 2>&1 && tar -czf "$OUT/data.tar.gz" data-*.json); }; }
 
 sitting_main "$@"
