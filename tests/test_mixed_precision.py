@@ -134,3 +134,21 @@ def test_promotion_rule():
     assert prom.tolist() == [True, True, False, False] and uses.tolist() == [0, 1, 0, 0]  # admitted: back to 0
     uses, prom = promote(jnp.zeros(4, jnp.int32), ids, hit, 0)
     assert prom.tolist() == [True, True, False, True] and uses.tolist() == [0, 0, 0, 0]
+
+
+def test_the_seed_architecture_never_promoted_is_its_low_bit_model(tmp_path):
+    """qwen4exp (DeltaNet, QSA, hyper-connections, PLE; its alike layers scanned): IQ3_S experts with a Q4_0 copy
+    of the same values; never promoting decodes exactly the copy's logits and tokens."""
+    from strata_jax.bench.shapes import SHAPES
+
+    hot_spec = dataclasses.replace(SHAPES["qtiny"], n_experts=64, n_experts_used=2)
+    hot = write_synthetic_gguf(tmp_path / "hot.gguf", hot_spec)
+    cold = write_synthetic_gguf(tmp_path / "cold.gguf", dataclasses.replace(hot_spec, expert_qtype="Q4_0",
+                                                                            experts_from="IQ3_S"))
+    ref = strata_jax.load(cold, ctx=64)
+    ids = ref.tokenize("the rain is there, so she sat on the stairs")[:12]
+    want = _run(ref, ids, n=8)
+    m = strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=cold, promote_after=NEVER)
+    got = _run(m, ids, n=8)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1:] == want[1:] and m.stats()["cold_share"] == 1.0
