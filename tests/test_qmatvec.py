@@ -125,6 +125,28 @@ def test_swiglu_over_fused_rows_of_two_types():
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+def test_a_negative_slot_reads_nothing_and_gives_zeros():
+    """Mixed precision hands each pool the pairs it does not serve as slot -1: zeros there, the others as
+    before; and a stack of only those is never read (NaN bytes would show)."""
+    rng = np.random.default_rng(9)
+    F, D, S = 40, 256, 3
+    g = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
+    u = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
+    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
+    parts = (qm.Part(Q.IQ3_S, F, g.shape[-1], 0, D), qm.Part(Q.IQ3_S, F, u.shape[-1], F * g.shape[-1], D))
+    x = rng.standard_normal((3, 1, D)).astype(np.float32)
+    y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(np.array([2, -1, 0], np.int32)),
+                          parts=parts, swiglu=True, block_rows=16, interpret=True)
+    full = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(np.array([2, 1, 0], np.int32)),
+                             parts=parts, swiglu=True, block_rows=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y)[[0, 2]], np.asarray(full)[[0, 2]])
+    assert not np.asarray(y)[1].any()
+    nan_rows = np.full_like(rows, 0xFF)  # fp16 scales of 0xFFFF: NaN wherever a byte is read
+    y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(nan_rows), jnp.asarray(np.full(3, -1, np.int32)),
+                          parts=parts, swiglu=True, block_rows=16, interpret=True)
+    assert not np.asarray(y).any()
+
+
 def test_stacks_between_2_and_4_gib_are_refused():
     """Pallas' Triton lowering indexes such buffers with 32-bit offsets that turn negative past 2 GiB."""
     def fake(n):

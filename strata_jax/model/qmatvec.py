@@ -475,10 +475,18 @@ def _kernel(slot_ref, x_ref, w_ref, *refs, parts, tables, T, block_rows, swiglu,
     rows_O = pl.program_id(1) * block_rows + _iota(block_rows)
     ok_O = rows_O < parts[0].n_rows if parts[0].n_rows % block_rows else None
     slot = slot_ref[m]
-    ys = [_row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
-    for t in range(T):
-        y = jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t]
-        plgpu.store(o_ref.at[m, t, rows_O], y.astype(o_ref.dtype), mask=ok_O)
+
+    @pl.when(slot >= 0)
+    def _():
+        ys = [_row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
+        for t in range(T):
+            y = jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t]
+            plgpu.store(o_ref.at[m, t, rows_O], y.astype(o_ref.dtype), mask=ok_O)
+
+    @pl.when(slot < 0)  # a pair served elsewhere (mixed precision's other pool): zeros, no byte read
+    def _():
+        for t in range(T):
+            plgpu.store(o_ref.at[m, t, rows_O], jnp.zeros(rows_O.shape, o_ref.dtype), mask=ok_O)
 
 
 def stack_ok(w_XP) -> bool:
@@ -493,7 +501,8 @@ def stack_ok(w_XP) -> bool:
 def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool = False, block_rows: int = 32,
                    num_warps: int = 4, out_dtype=jnp.float32, interpret: bool | None = None, unroll: bool = False):
     """y[m, t] = W_{slot_I[m]} @ x[m, t] for the matrix `parts[0]` of each stack row of w_XP (uint8
-    [X, P]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up). Returns out_dtype[I, T, F].
+    [X, P]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up); zeros where slot_I[m] < 0 (nothing
+    read). Returns out_dtype[I, T, F].
     interpret: run in Pallas' interpreter (default: off the GPU). unroll: walk the row in straight-line
     code instead of a loop (much slower to compile: docs/benchmarks.md)."""
     from jax.experimental import pallas as pl
@@ -600,7 +609,7 @@ def _interpret(kernels: Kernels) -> bool:
 
 def experts_swiglu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Kernels):
     """The routed experts of N tokens read straight from their slots: sum_j w[n, j] * down(silu(gate x) *
-    up x) for the expert in slot slot_Nk[n, j]. float32 [N, D]."""
+    up x) for the expert in slot slot_Nk[n, j] (none, and nothing read, where it is negative). float32 [N, D]."""
     N, k = slot_Nk.shape
     gate, up, down = parts
     slot_I = slot_Nk.reshape(N * k)

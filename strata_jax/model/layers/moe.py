@@ -127,12 +127,14 @@ def _apply_experts(x_ND, w_Nk, weights, dtype, cfg=None, bias_Nk=(None,) * 3):
 
 def _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kernels, cfg=None, bias=None):
     """The few-token product of each token's routed experts, read from their slots (their biases, if
-    any, by expert id)."""
+    any, by expert id). A negative slot is a pair this pool does not serve (mixed precision): its weight
+    must be 0; the swiglu kernel skips it, the other paths read slot 0."""
     parts = qmatvec.expert_parts(pool, slot_Nk.size, kernels)
     bias_Nk = _bias_rows(bias, ids_Nk)
+    if parts is not None and (cfg is None or cfg.expert_act == "silu") and bias is None:
+        return qmatvec.experts_swiglu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels)
+    slot_Nk = jnp.maximum(slot_Nk, 0)
     if parts is not None:
-        if (cfg is None or cfg.expert_act == "silu") and bias is None:
-            return qmatvec.experts_swiglu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels)
         return qmatvec.experts_glu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels,
                                    functools.partial(expert_glu, cfg=cfg), bias_Nk)
     return _apply_experts(x_ND, w_Nk, _dequant_rows(pool, jnp.take(pool.data, slot_Nk, axis=0), dtype), dtype,
@@ -326,10 +328,12 @@ def moe_block(
         experts, pool, slot_Nk, cold = experts.lookup(moe_idx, ids_Nk, valid_N)
         if cold is None:
             out_ND = _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
-        else:  # mixed precision: each routed expert from its pool, the other product weighted zero
+        else:  # mixed precision: each routed expert from its pool; the other pool skips it (weight 0)
             rows, row_Nk, cold_Nk = cold
-            out_ND = (_routed(x_ND, jnp.where(cold_Nk, 0.0, w_Nk), ids_Nk, slot_Nk, pool, dtype, kernels, cfg, bias)
-                      + _routed(x_ND, jnp.where(cold_Nk, w_Nk, 0.0), ids_Nk, row_Nk, rows, dtype, kernels, cfg, bias))
+            out_ND = (_routed(x_ND, jnp.where(cold_Nk, 0.0, w_Nk), ids_Nk, jnp.where(cold_Nk, -1, slot_Nk), pool,
+                              dtype, kernels, cfg, bias)
+                      + _routed(x_ND, jnp.where(cold_Nk, w_Nk, 0.0), ids_Nk, jnp.where(cold_Nk, row_Nk, -1), rows,
+                                dtype, kernels, cfg, bias))
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
         impl = _many_token_impl(kernels)
