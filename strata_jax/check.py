@@ -117,8 +117,9 @@ def expected_hit_rate(cfg, slots_per_layer: int) -> float:
 
 
 def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1, vram_budget: str | None = None,
-          probe_pinned: bool = True) -> dict[str, Any]:
-    """Everything `strata-jax check` reports, as one JSON-able dict."""
+          probe_pinned: bool = True, cold_experts: str | None = None) -> dict[str, Any]:
+    """Everything `strata-jax check` reports, as one JSON-able dict. cold_experts: the low-bit copy
+    (--cold-experts), whose experts take host RAM too."""
     import jax
 
     from strata_jax.offload.sizing import device_free_bytes
@@ -187,6 +188,13 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
                         "dense_bytes": report["dense_bytes"], "kv_bytes": report["kv_bytes"],
                         "kv_storage": report["kv_label"], "activation_bytes": report["activation_bytes"],
                         "ctx": report["ctx"], "parallel": parallel}
+        if cold_experts is not None:
+            from strata_jax.model.config import ModelConfig
+            from strata_jax.model.memory import routed_expert_bytes
+
+            cold = GGUFFile(cold_experts)
+            out["model"]["cold_experts"] = str(cold_experts)
+            out["model"]["cold_expert_bytes_total"] = routed_expert_bytes(cold, ModelConfig.from_gguf(cold))
     folder = Path(model).expanduser().resolve().parent if model else Path.cwd()
     du = shutil.disk_usage(folder)
     out["disk"] = {"path": str(folder), "free": du.free, "total": du.total}
@@ -194,7 +202,8 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
     if gpu and probe_pinned:
         # never more than 80% of available RAM: pinning all of it would starve the host (and its other users)
         avail = int((mi.get("MemAvailable") or 0) * 0.8)
-        want = min(out.get("model", {}).get("expert_bytes_total") or avail, avail or PINNED_FLOOR)
+        host = (out.get("model", {}).get("expert_bytes_total") or 0) + out.get("model", {}).get("cold_expert_bytes_total", 0)
+        want = min(host or avail, avail or PINNED_FLOOR)
         want = max(want, PINNED_FLOOR)
         log.info("check: the largest pinned host allocation, halving from %s (--no-pinned-probe skips it)",
                  fmt_bytes(want))
@@ -206,6 +215,7 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
 
 def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
     cfg = r["config"]
+    cold = out["model"].get("cold_expert_bytes_total", 0)  # in host RAM too when offloading
     experts_total = out["model"]["expert_bytes_total"]
     ram = out["ram"].get("available")
     v: dict[str, Any] = {}
@@ -240,9 +250,12 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
     v["text"] = (f"fits with {pct:.0f}% of experts cached ({plan.n_slots:,} of {r['experts']:,} slots in {budget}); "
                  f"expected LRU hit rate {100 * hit:.0f}% (realistic routing trace)")
     pinned = out.get("pinned", {}).get("bytes")
-    if ram is not None and experts_total > ram:
+    if cold:
+        v["text"] += f"; misses served from the low-bit copy ({fmt_bytes(cold)} of experts in host RAM too)"
+    if ram is not None and experts_total + cold > ram:
         v["fits"] = False
-        v["text"] += f"; but its experts ({fmt_bytes(experts_total)}) exceed the available RAM ({fmt_bytes(ram)})"
+        v["text"] += (f"; but its experts{' and their low-bit copy' if cold else ''} ({fmt_bytes(experts_total + cold)}) "
+                      f"exceed the available RAM ({fmt_bytes(ram)})")
     elif gpu and pinned is not None and pinned < experts_total:
         v["text"] += (f"; pinned host memory stopped at {fmt_bytes(pinned)} of the experts' "
                       f"{fmt_bytes(experts_total)} in one buffer (the store pins one buffer per row layout, usually "

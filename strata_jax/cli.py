@@ -290,8 +290,10 @@ def _cmd_check(args) -> int:
     if args.vram_budget is not None:
         parse_size(args.vram_budget, "--vram-budget")
     model = model_or_default(args.model_pos or args.model)
+    if args.cold_experts is not None and not Path(args.cold_experts).expanduser().is_file():
+        raise StrataError(f"--cold-experts {args.cold_experts}: not a file; give the low-bit GGUF of the same model")
     c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
-              probe_pinned=args.pinned_probe)
+              probe_pinned=args.pinned_probe, cold_experts=args.cold_experts)
     if args.json:  # the text output carries them itself
         for w in c["warnings"]:
             log.warning("%s", w)
@@ -433,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context to reserve KV cache for (default: the trained length, cut to fit the budget)")
     k.add_argument("--parallel", type=_positive_int("--parallel"), default=1, help="KV-cache rows, as serve --parallel")
     k.add_argument("--vram-budget", default=None, help="size the verdict for this much device memory (default: free)")
+    k.add_argument("--cold-experts", default=None, metavar="GGUF",
+                   help="the low-bit copy serve would get (--cold-experts): its experts count in the RAM verdict")
     k.add_argument("--no-pinned-probe", dest="pinned_probe", action="store_false",
                    help="skip the largest-pinned-allocation probe (it briefly pins up to the model's expert bytes)")
     k.set_defaults(func=_cmd_check)

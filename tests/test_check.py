@@ -74,6 +74,24 @@ def test_verdict_is_the_planners(moe_path, mode):
         assert r["too_small"] in v["text"] and "smallest budget" in v["text"]
 
 
+def test_the_low_bit_copy_counts_in_host_ram(moe_path, tmp_path, monkeypatch, capsys):
+    """--cold-experts: the copy's experts are named and counted in the offloaded verdict's RAM figure."""
+    import dataclasses
+
+    cold = str(write_synthetic_gguf(tmp_path / "cold.gguf", dataclasses.replace(MOE, qtype="Q8_0",
+                                                                               expert_qtype="Q4_0")))
+    base, experts = _budgets(moe_path)
+    c = chk.check(moe_path, vram_budget=str(int(base + experts / 2)), probe_pinned=False, cold_experts=cold)
+    cold_bytes = c["model"]["cold_expert_bytes_total"]
+    assert 0 < cold_bytes < c["model"]["expert_bytes_total"]
+    assert c["verdict"]["mode"] == "offloaded" and "low-bit copy" in c["verdict"]["text"]
+    monkeypatch.setattr(chk, "meminfo", lambda: {"MemAvailable": experts + cold_bytes // 2, "MemTotal": 1 << 40})
+    v = chk.check(moe_path, vram_budget=str(int(base + experts / 2)), probe_pinned=False, cold_experts=cold)["verdict"]
+    assert not v["fits"] and "and their low-bit copy" in v["text"]
+    assert main(["check", moe_path, "--cold-experts", str(tmp_path / "none.gguf")]) == 2
+    assert "--cold-experts" in capsys.readouterr().err
+
+
 def test_cli_json_and_model_refs(moe_path, capsys):
     assert main(["check", moe_path, "--json", "--no-pinned-probe"]) == 0
     c = json.loads(capsys.readouterr().out)
