@@ -7,7 +7,10 @@ carrying over; each prompt's logits are compared with the all-high model's: KL(h
 and top-1 agreement, averaged. Rows: cache fraction x promote_after (0: plain offloading; "never": every
 miss low-bit). Also the share of lookups served low-bit and the bytes per lookup over PCIe.
 
-    JAX_PLATFORMS=cpu python benchmarks/mixed_quality.py [--prompts 48] [--out FILE.json]
+    JAX_PLATFORMS=cpu python benchmarks/mixed_quality.py [--arch qwen3moe|qwen4exp] [--prompts 48] [--out FILE.json]
+
+--arch qwen4exp: the seed's architecture (bench shape qtiny: DeltaNet, QSA, hyper-connections, PLE) with the same
+expert count, top-k and types.
 """
 
 from __future__ import annotations
@@ -37,11 +40,19 @@ def _log_softmax(x):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", choices=["qwen3moe", "qwen4exp"], default="qwen3moe")
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--out")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
-    hot, cold = write_synthetic_gguf(d / "hot.gguf", HOT), write_synthetic_gguf(d / "cold.gguf", COLD)
+    spec = HOT
+    if args.arch == "qwen4exp":
+        from strata_jax.bench.shapes import SHAPES
+
+        spec = dataclasses.replace(SHAPES["qtiny"], n_experts=HOT.n_experts, n_experts_used=HOT.n_experts_used,
+                                   expert_qtype=HOT.expert_qtype, seed=HOT.seed)
+    cold_spec = dataclasses.replace(spec, expert_qtype=COLD.expert_qtype, experts_from=spec.expert_qtype)
+    hot, cold = write_synthetic_gguf(d / "hot.gguf", spec), write_synthetic_gguf(d / "cold.gguf", cold_spec)
     ref = strata_jax.load(hot, ctx=64)
     ids = ref.tokenize(TEXT * 4)
     prompts = [ids[i:i + 16] for i in range(0, 8 * args.prompts, 8)][:args.prompts]
@@ -55,7 +66,7 @@ def main() -> None:
         return float(kl), float(top1)
 
     rows = [dict(zip(("kl", "top1"), score(base)), fraction=None, promote_after="all low-bit (the Q4_0 model)")]
-    total = HOT.n_layers * HOT.n_experts
+    total = spec.n_layers * spec.n_experts
     for frac in (0.125, 0.25, 0.5):
         for after in (0, 1, 2, 4, 10**9):
             m = strata_jax.load(hot, ctx=64, expert_slots=int(total * frac), cold_experts=cold, promote_after=after)

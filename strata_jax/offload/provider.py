@@ -24,7 +24,7 @@ from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, uniq
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
 from strata_jax.core import layer_ref
 from strata_jax.offload.policies import Plan, Policy, promote
-from strata_jax.offload.slot_table import SlotTable, _put_row, _row
+from strata_jax.offload.slot_table import SlotTable, put_row_at, row_at
 from strata_jax.offload.store import ExpertStore
 
 
@@ -82,7 +82,7 @@ class SlotExperts:
         rows = self._rows
         hit_U = (ids_U >= 0) & (self.table.slot_map(moe_idx, rows)[jnp.maximum(ids_U, 0)] >= 0)
         m = layer_ref.value(moe_idx)  # the MoE layer's index (traced in a scanned run)
-        uses_E, promote_U = promote(_row(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after)
+        uses_E, promote_U = promote(row_at(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after)
         cold_U = (ids_U >= 0) & ~promote_U
         store = self.store.cold
         g, U = store.group(moe_idx), ids_U.shape[0]
@@ -90,7 +90,7 @@ class SlotExperts:
         at_U = jnp.arange(U, dtype=jnp.int32)
         staged = fetch_misses(staging, store, moe_idx, Plan(ids_U, at_U, cold_U, jnp.full((U,), -1, jnp.int32)))
         at_Nk = jnp.argmax(ids_Nk[..., None] == ids_U, axis=-1).astype(jnp.int32)
-        me = self.replace(uses_ME=_put_row(self.uses_ME, uses_E, m, rows))
+        me = self.replace(uses_ME=put_row_at(self.uses_ME, uses_E, m, rows))
         return me, jnp.where(promote_U, ids_U, -1), (staged, at_Nk, cold_U)
 
     def prefetch(self, moe_idx: int, predicted: tuple[tuple[int, jax.Array], ...],

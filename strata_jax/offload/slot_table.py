@@ -93,14 +93,14 @@ class SlotTable:
         if not self._block(moe_idx):
             return cache, self.local(moe_idx)
         at = self.local(moe_idx)
-        return jax.tree.map(lambda a: _row(a, at, rows), cache), 0
+        return jax.tree.map(lambda a: row_at(a, at, rows), cache), 0
 
     def with_layer(self, moe_idx, cache: CacheState, pool: ExpertPool, rows: bool = False) -> "SlotTable":
         """The table with layer `moe_idx`'s cache state (as layer_cache gave it) and its pool replaced."""
         p = self.cache_index(moe_idx)
         if self._block(moe_idx):
             at = self.local(moe_idx)
-            cache = jax.tree.map(lambda A, a: _put_row(A, a, at, rows), self.caches[p], cache)
+            cache = jax.tree.map(lambda A, a: put_row_at(A, a, at, rows), self.caches[p], cache)
         return self.replace(pools=tuple(pool if i == p else q for i, q in enumerate(self.pools)),
                             caches=tuple(cache if i == p else c for i, c in enumerate(self.caches)))
 
@@ -111,7 +111,7 @@ class SlotTable:
         return jnp.where(map_E >= 0, map_E + self.slot_base(moe_idx), -1) if self._block(moe_idx) else map_E
 
 
-def _row(a: jax.Array, at, rows: bool) -> jax.Array:
+def row_at(a: jax.Array, at, rows: bool) -> jax.Array:
     """a[at]: by the row kernel for a traced index when asked (XLA's memcpy thunk for a plain dynamic slice
     at a loop-dependent index keeps the layer scan out of its command buffers on a GPU)."""
     if rows and isinstance(at, jax.Array) and hostrows.rows_ok(a):
@@ -119,7 +119,7 @@ def _row(a: jax.Array, at, rows: bool) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(a, at, 0, keepdims=False)
 
 
-def _put_row(A: jax.Array, a: jax.Array, at, rows: bool) -> jax.Array:
+def put_row_at(A: jax.Array, a: jax.Array, at, rows: bool) -> jax.Array:
     if rows and isinstance(at, jax.Array) and hostrows.rows_ok(A):
         return hostrows.row_put(A, a, at)
     return jax.lax.dynamic_update_index_in_dim(A, a, at, 0)
