@@ -146,8 +146,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "served from it (fewer bytes over PCIe) until the expert is used --promote-after times, then "
                         "fetched at the model's own type (offloading only)")
     c.add_argument("--promote-after", default=2,
-                   help="low-bit uses of an expert before it is fetched into the cache at full type (default 2; "
-                        "0: always, i.e. no low-bit serving)")
+                   help="low-bit uses of an expert before it is fetched into the cache at full type, free slots "
+                        "aside (default 2; 0: always, i.e. no low-bit serving; -1: never)")
     c.add_argument("--no-prefetch", dest="prefetch_depth", action="store_const", const=0,
                    help="prefetch off (the default; same as --prefetch-depth 0)")
     p.add_argument("--ple-table", default="auto", choices=PLE_TABLES,

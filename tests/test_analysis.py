@@ -42,14 +42,16 @@ def test_the_analyses_match_a_hand_worked_trace():
 
 
 def test_mixed_precision_replay_matches_a_hand_worked_trace():
-    """Two slots, LRU, promote after 1 low-bit use: token 0 serves 0 and 1 low-bit; token 1 admits 1 and serves
-    2 low-bit; token 2 hits 1 and admits 0: 1 hit, 5 misses of which 3 low-bit. Plain LRU misses 4 times, so
-    at half the bytes a low-bit expert moves (5 - 3 + 3 / 2) / 4 of plain's bytes."""
+    """Two slots, LRU, promote after 1 low-bit use: token 0's misses take the two free slots; token 1 hits 1 and
+    serves 2 low-bit (unproven, nothing free), so token 2 hits 1 and 0: 3 hits, 3 misses of which 1 low-bit.
+    Plain LRU admits 2, evicting 0, and misses 0 again: 4 misses. At half the bytes a low-bit expert moves,
+    (3 - 1 + 1 / 2) / 4 of plain's bytes."""
     r = simulate(HAND, "lru", 2, promote_after=1)
-    assert (r["hits"], r["misses"], r["cold"]) == (1, 5, 3)
+    assert (r["hits"], r["misses"], r["cold"]) == (3, 3, 1)
     (row,) = analysis.mixed_rows(HAND, (2 / 3,), (1,), cold_ratio=0.5)
-    assert row["bytes_vs_plain"] == pytest.approx(3.5 / 4) and row["cold_share"] == pytest.approx(0.5)
+    assert row["bytes_vs_plain"] == pytest.approx(2.5 / 4) and row["cold_share"] == pytest.approx(1 / 6)
     assert simulate(HAND, "lru", 2, promote_after=0)["cold"] == 0  # 0: plain offloading
+    assert simulate(HAND, "lru", 2, promote_after=-1)["cold"] == 6  # -1: every miss low-bit
     with pytest.raises(ValueError, match="Belady"):
         simulate(HAND, "belady", 2, promote_after=1)
 

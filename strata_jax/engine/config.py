@@ -108,7 +108,8 @@ class EngineConfig:
     expert_cache_state: str | None = None
     # MoE, offloading: a second GGUF of the same model with lower-bit experts (mixed precision): a miss is
     # served from its copy (fewer bytes over PCIe, nothing evicted) until the expert has been used
-    # promote_after times that way, then fetched into the cache at the model's own type (0: always)
+    # promote_after times that way (or while the cache has free slots), then fetched into the cache at the
+    # model's own type (0: always; -1: never, every miss low-bit)
     cold_experts: str | None = None
     promote_after: int = 2
     # KV-cache rows (requests decoded at once, a server's --parallel) the expert cache leaves room for
@@ -483,8 +484,9 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
         "expert_pools": lambda v: _choice(v, n("expert_pools"), POOLS),
         "expert_cache_state": lambda v: _cache_state(v, n("expert_cache_state")),
         "cold_experts": lambda v: _gguf_file(v, n("cold_experts")),
-        "promote_after": lambda v: _int(v, n("promote_after"), text, 0, "an integer >= 0 (low-bit uses of an expert "
-                                        "before it is fetched into the cache at the model's own type; 0: always)"),
+        "promote_after": lambda v: _int(v, n("promote_after"), text, -1, "an integer >= -1 (low-bit uses of an expert "
+                                        "before it is fetched into the cache at the model's own type; 0: always, "
+                                        "-1: never)"),
         "parallel": lambda v: _int(v, n("parallel"), text, 1, "an integer >= 1 (requests decoded at once, each "
                                    f"holding a KV-cache row of {n('ctx')} tokens)"),
         "ple_table": lambda v: _choice(v, n("ple_table"), PLE_TABLES),

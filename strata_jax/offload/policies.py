@@ -142,16 +142,22 @@ def used_slots(plan: Plan, n_slots: int) -> jax.Array:
     return jnp.where(plan.ids_U >= 0, plan.slot_U, n_slots)
 
 
-def promote(uses_E: jax.Array, ids_U: jax.Array, hit_U: jax.Array, after: int) -> tuple[jax.Array, jax.Array]:
+def promote(uses_E: jax.Array, ids_U: jax.Array, hit_U: jax.Array, after: int,
+            n_free: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
     """Mixed-precision experts (--cold-experts): which of one layer's requested experts go through the cache
     at the model's own type. Hits do; a miss is promoted (admitted and fetched at the high-bit type) once it
-    has been served `after` times from the low-bit copy since it last entered the cache, else it is served
-    from that copy and counted (uses_E, int32 [E]: this layer's low-bit uses). An admission filter: an
-    expert used once in a while never displaces the hot ones (docs/benchmarks.md has the replays). after=0
-    promotes every miss (plain offloading). Returns (uses_E, promote_U); the policy sees only the promoted."""
+    has been served `after` times from the low-bit copy since it last entered the cache, or while the cache
+    has free slots (n_free: the first misses take them, as nothing is displaced); else it is served from
+    that copy and counted (uses_E, int32 [E]: this layer's low-bit uses). An admission filter: an expert
+    used once in a while never displaces the hot ones (docs/benchmarks.md has the replays). after=0
+    promotes every miss (plain offloading), after=-1 none (every miss low-bit: what the copy costs).
+    Returns (uses_E, promote_U); the policy sees only the promoted."""
     valid_U = ids_U >= 0
     safe_U = jnp.where(valid_U, ids_U, 0)
-    promote_U = valid_U & (hit_U | (uses_E[safe_U] >= after))
+    proven_U = valid_U & ~hit_U & (uses_E[safe_U] >= after) & (after >= 0)
+    other_U = valid_U & ~hit_U & ~proven_U
+    room = jnp.maximum(jnp.asarray(n_free if after >= 0 else 0, jnp.int32) - jnp.sum(proven_U).astype(jnp.int32), 0)
+    promote_U = (valid_U & hit_U) | proven_U | (other_U & (jnp.cumsum(other_U) <= room))
     cold_U = valid_U & ~promote_U
     E = uses_E.shape[0]
     uses_E = uses_E.at[jnp.where(cold_U, safe_U, E)].add(1, mode="drop")

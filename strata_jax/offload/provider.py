@@ -23,7 +23,7 @@ from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
 from strata_jax.core import layer_ref
-from strata_jax.offload.policies import Plan, Policy, promote
+from strata_jax.offload.policies import FREE, Plan, Policy, promote
 from strata_jax.offload.slot_table import SlotTable, put_row_at, row_at
 from strata_jax.offload.store import ExpertStore
 
@@ -82,7 +82,9 @@ class SlotExperts:
         rows = self._rows
         hit_U = (ids_U >= 0) & (self.table.slot_map(moe_idx, rows)[jnp.maximum(ids_U, 0)] >= 0)
         m = layer_ref.value(moe_idx)  # the MoE layer's index (traced in a scanned run)
-        uses_E, promote_U = promote(row_at(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after)
+        cache, _ = self.table.layer_cache(moe_idx, rows)
+        n_free = jnp.sum(cache.owner_X == FREE)
+        uses_E, promote_U = promote(row_at(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after, n_free)
         cold_U = (ids_U >= 0) & ~promote_U
         store = self.store.cold
         g, U = store.group(moe_idx), ids_U.shape[0]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.offload.policies import (DISABLED, CacheState, Policy, belady_access, belady_policy, get_policy,
+from strata_jax.offload.policies import (DISABLED, FREE, CacheState, Policy, belady_access, belady_policy, get_policy,
                                          promote, static_policy, usage_profile)
 
 
@@ -86,7 +86,7 @@ def _mixed_access(access, after: int, st: CacheState, uses_E: jax.Array, layer, 
     uses_E, plan, cold_U)."""
     valid_U = ids_U >= 0
     hit_U = valid_U & (st.slot_map_LE[layer, jnp.maximum(ids_U, 0)] >= 0)
-    uses_E, promote_U = promote(uses_E, ids_U, hit_U, after)
+    uses_E, promote_U = promote(uses_E, ids_U, hit_U, after, jnp.sum(st.owner_X == FREE))
     st, plan = access(st, layer, jnp.where(promote_U, ids_U, -1))
     return st, uses_E, plan, valid_U & ~promote_U
 
