@@ -141,6 +141,9 @@ def test_a_negative_slot_reads_nothing_and_gives_zeros():
                              parts=parts, swiglu=True, block_rows=16, interpret=True)
     np.testing.assert_array_equal(np.asarray(y)[[0, 2]], np.asarray(full)[[0, 2]])
     assert not np.asarray(y)[1].any()
+    # a mixed step's pools take the kernel for any IQ type on a GPU (auto mode): only it skips such pairs
+    gpu, two = Kernels(platform="gpu"), (qm.dense_part(Q.IQ2_XXS, 512, 2048),) * 2
+    assert not qm.use_kernel(two, 10, gpu, routed=True) and qm.use_kernel(two, 10, gpu, routed=True, skipping=True)
     nan_rows = np.full_like(rows, 0xFF)  # fp16 scales of 0xFFFF: NaN wherever a byte is read
     y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(nan_rows), jnp.asarray(np.full(3, -1, np.int32)),
                           parts=parts, swiglu=True, block_rows=16, interpret=True)

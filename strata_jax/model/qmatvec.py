@@ -576,29 +576,33 @@ def block_config(part: Part, n_pairs: int) -> dict:
 ROUTED_IQ = frozenset({Q.IQ3_S})
 
 
-def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels, routed: bool = False) -> bool:
+def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels, routed: bool = False,
+               skipping: bool = False) -> bool:
     """Whether n_pairs products with these matrices go through the kernel. Auto mode takes only where
     it is faster than dequantize + matmul: K-quant matrices (and, for routed experts, ROUTED_IQ) with at
     least MIN_PROGRAMS programs. Small projections (few programs) and 32-value block types (Q5_0/Q8_0
-    rows) are slower on the kernel (docs/benchmarks.md, "Fused dequantize + mat-vec kernel")."""
+    rows) are slower on the kernel (docs/benchmarks.md, "Fused dequantize + mat-vec kernel").
+    skipping: routed products where some pairs are served by another pool (mixed precision): every IQ
+    type too, since only the kernel skips those pairs (the dequantize path would read them all)."""
     if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
         return False
     if kernels.qmatvec == "on":
         return True
-    auto = lambda q: is_k_quant(q) or (routed and Q(q) in ROUTED_IQ)  # noqa: E731
+    auto = lambda q: is_k_quant(q) or (routed and (Q(q) in ROUTED_IQ or (skipping and Q(q).name.startswith("IQ"))))  # noqa: E731
     if kernels.platform != "gpu" or not all(auto(p.qtype) for p in parts):
         return False
     rows = block_config(parts[0], n_pairs)["block_rows"]
     return n_pairs * -(-parts[0].n_rows // rows) >= MIN_PROGRAMS
 
 
-def expert_parts(pool, n_pairs: int, kernels: Kernels) -> tuple[Part, ...] | None:
+def expert_parts(pool, n_pairs: int, kernels: Kernels, skipping: bool = False) -> tuple[Part, ...] | None:
     """qmatvec Parts (gate, up, down) of a pool of expert rows (core.experts.ExpertRows) when n_pairs
-    routed products with them go through the kernel, else None."""
+    routed products with them go through the kernel, else None (skipping: see use_kernel)."""
     if not stack_ok(pool.data):
         return None
     out = tuple(Part(Q(p.qtype), p.n_rows, p.row_bytes, at, p.n_cols) for p, at in zip(pool.parts, pool.offsets()))
-    if not (use_kernel(out[:2], n_pairs, kernels, True) and use_kernel(out[2:], n_pairs, kernels, True)):
+    if not (use_kernel(out[:2], n_pairs, kernels, True, skipping) and use_kernel(out[2:], n_pairs, kernels, True,
+                                                                                   skipping)):
         return None
     return out
 

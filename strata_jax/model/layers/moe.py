@@ -125,11 +125,12 @@ def _apply_experts(x_ND, w_Nk, weights, dtype, cfg=None, bias_Nk=(None,) * 3):
     return jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
 
 
-def _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kernels, cfg=None, bias=None):
+def _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kernels, cfg=None, bias=None,
+            skipping: bool = False):
     """The few-token product of each token's routed experts, read from their slots (their biases, if
-    any, by expert id). A negative slot is a pair this pool does not serve (mixed precision): its weight
-    must be 0; the swiglu kernel skips it, the other paths read slot 0."""
-    parts = qmatvec.expert_parts(pool, slot_Nk.size, kernels)
+    any, by expert id). skipping (mixed precision): a negative slot is a pair this pool does not serve,
+    weighted 0; the swiglu kernel skips it (and takes every IQ type then), the other paths read slot 0."""
+    parts = qmatvec.expert_parts(pool, slot_Nk.size, kernels, skipping)
     bias_Nk = _bias_rows(bias, ids_Nk)
     if parts is not None and (cfg is None or cfg.expert_act == "silu") and bias is None:
         return qmatvec.experts_swiglu(x_ND, w_Nk, slot_Nk, pool.data, parts, dtype, kernels)
@@ -331,9 +332,9 @@ def moe_block(
         else:  # mixed precision: each routed expert from its pool; the other pool skips it (weight 0)
             rows, row_Nk, cold_Nk = cold
             out_ND = (_routed(x_ND, jnp.where(cold_Nk, 0.0, w_Nk), ids_Nk, jnp.where(cold_Nk, -1, slot_Nk), pool,
-                              dtype, kernels, cfg, bias)
+                              dtype, kernels, cfg, bias, skipping=True)
                       + _routed(x_ND, jnp.where(cold_Nk, w_Nk, 0.0), ids_Nk, jnp.where(cold_Nk, row_Nk, -1), rows,
-                                dtype, kernels, cfg, bias))
+                                dtype, kernels, cfg, bias, skipping=True))
         experts, out_ND = experts.prefetch(moe_idx, prefetch, out_ND)
     else:
         impl = _many_token_impl(kernels)
