@@ -163,3 +163,19 @@ def test_the_seed_architecture_never_promoted_is_its_low_bit_model(tmp_path):
     got = _run(m, ids, n=8)
     np.testing.assert_array_equal(got[0], want[0])
     assert got[1:] == want[1:] and m.stats()["cold_share"] == 1.0
+
+
+def test_batched_rows_equal_alone_when_every_miss_is_low_bit(files):
+    """With -1 nothing enters the cache, so what a row computes cannot depend on its neighbours: a batch of rows
+    (idle rows and staggered admissions included) decodes what each request decodes alone."""
+    from strata_jax.engine.session import Session
+    from test_batch import run
+
+    hot, cold = files
+    m = strata_jax.load(hot, ctx=128, expert_slots=SLOTS, cold_experts=cold, promote_after=NEVER)
+    prompts = ["hello there", "the tea is hot and the rain is there, so she sat on the stairs", "a"]
+    refs = [m.generate(p, max_tokens=n, temperature=0, cache_prompt=False).token_ids for p, n in zip(prompts, (9, 14, 6))]
+    got = run(Session(m, 3), [(t, p, dict(max_tokens=n, temperature=0, cache_prompt=False))
+                              for t, p, n in zip((0, 2, 3), prompts, (9, 14, 6))])
+    assert [g["ids"] for g in got] == refs
+    assert m.stats()["hits"] == 0
