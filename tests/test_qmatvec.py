@@ -88,14 +88,20 @@ def test_iq_kernel_lowers_to_triton(qtype):
     assert f"qmatvec_{qtype.name.lower()}_r16w4" in text and "__gpu$xla.gpu.triton" in text
 
 
+def _gate_up_rows(rng, gate_type, up_type, S: int, F: int, D: int):
+    """S expert rows holding a random gate [F, D] then up [F, D] back to back, as a fused slot row holds
+    them: (gate bytes, up bytes, rows uint8 [S, P], the two Parts)."""
+    g = random_tensor_bytes(rng, gate_type, (S, F, D), 0.02)
+    u = random_tensor_bytes(rng, up_type, (S, F, D), 0.02)
+    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
+    return g, u, rows, (qm.Part(gate_type, F, g.shape[-1], 0, D), qm.Part(up_type, F, u.shape[-1], F * g.shape[-1], D))
+
+
 def test_swiglu_over_fused_rows_of_two_iq_types():
     """gate IQ3_S and up IQ1_M in one call: two codebook inputs, each part reading its own."""
     rng = np.random.default_rng(8)
     F, D, S = 24, 256, 3
-    g = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
-    u = random_tensor_bytes(rng, Q.IQ1_M, (S, F, D), 0.02)
-    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
-    parts = (qm.Part(Q.IQ3_S, F, g.shape[-1], 0, D), qm.Part(Q.IQ1_M, F, u.shape[-1], F * g.shape[-1], D))
+    g, u, rows, parts = _gate_up_rows(rng, Q.IQ3_S, Q.IQ1_M, S, F, D)
     assert qm._tables(parts) == ("iq3s_grid", "iq1s_grid")
     x = rng.standard_normal((2, 1, D)).astype(np.float32)
     slots = np.array([2, 0], np.int32)
@@ -111,10 +117,7 @@ def test_swiglu_over_fused_rows_of_two_types():
     """gate in Q4_K and up in Q6_K back to back in one row, as an expert's fused slot row holds them."""
     rng = np.random.default_rng(7)
     F, D, S = 48, 512, 5
-    g = random_tensor_bytes(rng, Q.Q4_K, (S, F, D), 0.02)
-    u = random_tensor_bytes(rng, Q.Q6_K, (S, F, D), 0.02)
-    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
-    parts = (qm.Part(Q.Q4_K, F, g.shape[-1], 0, D), qm.Part(Q.Q6_K, F, u.shape[-1], F * g.shape[-1], D))
+    g, u, rows, parts = _gate_up_rows(rng, Q.Q4_K, Q.Q6_K, S, F, D)
     x = rng.standard_normal((3, 1, D)).astype(np.float32)
     slots = np.array([4, 1, 4], np.int32)
     y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(slots), parts=parts, swiglu=True,
@@ -129,11 +132,8 @@ def test_a_negative_slot_reads_nothing_and_gives_zeros():
     """Mixed precision hands each pool the pairs it does not serve as slot -1: zeros there, the others as
     before; and a stack of only those is never read (NaN bytes would show)."""
     rng = np.random.default_rng(9)
-    F, D, S = 40, 256, 3
-    g = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
-    u = random_tensor_bytes(rng, Q.IQ3_S, (S, F, D), 0.02)
-    rows = np.concatenate([g.reshape(S, -1), u.reshape(S, -1)], axis=1)
-    parts = (qm.Part(Q.IQ3_S, F, g.shape[-1], 0, D), qm.Part(Q.IQ3_S, F, u.shape[-1], F * g.shape[-1], D))
+    _, _, rows, parts = _gate_up_rows(rng, Q.IQ3_S, Q.IQ3_S, 3, 40, 256)
+    D = 256
     x = rng.standard_normal((3, 1, D)).astype(np.float32)
     y = qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(np.array([2, -1, 0], np.int32)),
                           parts=parts, swiglu=True, block_rows=16, interpret=True)
