@@ -163,7 +163,8 @@ class OffloadManager:
             jnp.zeros((len(spec.moe_layers), spec.n_experts), jnp.int32), self.device)
         self._experts: SlotExperts | None = SlotExperts(
             jax.device_put(slots, self.device), store, self._zero_counters(), None if self.plan.resident else self.policy,
-            0 if self.plan.resident else self.prefetch, uses_ME=uses_ME, promote_after=promote_after)
+            0 if self.plan.resident else self.prefetch, uses_ME=uses_ME,
+            promote_after=promote_after if self.cold_spec is not None else 0)
         self.reset_stats()
         free = device_free_bytes(self.device)
         if free is not None and free < LOW_FREE_VRAM:
