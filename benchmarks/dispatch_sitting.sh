@@ -402,17 +402,26 @@ pipeline13() {
 }
 [ "${PART:-1}" = 13 ] && { pipeline() { pipeline13; }; RETURNED="progress phases.tsv data-*.json cb-*.txt dsf-*.txt"; }
 
-# PART=14 (issue 35): qseed under 32 GiB, realistic routing, with its experts' low-bit copy (IQ2_XXS, written
-# beside it as a second synthetic file) serving misses until promoted after 2 uses, beside the plain run
+# PART=14 (issue 35): qseed's architecture at half its depth (24 layers: qseed and an IQ2_XXS copy of it take
+# ~76 GB, over the 64 GiB disk of a one-GPU machine; a first try on 2026-12-07 died there without a file back)
+# under 16 GiB, realistic routing, plain and with the IQ2_XXS copy serving misses until promoted after 2 uses
+QHALF_WRITE='import dataclasses, sys
+from strata_jax.bench.shapes import SHAPES
+from strata_jax.dev.synthetic import write_synthetic_gguf
+spec = dataclasses.replace(SHAPES["qseed"], n_layers=24, expert_qtype=sys.argv[2])
+print(write_synthetic_gguf(sys.argv[1], spec))'
 mixed_rows() {  # PART=14's two runs
-  (phase write-qseed-cold 400 "$PY" -c "import logging, sys; logging.basicConfig(level=logging.INFO)
-from strata_jax.bench.shapes import synthetic_model_path; print(synthetic_model_path('qseed', 'IQ2_XXS'))") &
-  qseed_file
+  local d=$STRATA_JAX_CACHE/qhalf
+  mkdir -p "$d"
+  (phase write-qhalf-cold 300 "$PY" -c "$QHALF_WRITE" "$d/qhalf-iq2_xxs.gguf" IQ2_XXS) &
+  phase write-qhalf 300 "$PY" -c "$QHALF_WRITE" "$d/qhalf.gguf" IQ3_S
   wait
-  local q=(--shape qseed --tokens 64 --prompt-len 32 --routing realistic --vram-budget 32GiB --no-resident)
+  local q=(--model "$d/qhalf.gguf" --label qhalf --tokens 64 --prompt-len 32 --routing realistic --vram-budget 16GiB
+           --no-resident)
   phase mixed-plain 220 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
-  phase mixed-cold 220 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-qtype IQ2_XXS --promote-after 2 \
-    --out "$S/data-mixed-cold.json"
+  phase mixed-cold 220 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-experts "$d/qhalf-iq2_xxs.gguf" \
+    --promote-after 2 --out "$S/data-mixed-cold.json"
+  rm -rf "$d"
 }
 
 pipeline14() {
@@ -427,6 +436,7 @@ pipeline14() {
 pipeline15() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   mixed_rows
+  qseed_file
   local p=(--shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 --prefill-len 64
            --vram-budget 32GiB --no-resident)
   phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
