@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --shape: the shape written again with its routed experts in TYPE (e.g. IQ2_XXS) as "
                         "the --cold-experts copy")
     p.add_argument("--promote-after", type=int, default=2,
-                   help="with --cold-experts/--cold-qtype: low-bit uses before an expert is cached (default 2)")
+                   help="with --cold-experts/--cold-qtype: low-bit uses before an expert is cached, free slots aside "
+                        "(default 2; -1: never)")
     p.add_argument("--out", help="write every row and the machine's description here (JSON), after each row")
     return p
 
