@@ -109,6 +109,21 @@ def test_cold_experts_rows(tmp_path, monkeypatch):
     assert row["decode_MB_per_token"] > 0
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--cold-qtype", "Q4_0", "--promote-after", "-5"], "--promote-after"),
+    (["--cold-experts", "no-such-copy.gguf"], "--cold-experts"),
+    (["--cold-qtype", "NOPE"], "--cold-qtype"),
+])
+def test_mixed_precision_options_are_checked_first(tmp_path, monkeypatch, capsys, flags, named):
+    """Bad mixed-precision options stop the bench before any file is written or model loaded, naming the flag."""
+    from strata_jax.cli import main
+
+    monkeypatch.setenv("STRATA_JAX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--shape", "tiny", "--tokens", "4", "--no-resident", *flags, "--out", str(out)]) == 2
+    assert named in capsys.readouterr().err and not out.exists() and not (tmp_path / "cache").exists()
+
+
 def test_failures_are_rows(tmp_path, monkeypatch):
     """A configuration that cannot load, and a prefill that fails, become rows that say so; the rest of the
     run goes on (the decode figures of the failed prefill's row stay, the next mode gets a fresh model)."""

@@ -183,8 +183,6 @@ def run(args, argv: list[str]) -> dict:
     t_start = time.perf_counter()
     path = str(args.model or synthetic_model_path(args.shape))
     if args.cold_qtype is not None:
-        if args.model:
-            raise SystemExit("--cold-qtype writes a copy of a synthetic --shape; with --model give --cold-experts")
         args.cold_experts = str(synthetic_model_path(args.shape, args.cold_qtype))
     shape = args.label or (Path(path).stem if args.model else args.shape)
     budget = parse_size(args.vram_budget, "--vram-budget") if args.vram_budget else None
@@ -272,6 +270,7 @@ def run(args, argv: list[str]) -> dict:
 def check_engine_options(args) -> None:
     """The engine options every configuration shares, validated before anything is written or loaded
     (EngineConfig: errors name the flag)."""
+    from strata_jax.core.errors import ConfigError
     from strata_jax.engine.config import EngineConfig
 
     for depth in args.prefetch_depth:
@@ -279,7 +278,18 @@ def check_engine_options(args) -> None:
                             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
                             layer_scan=args.layer_scan, expert_fetch=args.expert_fetch, spec=args.spec,
-                            spec_max=args.spec_max)
+                            spec_max=args.spec_max, promote_after=args.promote_after,
+                            **({"cold_experts": args.cold_experts} if args.cold_experts else {}))
+    if args.cold_qtype is not None:
+        from gguf import GGMLQuantizationType
+
+        if args.cold_experts or args.model:
+            raise ConfigError("--cold-qtype writes a copy of a synthetic --shape: give --shape and --cold-qtype, or "
+                              "--model and --cold-experts PATH.")
+        if args.cold_qtype.upper() not in GGMLQuantizationType.__members__:
+            raise ConfigError(f"--cold-qtype {args.cold_qtype!r} is not a GGML type: give one such as IQ2_XXS, "
+                              "IQ1_M, Q2_K or Q4_0.")
+        args.cold_qtype = args.cold_qtype.upper()
 
 
 def main(argv: list[str] | None = None) -> int:

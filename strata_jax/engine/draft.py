@@ -40,23 +40,6 @@ def check_spec(value: str, name: str) -> str:
                       "vocabulary drafts).")
 
 
-def _tokens(metadata) -> list[str]:
-    return list(metadata.get("tokenizer.ggml.tokens") or [])
-
-
-def check_vocabulary(draft_gguf, target_gguf, path: str, option: str = "--spec draft:",
-                     why: str = "so its drafts would be other tokens. Pick a draft model from the same family (the "
-                                "same tokenizer), or use --spec lookup.") -> None:
-    """A ConfigError unless the draft GGUF's token list is the target's (option, why: the flag and the
-    consequence the message names)."""
-    mine, theirs = _tokens(draft_gguf.metadata), _tokens(target_gguf.metadata)
-    if mine != theirs:
-        where = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-        raise ConfigError(
-            f"{option}{path}: its vocabulary differs from the model's ({len(mine):,} tokens against "
-            f"{len(theirs):,}; first difference at token {where}), {why}")
-
-
 class DraftModel:
     """`draft(seq, n_max)`: up to n_max tokens `model` (a loaded engine Model, one row) decodes greedily
     after seq."""

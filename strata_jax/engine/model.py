@@ -25,14 +25,14 @@ from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
 from strata_jax.engine.convcache import ConversationCache, DiskTier, HostTier, identity
-from strata_jax.engine.draft import DraftModel, check_vocabulary, draft_path
+from strata_jax.engine.draft import DraftModel, draft_path
 from strata_jax.engine.session import HostTiming, Session
 from strata_jax.engine.streaming import Generation, GenerationChunk, TokenLogprob  # noqa: F401
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import ExpertCounters, ExpertSpec
 from strata_jax.model.config import ModelConfig, with_rope_scaling
 from strata_jax.model.forward import KVCache
-from strata_jax.gguf.reader import GGUFFile
+from strata_jax.gguf.reader import GGUFFile, check_vocabulary
 from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
                                      kv_label, mtp_bytes)
@@ -300,7 +300,8 @@ class Model:
             _check_mtp(gguf, cfg)
         if (path := draft_path(config.spec)) is not None:
             draft = GGUFFile(path)
-            check_vocabulary(draft, gguf, path)
+            check_vocabulary(draft, gguf, path, "--spec draft:", "so its drafts would be other tokens. Pick a draft "
+                             "model from the same family (the same tokenizer), or use --spec lookup.")
             self.drafter = DraftModel(Model(draft, EngineConfig.create(ctx=config.ctx, parallel=1), self.device))
         self.spec, self.spec_max = config.spec, config.spec_max  # the drafter's name; use_drafter changes them
         if config.prefill_chunk == "auto":

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from strata_jax.core.errors import GGUFFormatError, MissingTensorError
+from strata_jax.core.errors import ConfigError, GGUFFormatError, MissingTensorError
 from strata_jax.core.paths import SHARD_NAME, shard_name
 from strata_jax.gguf.layout import layout, row_bytes as _row_bytes
 
@@ -315,3 +315,19 @@ def metadata_view(metadata: Mapping[str, Any], arch: str):
         return default
 
     return get
+
+
+def check_vocabulary(other, model, path: str, option: str, why: str) -> None:
+    """A ConfigError unless GGUF `other`'s token list is `model`'s: a draft model (--spec draft:) or a
+    low-bit copy (--cold-experts) must share the model's tokens. option, why: the flag and the consequence
+    the message names."""
+    mine, theirs = _tokens(other.metadata), _tokens(model.metadata)
+    if mine != theirs:
+        where = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise ConfigError(
+            f"{option}{path}: its vocabulary differs from the model's ({len(mine):,} tokens against "
+            f"{len(theirs):,}; first difference at token {where}), {why}")
+
+
+def _tokens(metadata) -> list[str]:
+    return list(metadata.get("tokenizer.ggml.tokens") or [])

@@ -65,9 +65,10 @@ class SlotExperts:
         wanted_Nk = ids_Nk if valid_N is None else jnp.where(valid_N[:, None], ids_Nk, -1)
         ids_U = unique_ids(wanted_Nk, self.table.n_experts)
         me, cold = self, None
+        state = self.table.layer_cache(moe_idx, self._rows)  # read once: the promotion rule counts its free slots
         if self.store.cold is not None:
-            me, ids_U, cold = self._cold_rows(moe_idx, ids_Nk, ids_U)
-        table, plan = me._access_and_fetch(me.table, moe_idx, ids_U)
+            me, ids_U, cold = self._cold_rows(moe_idx, ids_Nk, ids_U, state[0])
+        table, plan = me._access_and_fetch(me.table, moe_idx, ids_U, state)
         n_cold = jnp.zeros((), jnp.int32) if cold is None else jnp.sum(cold[2]).astype(jnp.int32)
         me = me.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses + n_cold)
         if cold is not None:
@@ -76,13 +77,13 @@ class SlotExperts:
         # a token that is not real may route to an expert that was not fetched (slot -1): read slot 0
         return me, table.pool(moe_idx), jnp.maximum(table.slot_map(moe_idx, self._rows)[ids_Nk], 0), cold
 
-    def _cold_rows(self, moe_idx, ids_Nk: jax.Array, ids_U: jax.Array):
+    def _cold_rows(self, moe_idx, ids_Nk: jax.Array, ids_U: jax.Array, cache):
         """Mixed precision: (provider, the ids the cache serves (-1 for the others), (the low-bit rows of the
-        others [U, P'], each routed id's row among them [N, k], whether ids_U[u] is served low-bit [U]))."""
+        others [U, P'], each routed id's row among them [N, k], whether ids_U[u] is served low-bit [U]));
+        cache: the layer's cache state (layer_cache)."""
         rows = self._rows
         hit_U = (ids_U >= 0) & (self.table.slot_map(moe_idx, rows)[jnp.maximum(ids_U, 0)] >= 0)
         m = layer_ref.value(moe_idx)  # the MoE layer's index (traced in a scanned run)
-        cache, _ = self.table.layer_cache(moe_idx, rows)
         n_free = jnp.sum(cache.owner_X == FREE)
         uses_E, promote_U = promote(row_at(self.uses_ME, m, rows), ids_U, hit_U, self.promote_after, n_free)
         cold_U = (ids_U >= 0) & ~promote_U
@@ -185,9 +186,10 @@ class SlotExperts:
     def join(self, fixed: Any) -> "SlotExperts":
         return self.replace(store=fixed)
 
-    def _access_and_fetch(self, table: SlotTable, moe_idx, ids_U: jax.Array):
-        """Run the policy for MoE layer `moe_idx` (an int or a LayerRef) and DMA its misses into their slots."""
-        cache, row = table.layer_cache(moe_idx, self._rows)
+    def _access_and_fetch(self, table: SlotTable, moe_idx, ids_U: jax.Array, state=None):
+        """Run the policy for MoE layer `moe_idx` (an int or a LayerRef) and DMA its misses into their slots;
+        state: the layer's (cache, row) as table.layer_cache gives them, where the caller has read them."""
+        cache, row = state or table.layer_cache(moe_idx, self._rows)
         cache, plan = self.policy.access(cache, row, ids_U)
         pool = fetch_misses(table.pool(moe_idx), self.store, moe_idx, plan, base=table.slot_base(moe_idx))
         return table.with_layer(moe_idx, cache, pool, self._rows), plan
