@@ -84,6 +84,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                                 "the largest that fits the VRAM budget beside the expert cache)")
     p.add_argument("--kv", default="f16", help="KV cache storage: f16 (the compute dtype), q8_0 or q4_0 (32-value "
                                                "blocks with a float16 scale), or K,V such as q8_0,q4_0 (default f16)")
+    p.add_argument("--kv-resident", default=None, metavar="N",
+                   help="keep N positions of each attention layer's KV cache on the device and stream the rest from "
+                        "pinned host memory inside each step (long contexts that do not fit beside the experts; "
+                        "default: the whole cache on the device)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default="auto",
                    help="prompt tokens per jitted prefill call at most, a power of two >= 16, or auto (default): the "
@@ -160,7 +164,7 @@ def engine_config(args):
     from strata_jax.engine.config import EngineConfig
 
     return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, prefill_chunk=args.prefill_chunk,
-                               decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
+                               kv_resident=args.kv_resident, decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                expert_fetch=getattr(args, "expert_fetch", "auto"),

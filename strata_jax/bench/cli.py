@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv", default="f16", help="KV cache storage in every configuration: f16, q8_0, q4_0 or K,V "
                                                "(load's --kv; default f16)")
+    p.add_argument("--kv-resident", default=None, type=int, metavar="N",
+                   help="KV streaming in every configuration: N positions of each attention layer's cache on the "
+                        "device, the rest in pinned host memory (load's --kv-resident); rows carry kv_vram_hit")
     p.add_argument("--routing", choices=["model", "realistic"], action="append", default=None,
                    help="model: the random routers; realistic: every configuration replays the same "
                         "realistic_trace(QWEN3_30B_A3B, seed 0) at this shape. Repeat for both (default model)")
@@ -246,7 +249,8 @@ def run(args, argv: list[str]) -> dict:
             log.info("%s: every expert fits (%s needed), the same as the resident configuration; skipped",
                      conf.name, f"{need / 2**30:.1f} GiB")
             continue
-        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, routings=args.routing, traces=traces,
+        rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, kv_resident=args.kv_resident,
+                          routings=args.routing, traces=traces,
                           prompt=prompt, long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
                           skip_if_resident=conf.kind == "budget" and has_resident,
                           spec=(args.spec_pass, args.spec_accept))
@@ -274,7 +278,8 @@ def check_engine_options(args) -> None:
     from strata_jax.engine.config import EngineConfig
 
     for depth in args.prefetch_depth:
-        EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, decode_chunk=args.decode_chunk,
+        EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, kv_resident=args.kv_resident,
+                            decode_chunk=args.decode_chunk,
                             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
                             layer_scan=args.layer_scan, expert_fetch=args.expert_fetch, spec=args.spec,

@@ -80,16 +80,19 @@ def main(argv=None) -> int:
     p.add_argument("--rope-scaling", default=None)
     p.add_argument("--rope-scale", default=None, type=float)
     p.add_argument("--kv", default="f16")
+    p.add_argument("--kv-resident", default=None, type=int, help="KV streaming: positions per layer on the device")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     depths = [float(d) for d in a.depth.split(",") if d.strip()]
     rows = []
     for ctx in sorted(set(a.ctx)):
-        model = strata_jax.load(a.model, ctx=ctx, kv=a.kv, rope_scaling=a.rope_scaling, rope_scale=a.rope_scale)
+        model = strata_jax.load(a.model, ctx=ctx, kv=a.kv, rope_scaling=a.rope_scaling, rope_scale=a.rope_scale,
+                                kv_resident=a.kv_resident)
         for d in depths:
             rows.append(run_one(model, ctx, d) | {"kv": a.kv, "rope_scaling": a.rope_scaling,
-                                                   "rope_scale": a.rope_scale})
+                                                   "rope_scale": a.rope_scale, "kv_resident": a.kv_resident,
+                                                   **model.kv_stats()})
             if a.out:
                 Path(a.out).write_text(json.dumps(rows, indent=1))
         del model

@@ -148,7 +148,8 @@ def _error(stage: str, e: Exception) -> str:
 
 
 def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt, long_prompts, n_tokens, mb,
-               probes, skip_if_resident: bool = False, kv: str = "f16", spec=((), ())) -> list[dict]:
+               probes, skip_if_resident: bool = False, kv: str = "f16", spec=((), ()),
+               kv_resident: int | None = None) -> list[dict]:
     """Rows for one configuration, one per routing mode. A failure is recorded in its row ('error', or
     'prefill_errors' per prompt length beside the decode figures) and the model is loaded afresh for the
     next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest.
@@ -161,7 +162,7 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             "cache_fraction": conf.cache_fraction, "policy": conf.load_kw.get("policy"),
             "prefetch_depth": conf.load_kw.get("prefetch", 0),
             "layer_scan": conf.load_kw.get("layer_scan", "on"), "vram_budget_bytes": conf.load_kw.get("vram_budget"),
-            "kv": kv}
+            "kv": kv, "kv_resident": kv_resident}
     rows, model, first = [], None, True
     for routing in routings:
         row = dict(base, routing=routing)
@@ -170,7 +171,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             gc.collect()  # the previous model's device memory, before the next takes its share
             t0 = time.perf_counter()
             try:
-                model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, **conf.load_kw).wait_loaded()
+                model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, kv_resident=kv_resident,
+                                        **conf.load_kw).wait_loaded()
             except Exception as e:  # noqa: BLE001 - out-of-memory is an XlaRuntimeError, sizing a StrataError
                 log.exception("%s: load failed", conf.name)
                 row["error"] = _error("load", e)
@@ -210,6 +212,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
         # the allocator's high-water mark so far (expert cache and KV included): what of the budget the
         # prefill's activations really took, against the planner's bound (model/memory.py)
         row["device_peak_bytes"] = device_peak_bytes()
+        if model is not None and model.kv_stats():  # --kv-resident: the KV cells read from VRAM, decode and prefill
+            row["kv_vram_hit"] = model.kv_stats()["kv_vram_hit"]
     del model
     gc.collect()
     return rows

@@ -41,6 +41,7 @@ log = logging.getLogger("strata_jax")
 SRC = Path(__file__).with_name("csrc")
 TARGET = "strata_host_rows"
 ROW_GET, ROW_PUT = "strata_row_get", "strata_row_put"
+HOST_PUT = "strata_host_put"
 _SOURCES = {"cpu": "host_rows.cc", "cuda": "host_rows.cu"}
 _HANDLERS = {"cpu": "StrataHostRowsCpu", "cuda": "StrataHostRowsCuda"}
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -111,7 +112,7 @@ def available(device) -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build(platform)))
             suffix = "Cuda" if platform == "cuda" else "Cpu"
             for target, handler in ((TARGET, _HANDLERS[platform]), (ROW_GET, "StrataRowGet" + suffix),
-                                    (ROW_PUT, "StrataRowPut" + suffix)):
+                                    (ROW_PUT, "StrataRowPut" + suffix), (HOST_PUT, "StrataHostPut" + suffix)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)),
                                             platform="CUDA" if platform == "cuda" else "cpu")
             lib.strata_device_pointer.restype = ctypes.c_void_p
@@ -153,6 +154,13 @@ def address_shapes(n_groups: int, device) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct((2,), np.uint32, sharding=sharding) for _ in range(n_groups))
 
 
+def host_view(a: jax.Array) -> np.ndarray:
+    """A writable numpy view of a host array's bytes (uint8, flat). Sound only while no computation reads or
+    writes the array: the caller waits for those in flight first."""
+    n = a.nbytes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a.unsafe_buffer_pointer()))
+
+
 def host_rows(addr_2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: jax.Array, miss_U: jax.Array,
               n_rows: int) -> jax.Array:
     """pool_XP with store row row_U[j] copied into pool row dst_U[j] wherever miss_U[j] (one call, in place:
@@ -160,6 +168,15 @@ def host_rows(addr_2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: ja
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(pool_XP.shape, pool_XP.dtype), input_output_aliases={1: 0})
     return call(addr_2, pool_XP, row_U.astype(jnp.int32), dst_U.astype(jnp.int32), miss_U.astype(jnp.int32),
                 rows=np.int64(n_rows))
+
+
+def host_put(addr_2: jax.Array, token_1: jax.Array, src_UP: jax.Array, row_U: jax.Array, put_U: jax.Array,
+             n_rows: int) -> jax.Array:
+    """Write device row src_UP[j] into host row row_U[j] of the array at addr_2 wherever put_U[j] (one call;
+    rows outside [0, n_rows) are skipped). Returns the token (aliased): a read of those rows must take it
+    (model/kvquant.py ties them), since XLA sees no other dependence between the write and the read."""
+    call = jax.ffi.ffi_call(HOST_PUT, jax.ShapeDtypeStruct(token_1.shape, token_1.dtype), input_output_aliases={1: 0})
+    return call(addr_2, token_1, src_UP, row_U.astype(jnp.int32), put_U.astype(jnp.int32), rows=np.int64(n_rows))
 
 
 # -- one row of a device stack at a traced index (row_get / row_put) ----------------------------------------

@@ -9,6 +9,7 @@ Model and serving:
   T   tokens per row in one step (a power-of-two bucket)
   N   tokens of a step flattened (B * T), or steps of a decode chunk
   S   cache positions (what attention reads)
+  Sr  cache positions of one read of a streamed KV leaf (model/kvquant.py StreamedKV)
   L   layers (of the model, or those sharing one expert pool's cache)
   M   MoE layers
   E   experts of a MoE layer

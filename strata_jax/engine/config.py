@@ -47,7 +47,7 @@ EXPERT_FETCH = ("auto", "kernel", "loop")
 
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
-    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "prefill_chunk": "--prefill-chunk",
+    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "kv_resident": "--kv-resident", "prefill_chunk": "--prefill-chunk",
     "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
@@ -75,6 +75,10 @@ class EngineConfig:
     # the KV cache's storage: f16 (the compute dtype), q8_0 or q4_0 (32-value blocks with a float16
     # scale, model/kvquant.py), or "K,V" with separate key and value types such as "q8_0,q4_0"
     kv: str = "f16"
+    # KV streaming: positions of each attention layer's cache (per row) kept on the device; the others live in
+    # pinned host memory, written and read back inside each step (model/kvquant.py StreamedKV). None: all on
+    # the device
+    kv_resident: int | None = None
     # prompt tokens per jitted prefill call at most, a power of two >= 16 so prefill compiles O(log n)
     # shapes (a prompt's last chunk takes the smallest that holds it); "auto": the longest up to
     # AUTO_PREFILL_MAX whose activations take at most 1/8 of the device memory and cost no context
@@ -471,6 +475,9 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
                               optional=True),
         "dtype": lambda v: _dtype(v, n("dtype")),
         "kv": lambda v: _kv(v, n("kv")),
+        "kv_resident": lambda v: _int(v, n("kv_resident"), text, 1, "a positive number of KV-cache positions per "
+                                      "layer kept on the device (the rest streamed from host memory), or None (all)",
+                                      optional=True),
         "prefill_chunk": lambda v: _prefill_chunk(v, n("prefill_chunk"), text),
         "decode_chunk": lambda v: _int(v, n("decode_chunk"), text, 1, "a positive integer (decode steps per jitted "
                                        "call; None: 16 on a GPU, 1 elsewhere)", optional=True),

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import runtime
+from strata_jax.core import hostrows
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
@@ -122,20 +123,26 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
                        prefill_chunk: int, expert_pools: str = "per-layer", expert_slots: int | None = None,
                        vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                        free_bytes: int | None = None, off_device: tuple[str, ...] = (),
-                       dense_itemsize: int | None = None, mtp: bool = False) -> ContextPlan:
+                       dense_itemsize: int | None = None, mtp: bool = False,
+                       kv_resident: int | None = None) -> ContextPlan:
     """The context load allocates for a model (ctx, or the trained length), checked against the budget
     beside its dense weights (but off_device; dequantized to dense_itemsize bytes a value, or None: in
     their blocks), activations and the fewest expert slots a step needs (spec: its experts' layout, None
     for a dense model), and with mtp (--spec mtp) the MTP block's KV layer and resident experts
-    (memory.mtp_bytes): what load and `strata-jax inspect` both use."""
+    (memory.mtp_bytes): what load and `strata-jax inspect` both use. kv_resident (--kv-resident): the
+    device holds that many positions of the KV cache whatever the context (the rest is host memory)."""
     floor = 0.0
     if spec is not None:
         floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
     kv_position = kv_cache_bytes(cfg, 1, rows, itemsize, kv)
     other = dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk)
+    mtp_position = kv_position // max(cfg.n_kv_layers, 1) if mtp else 0  # the MTP block's cache is not streamed
     if mtp:
-        kv_position += kv_position // max(cfg.n_kv_layers, 1)
         other += mtp_bytes(gguf, cfg, 0, rows, itemsize, kv)
+    if kv_resident is not None:
+        other += kv_position * kv_resident
+        kv_position = 0
+    kv_position += mtp_position
     return plan_context(
         requested=ctx, trained=cfg.context_length, kv_bytes_per_position=kv_position,
         other_bytes=other,
@@ -193,7 +200,7 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
                               vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
                               off_device=(PLE_TABLE_NAME,) if ple_host else (),
                               dense_itemsize=itemsize if config.dequantize_dense else None,
-                              mtp=config.spec == "mtp")
+                              mtp=config.spec == "mtp", kv_resident=config.kv_resident)
 
 
 def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
@@ -315,13 +322,24 @@ class Model:
         self.engine_config = config = dataclasses.replace(config, ctx=self.context_plan.ctx)
         self.ctx, self.prefill_chunk, self.decode_chunk = config.ctx, config.prefill_chunk, config.decode_chunk
         self.kv = config.kv
+        # KV streaming: the positions of each layer's cache on the device (None: all of them)
+        self.kv_resident = config.kv_resident if config.kv_resident is not None and config.kv_resident < self.ctx \
+            else None
+        if config.kv_resident is not None and self.kv_resident is None:
+            log.info("kv_resident %d covers the whole context (%d): the KV cache stays on the device",
+                     config.kv_resident, self.ctx)
+        if self.kv_resident is not None and not hostrows.available(self.device):
+            raise ConfigError(f"--kv-resident {self.kv_resident} streams the KV cache by the host-rows kernels, which "
+                              f"are not available here ({hostrows.why_not(self.device)}): install a compiler (nvcc "
+                              "on a GPU, g++ on a CPU), or keep the whole cache on the device.")
         self.kernels = config.kernels
         self.conversation_cache = _conversation_cache(config, gguf, cfg, self.ctx, self.dtype)  # shared by sessions
         self.tokenizer = GGUFTokenizer.from_metadata(gguf.metadata)
 
         def fixed(off_device: tuple[str, ...] = ()) -> int:
             # a server decoding `parallel` requests at once holds that many KV-cache rows (Session)
-            return fixed_device_bytes(gguf, cfg, ctx=self.ctx, itemsize=itemsize, rows=config.parallel,
+            return fixed_device_bytes(gguf, cfg, ctx=self.kv_resident or self.ctx, itemsize=itemsize,
+                                      rows=config.parallel,
                                       prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv,
                                       dense_itemsize=itemsize if dequantize_dense else None) + (
                 mtp_bytes(gguf, cfg, self.ctx, config.parallel, itemsize, config.kv) if config.spec == "mtp" else 0)
@@ -363,6 +381,7 @@ class Model:
         self.routing: list[np.ndarray] | None = [] if config.record_routing else None  # [tokens, M, k] per call
         self.forced_TMk: np.ndarray | None = None  # force_routing's trace
         self.host = HostTiming()
+        self.kv_read = [0, 0]  # KV cells finished requests attended to, and those read from VRAM (kv_stats)
         self._session: Session | None = None  # generate's one-row session, made on first use
 
     def wait_loaded(self) -> "Model":
@@ -380,6 +399,16 @@ class Model:
     def stats(self) -> dict[str, Any]:
         """Expert-cache telemetry since load or reset_stats (see OffloadManager.stats); {} for dense models."""
         return self.experts.stats() if self.experts is not None else {}
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV streaming (--kv-resident) since load or reset_stats: the positions each layer keeps on the device,
+        the cache cells finished requests' tokens attended to, how many of them were read from VRAM and that
+        share (the rest crossed PCIe from host memory); {} when the whole cache is on the device."""
+        if self.kv_resident is None:
+            return {}
+        cells, near = self.kv_read
+        return {"kv_resident": self.kv_resident, "kv_cells": cells, "kv_cells_vram": near,
+                "kv_vram_hit": near / cells if cells else None}
 
     def save_expert_cache(self, path: str | os.PathLike[str] | None = None) -> str | None:
         """Save the expert cache's state (which expert sits in which slot, the policy's metadata) to the
@@ -413,6 +442,7 @@ class Model:
 
     def reset_stats(self) -> None:
         self.host = HostTiming()
+        self.kv_read = [0, 0]  # KV cells finished requests attended to, and those read from VRAM (kv_stats)
         if self.experts is not None:
             self.experts.reset_stats()
 

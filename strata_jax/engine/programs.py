@@ -23,7 +23,8 @@ chunk. A capped row stays live.
 
 The expert provider (core/experts.py) travels split: its changing part (slot pools, cache state,
 counters) is donated with the KV cache and the rows; its fixed part (the host store) is an argument of
-its own, never donated.
+its own, never donated. So does a streamed KV cache (--kv-resident): its host part is `kv_host`
+(KVCache.split_host), which forward joins where attention reads and writes, and no program returns.
 
 Shape legend: strata_jax/core/shapes.py (here N: the steps of a decode chunk, n_max).
 """
@@ -115,7 +116,7 @@ def _set_row(tree, row, value, axis: int = 0):
 
 
 def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, *, cfg,
-                 dtype, kernels, all_logits, attn_len, attn_block, forced, tape=False):
+                 dtype, kernels, all_logits, attn_len, attn_block, forced, tape=False, kv_host=None):
     """forward on row `row` alone (prefill's and verify's shared part). Returns (logits, kv, experts' donated
     part, routed, h): h is the hidden state after the output norm at every position when the cache keeps
     an MTP state (for mtp.process), else None; with `tape` (forward's) also the row's recurrent state
@@ -125,7 +126,8 @@ def _row_forward(params, experts, fixed, kv: KVCache, rows: RowState, row, token
     row_kv = kv if B == 1 else kv.take_row(row)
     before = row_kv.rec
     hidden = kv.mtp is not None
-    out = forward(params, join_provider(experts, fixed), row_kv, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype,
+    out = forward(params, join_provider(experts, fixed), row_kv.join_host(kv_host), tokens_1T, start_1, n_valid_1,
+                  cfg=cfg, dtype=dtype,
                   kernels=kernels, all_logits=all_logits, attn_len=attn_len, attn_block=attn_block, forced_MNk=forced,
                   tape=tape, hidden=hidden)
     logits, row_kv, experts, routed = out[:4]
@@ -173,14 +175,15 @@ def copy_row(kv: KVCache, src, dst) -> KVCache:
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
             stop_St, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
-            forced=None):
+            forced=None, kv_host=None):
     """One prefill chunk of row `row` (its tokens at cache positions start_1..), then the row's first token
     sampled from the chunk's last logits and the row's state set from `req`. A prompt of several chunks
     runs this once per chunk; the last chunk's state is the one that counts. forced: int32 [M, T, k]
     routed experts to replay (see forward). Returns (PrefillOut, kv, experts, routed [M, T, k], rows)."""
     logits, kv, experts, routed, h = _row_forward(params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1,
                                                   cfg=cfg, dtype=dtype, kernels=kernels, all_logits=all_logits,
-                                                  attn_len=attn_len, attn_block=attn_block, forced=forced)
+                                                  attn_len=attn_len, attn_block=attn_block, forced=forced,
+                                                  kv_host=kv_host)
     kv, mtp_logits = _mtp_row(params, kv, row, tokens_1T, h, start_1, n_valid_1, n_valid_1 - 1, cfg=cfg, dtype=dtype,
                               kernels=kernels, attn_len=attn_len, attn_block=attn_block, all_logits=all_logits)
     last_1V = logits[:, n_valid_1[0] - 1] if all_logits else logits
@@ -196,7 +199,7 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
 
 
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
-           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None, constraint=None):
+           attn_len, mode: SamplingMode, n_max: int, attn_block=None, forced=None, constraint=None, kv_host=None):
     """Up to min(limit, n_max) decode steps for every row that is live and alive_B (the host's view: a
     released row or one that hit a stop string is not); the loop ends early once no row is live. n_max 1
     is one plain step with neither loop nor conditional. forced (int32 [N, M, B, k]): step i replays
@@ -225,7 +228,7 @@ def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St
         # a row that is not live has, with recurrent layers, no valid token: its state stays as it is
         n_valid_B = live.astype(jnp.int32) if cfg.has_recurrent_state else jnp.ones_like(pos_B)
         logits_BV, kv, experts, routed_MBk, *h = forward(
-            params, join_provider(experts, fixed), kv, r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
+            params, join_provider(experts, fixed), kv.join_host(kv_host), r.tok_B[:, None], pos_B, n_valid_B, cfg=cfg,
             dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block,
             forced_MNk=None if forced is None else masked_take(forced, i), hidden=kv.mtp is not None)
         experts = split_provider(experts)[0]  # the loop carries only the donated part
@@ -293,7 +296,8 @@ class VerifyOut:
 
 @functools.partial(jax.jit, static_argnames=STEP_STATIC + ("mode", "draft_next"), donate_argnames=STEP_DONATE)
 def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, n_valid_1, stop_St, *, cfg, dtype,
-           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None, accept_n=None, draft_next: int = 0):
+           kernels, attn_len, mode: SamplingMode, attn_block=None, forced=None, accept_n=None, draft_next: int = 0,
+           kv_host=None):
     """A speculative pass of row `row`: tokens_1T = [its last token, drafts d1..dk, padding] (k + 1 =
     n_valid_1) at the row's position, all logits; sampling.accept_drafts draws the token after each
     position as decode would (the argmax for a greedy row) and accepts the longest prefix of drafts equal
@@ -313,7 +317,7 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     tape = cfg.has_recurrent_state
     logits_1TV, kv, experts, routed, h, *taped = _row_forward(
         params, experts, fixed, kv, rows, row, tokens_1T, start_1, n_valid_1, cfg=cfg, dtype=dtype, kernels=kernels,
-        all_logits=True, attn_len=attn_len, attn_block=attn_block, forced=forced, tape=tape)
+        all_logits=True, attn_len=attn_len, attn_block=attn_block, forced=forced, tape=tape, kv_host=kv_host)
     r = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), rows)
     left = r.left_B[0]
     tokens_T, n_acc, pen, lp = accept_drafts(logits_1TV[0], tokens_1T[0, 1:], n_valid_1[0] - 1, r.key_B2[0],

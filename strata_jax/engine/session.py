@@ -63,7 +63,7 @@ import numpy as np
 from strata_jax.core.errors import ConfigError
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.core.units import fmt_bytes
-from strata_jax.model import mtp
+from strata_jax.model import kvquant, mtp
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.engine import compiling, programs
@@ -73,7 +73,7 @@ from strata_jax.engine.convcache import common_prefix, padded
 from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
                                        SamplingParams, allowed_mask, validate_sampling)
-from strata_jax.engine.streaming import GenerationChunk, TextStream, request_timings, token_logprob
+from strata_jax.engine.streaming import GenerationChunk, TextStream, kv_cells, request_timings, token_logprob
 
 log = logging.getLogger("strata_jax")
 
@@ -85,6 +85,15 @@ QUEUED = 2  # decode calls in flight: the one the host waits for and one queued 
 
 _take_row = jax.jit(lambda kv, row: kv.take_row(row))  # a row's cache, to spill it
 _put_row = jax.jit(lambda kv, row, one: kv.put_row(row, one), donate_argnums=0)  # in place
+
+
+def _put_others(kv: KVCache, row, one: KVCache) -> KVCache:
+    """kv with row `row` of all but K and V (a streamed cache's: kvquant.put_logical_row) from `one`."""
+    rest = kv.replace(k_LBSKDh=None, v_LBSKDh=None).put_row(row, one)
+    return rest.replace(k_LBSKDh=kv.k_LBSKDh, v_LBSKDh=kv.v_LBSKDh)
+
+
+_put_rest = jax.jit(_put_others, donate_argnums=0)  # in place
 
 
 def _state(kv: KVCache) -> KVCache:
@@ -191,6 +200,7 @@ class _Request:
     next_drafts: tuple[int, list[int]] | None = None  # MTP drafts a pass made for the next: (position, tokens)
     spec_on: bool = False  # the session speculates: its timings report the draft counts
     spec_max: int = 0  # drafted tokens per verify pass at most: the session's, or fewer if the request asks
+    kv_resident: int | None = None  # --kv-resident: its timings report the KV cells read from VRAM
     t_prefill: float = 0.0
     t1: float = 0.0
     t_steady: float = 0.0
@@ -205,6 +215,9 @@ class _Request:
                                   self.t1, self.t_steady, time.perf_counter(), n_before_steady=1)
         if self.spec_on:
             timings.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted, draft_passes=self.draft_passes)
+        if self.kv_resident is not None:
+            cells, near = kv_cells(self.n_cached, len(self.fed), self.kv_resident)
+            timings.update(kv_cells=cells, kv_cells_vram=near, kv_vram_hit=near / cells if cells else 1.0)
         return self.stream.last(finish, timings, self.ids)
 
 
@@ -234,6 +247,7 @@ class Session:
         self._conv = model.conversation_cache  # None: no conversation cache
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
+        self._kv_host: tuple | None = None  # a streamed cache's host part (--kv-resident: KVCache.split_host)
         self._made: set = set()  # the programs calls made (_program_key)
         self._beside: tuple[Any, threading.Thread] | None = None  # a program compiling on a thread
         self._rows: programs.RowState | None = None
@@ -371,7 +385,8 @@ class Session:
             self._snaps[row] = base + [(tuple(ids), jax.device_get(_take_rec(self._kv, np.int32(row))))]
         m.note_steps(time.perf_counter() - t0, -(-(len(ids) - n_cached) // m.prefill_chunk))
         stream = TextStream(stops, max_tokens, m.tokenizer.stream_decoder(keep=keep_special), n_top is not None)
-        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint)
+        q = _Request(list(ids), stream, n_cached, mode, n_top, max_tokens, t0, list(ids), tok, constraint=constraint,
+                     kv_resident=m.kv_resident)
         if self.spec is not None:
             q.spec_on = True
             q.spec_max = self.spec_max if spec_max is None else min(spec_max, self.spec_max)
@@ -404,7 +419,7 @@ class Session:
             pass
         if not self._pending:
             # every planned token was delivered, so TextStream has ended each request; never spin on one
-            done = {r: [q.final("length")] for r, q in enumerate(self._reqs) if q is not None}
+            done = {r: [self._final(q, "length")] for r, q in enumerate(self._reqs) if q is not None}
             for r in done:
                 self._end(r)
             return done
@@ -462,6 +477,11 @@ class Session:
         dst = min(free, key=self._used.__getitem__)
         self._spill(dst)
         self._kv = programs.copy_row(self._kv, np.int32(row), np.int32(dst))
+        if self._kv_host is not None:  # the cells past the device's: host memory, copied by the host
+            jax.block_until_ready(self._kv)
+            for leaf, host in zip((self._kv.k_LBSKDh, self._kv.v_LBSKDh), self._kv_host):
+                if host is not None:
+                    kvquant.copy_host_row(leaf, host, row, dst)
         self._cached[dst] = list(q.ids)
         self._snaps[dst] = []
         return dst
@@ -497,6 +517,14 @@ class Session:
             self._stops = (ids, programs.stop_array(ids))
         return self._stops[1]
 
+    def _final(self, q: _Request, finish: str) -> GenerationChunk:
+        """The request's last chunk; the model's KV-read telemetry counts its cells (--kv-resident)."""
+        chunk = q.final(finish)
+        if q.kv_resident is not None:
+            self.model.kv_read[0] += chunk.timings["kv_cells"]
+            self.model.kv_read[1] += chunk.timings["kv_cells_vram"]
+        return chunk
+
     def _push(self, row: int, q: _Request, tok: int, lp, first: bool = False) -> list[GenerationChunk]:
         """Take in a sampled token: stream it, and end the request if it is done."""
         if not first:
@@ -507,7 +535,7 @@ class Session:
             q.constraint.take(tok)
             finish = "stop" if q.constraint.done else None  # the grammar is complete: nothing may follow
         if finish is not None:
-            chunks.append(q.final(finish))
+            chunks.append(self._final(q, finish))
             # the device stops a row by itself at a stop id or max_tokens, so its state is then exactly
             # `fed`'s; at a stop string or a grammar's end calls already queued may have run it further
             self._end(row, exact=q.stream.stop_string is None and q.constraint is None)
@@ -696,7 +724,7 @@ class Session:
             with compiling.watch(fn.__name__, shape):
                 out, kv_out, experts_out, routed, rows_out = fn(
                     m.params, experts, fixed, kv, rows, *args, cfg=m.config, dtype=m.dtype, kernels=m.kernels,
-                    **span, **static)
+                    **span, **static, **self._host_arg())
         except BaseException:
             # a call that failed before it ran leaves its donated inputs intact; one that ran consumed them
             if e is not None:
@@ -734,7 +762,7 @@ class Session:
         self._kv, self._rows = self._kv_now(), self._rows_now()
         provider = split_provider(e.ahead()) if e is not None else (None, None)
         return fn.lower(m.params, *provider, self._kv, self._rows, *args, cfg=m.config, dtype=m.dtype,
-                        kernels=m.kernels, **span, **static)
+                        kernels=m.kernels, **span, **static, **self._host_arg())
 
     def _compile_beside(self, fn, args: tuple, end: int, prefill: bool, static: dict) -> None:
         """Compile the call `_call(fn, *args, end=end, prefill=prefill, **static)` on a thread while the caller
@@ -783,7 +811,25 @@ class Session:
         kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, kv=m.kv)
         if self.spec == "mtp":
             kv = kv.replace(mtp=mtp.state_zeros(m.config, self.n_rows, m.ctx, m.dtype, m.kv))
+        if m.kv_resident is not None:  # its first kv_resident positions on the device, the rest in host memory
+            stream = lambda leaf: None if leaf is None else kvquant.streamed(leaf, m.kv_resident, m.device)  # noqa: E731
+            kv, self._kv_host = kv.replace(k_LBSKDh=stream(kv.k_LBSKDh), v_LBSKDh=stream(kv.v_LBSKDh)).split_host()
         return jax.device_put(kv, m.device)
+
+    def _host_arg(self) -> dict:
+        """The programs' kv_host argument: a streamed cache's host part (none otherwise)."""
+        return {} if self._kv_host is None else {"kv_host": self._kv_host}
+
+    def _row_cache(self, kv: KVCache, row: int) -> KVCache:
+        """Row `row`'s one-row cache over the whole context, to spill it (a streamed cache's host part read
+        back on the host, once the calls writing it are done)."""
+        one = _take_row(kv, np.int32(row))
+        if self._kv_host is None:
+            return one
+        jax.block_until_ready(kv)
+        k, v = (None if h is None else kvquant.logical_row(leaf, h, row)
+                for leaf, h in zip((kv.k_LBSKDh, kv.v_LBSKDh), self._kv_host))
+        return one.replace(k_LBSKDh=k, v_LBSKDh=v)
 
     def _spill(self, row: int) -> None:
         """Before the content of a free row is overwritten: its conversation to the host tier."""
@@ -792,15 +838,23 @@ class Session:
             return
         for tokens, state in self._snaps[row]:  # the kept states (a turn's start, a prompt's end), each whole
             if tuple(held) != tokens:
-                self._conv.spill(tokens, lambda s=state: _with_state(_take_row(kv, np.int32(row)), s), True)
+                self._conv.spill(tokens, lambda s=state: _with_state(self._row_cache(kv, row), s), True)
         if held:  # last: the longest, and the most recently used in each tier
-            self._conv.spill(held, lambda: _take_row(kv, np.int32(row)), self.model.config.has_recurrent_state)
+            self._conv.spill(held, lambda: self._row_cache(kv, row), self.model.config.has_recurrent_state)
 
     def _restore(self, row: int, entry, n: int, tier: str) -> None:
         """Put a cached conversation into `row`, which then holds its tokens; n: the prompt's tokens it serves."""
         m = self.model
         kv, self._kv = self._kv_now(), None
-        self._kv = _put_row(kv, np.int32(row), jax.device_put(padded(entry, m.ctx), m.device))
+        one = padded(entry, m.ctx)
+        if self._kv_host is not None:  # the streamed leaves row by row: their device part, then host memory
+            jax.block_until_ready(kv)
+            k, v = (leaf if h is None else kvquant.put_logical_row(leaf, h, row, val)
+                    for leaf, h, val in zip((kv.k_LBSKDh, kv.v_LBSKDh), self._kv_host, (one.k_LBSKDh, one.v_LBSKDh)))
+            kv, one = kv.replace(k_LBSKDh=k, v_LBSKDh=v), one.replace(k_LBSKDh=None, v_LBSKDh=None)
+            self._kv = _put_rest(kv, np.int32(row), jax.device_put(one, m.device))
+        else:
+            self._kv = _put_row(kv, np.int32(row), jax.device_put(one, m.device))
         self._cached[row] = list(entry.tokens)
         self._snaps[row] = []
         self._conv.restored(tier, n)

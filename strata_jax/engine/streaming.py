@@ -125,6 +125,19 @@ def request_timings(n_prompt: int, n_cached: int, t_prefill: float, n_dec: int, 
     }
 
 
+def kv_cells(first: int, end: int, resident: int) -> tuple[int, int]:
+    """(cache cells the tokens at positions first .. end - 1 attend to, how many of them lie below `resident`,
+    on the device): a token at p reads positions 0 .. p (--kv-resident's VRAM hit rate)."""
+    def total(n: int) -> int:  # sum of p + 1 for p < n
+        return n * (n + 1) // 2
+
+    def near(n: int) -> int:  # sum of min(p + 1, resident) for p < n
+        m = min(n, resident)
+        return total(m) + (n - m) * resident
+
+    return total(end) - total(first), near(end) - near(first)
+
+
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
     """(where, which): the earliest stop string in text, searching from `start`, the yielded boundary
     (a stop string cannot begin in text already yielded, since we hold back possible beginnings)."""

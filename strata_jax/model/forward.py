@@ -27,7 +27,7 @@ from strata_jax.gguf.quant import take_rows
 from strata_jax.model.config import ModelConfig
 from strata_jax.model import hybrid, kvquant, runs
 from strata_jax.model.layers import deltanet, hyper, mla, ple, qsa
-from strata_jax.model.kvquant import QuantKV
+from strata_jax.model.kvquant import QuantKV, StreamedKV
 from strata_jax.model.kernels import Kernels
 from strata_jax.model.layers.attention import attention, gated_attention
 from strata_jax.model.layers.basic import lm_head, rms_norm, swiglu
@@ -84,14 +84,32 @@ class KVCache:
         return self.k_LBSKDh.shape[2]
 
     def take_row(self, row) -> "KVCache":
-        """Row `row` (traced) as a batch-1 cache."""
+        """Row `row` (traced) as a batch-1 cache (a streamed leaf's device part: model/kvquant.py)."""
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row, slice_size=1, axis=1)
-        return jax.tree.map(take, self)
+        return jax.tree.map(lambda a: a.take_row(row) if isinstance(a, StreamedKV) else take(a), self,
+                            is_leaf=_streamed)
 
     def put_row(self, row, one: "KVCache") -> "KVCache":
         """This cache with row `row` replaced by the batch-1 cache `one` (in place when donated)."""
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=row, axis=1)
-        return jax.tree.map(lambda a, b: put(a, b.astype(a.dtype)), self, one)
+        return jax.tree.map(lambda a, b: a.put_row(row, b) if isinstance(a, StreamedKV) else put(a, b.astype(a.dtype)),
+                            self, one, is_leaf=_streamed)
+
+    def split_host(self) -> tuple["KVCache", tuple]:
+        """(the cache without the host part of its streamed leaves (--kv-resident), that part): a program
+        takes the host part beside its donated cache and never returns it."""
+        (k, kh), (v, vh) = kvquant.split_host(self.k_LBSKDh), kvquant.split_host(self.v_LBSKDh)
+        return self.replace(k_LBSKDh=k, v_LBSKDh=v), (kh, vh)
+
+    def join_host(self, host: tuple | None) -> "KVCache":
+        if host is None:
+            return self
+        return self.replace(k_LBSKDh=kvquant.join_host(self.k_LBSKDh, host[0]),
+                            v_LBSKDh=kvquant.join_host(self.v_LBSKDh, host[1]))
+
+
+def _streamed(x) -> bool:
+    return isinstance(x, StreamedKV)
 
 
 def forward(
@@ -174,9 +192,20 @@ def forward(
             return h, lambda xs, out: hyper.combine(xs, out, w)
         return rms_norm(xs, norm_D, cfg.rms_eps), lambda xs, out: xs + out
 
+    # the host part of a streamed cache (--kv-resident) stays out of the layers' carry, and out of what
+    # forward returns: its arrays are addressed by kernels, and a copy of them would not be
+    kv, kv_host = kv.split_host()
+
     def mixer(layer, h, k_all, v_all, rec, taped, i, at):
         """The token mixer of block i (at: its static stand-in): attention of the layer's kind, or gated
         DeltaNet. Returns its output, the KV cache, the recurrent state and the tape."""
+        if at in kv_idx:
+            k_all, v_all = kvquant.join_host(k_all, kv_host[0]), kvquant.join_host(v_all, kv_host[1])
+            out, k_all, v_all, rec, taped = token_mixer(layer, h, k_all, v_all, rec, taped, i, at)
+            return out, kvquant.split_host(k_all)[0], kvquant.split_host(v_all)[0], rec, taped
+        return token_mixer(layer, h, k_all, v_all, rec, taped, i, at)
+
+    def token_mixer(layer, h, k_all, v_all, rec, taped, i, at):
         if at not in kv_idx:
             if taped is not None:
                 taped = hybrid.put_layer_state(cfg, taped, "linear", i, h, kernels)

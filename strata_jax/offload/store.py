@@ -14,7 +14,6 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -28,6 +27,7 @@ from jax.sharding import SingleDeviceSharding
 
 from strata_jax.core import layer_ref
 from strata_jax.core.experts import ExpertRows, ExpertSpec, Part
+from strata_jax.core.hostrows import host_view
 from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
@@ -128,9 +128,7 @@ def _host_array(shape: tuple[int, ...], sharding) -> tuple[jax.Array, np.ndarray
     alloc_GB_s); on a GPU's pinned memory it is not measured yet."""
     out = jax.device_put(np.zeros(shape, np.uint8), sharding)
     out.block_until_ready()
-    n = int(np.prod(shape))
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(out.unsafe_buffer_pointer()))
-    return out, view.reshape(shape)
+    return out, host_view(out).reshape(shape)
 
 
 def _copy_tasks(gguf, spec: ExpertSpec, layers: tuple[int, ...], view_LEP: np.ndarray, files: dict[str, int]):

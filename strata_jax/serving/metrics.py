@@ -66,6 +66,9 @@ class Metrics:
                                   registry=r)
         self.expert_cold = Gauge(p + "expert_cache_cold_served", "Misses served from the low-bit copy "
                                  "(--cold-experts) since load (MoE)", registry=r)
+        self.kv_vram_hit = Gauge(p + "kv_vram_hit_ratio", "KV streaming (--kv-resident): share of the KV-cache cells "
+                                 "finished requests attended to that were read from VRAM (the rest crossed PCIe)",
+                                 registry=r)
         self.conversation = Gauge(p + "conversation_cache", "Conversation cache "
                                   "per tier (ram_, disk_): spills, hits (restores), tokens_restored, evictions, refused, "
                                   "entries, bytes, capacity, since load", ["what"], registry=r)
@@ -107,6 +110,9 @@ class Metrics:
                     self.device_memory.labels(use).set(n)
             for what, n in (snap.get("conversation") or {}).items():
                 self.conversation.labels(what).set(n)
+            kv = snap.get("kv_stream") or {}
+            if kv.get("kv_vram_hit") is not None:
+                self.kv_vram_hit.set(kv["kv_vram_hit"])
             ex = snap.get("expert") or {}
             if ex:
                 self.expert_hit_rate.set(ex.get("hit_rate") or 0)

@@ -22,6 +22,23 @@ static ffi::Error HostRowsCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> p
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCpu, HostRowsCpu, STRATA_HOST_ROWS_BIND(ffi::Ffi::Bind()));
 
+static ffi::Error HostPutCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> token, ffi::Buffer<ffi::U8> src,
+                             ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> put, int64_t rows,
+                             ffi::ResultBuffer<ffi::U8> out) {
+  int64_t U = 0, P = 0;
+  if (auto e = strata_dims(src, "strata_host_put", U, P); e.failure()) return e;
+  uint8_t* base = const_cast<uint8_t*>(strata_base(addr.typed_data()));
+  for (int64_t j = 0; j < U; ++j) {
+    const int64_t r = row.typed_data()[j];
+    if (!put.typed_data()[j] || r < 0 || r >= rows) continue;
+    std::memcpy(base + r * P, src.typed_data() + j * P, P);
+  }
+  if (out->typed_data() != token.typed_data()) std::memcpy(out->typed_data(), token.typed_data(), token.element_count());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostPutCpu, HostPutCpu, STRATA_HOST_PUT_BIND(ffi::Ffi::Bind()));
+
 extern "C" void* strata_device_pointer(void* host) { return host; }
 
 static ffi::Error RowGetCpu(ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {

@@ -57,6 +57,47 @@ static ffi::Error HostRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda, STRATA_HOST_ROWS_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// device rows written into host rows (zero copy over PCIe): block (x, j) writes chunk x of row j
+__global__ void host_put_kernel(const uint32_t* addr, const uint8_t* src, const int32_t* row, const int32_t* put,
+                                int64_t rows, int64_t P) {
+  const int j = blockIdx.y;
+  if (!put[j]) return;
+  const int64_t r = row[j];
+  if (r < 0 || r >= rows) return;
+  uint8_t* dst = const_cast<uint8_t*>(strata_base(addr)) + r * P;
+  const uint8_t* s = src + j * P;
+  const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
+  const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(dst) | begin | end) & 15) == 0;
+  if (vec) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
+    uint4* d4 = reinterpret_cast<uint4*>(dst + begin);
+    for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) d4[k] = s4[k];
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) dst[k] = s[k];
+  }
+}
+
+static ffi::Error HostPutCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> token,
+                              ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> put,
+                              int64_t rows, ffi::ResultBuffer<ffi::U8> out) {
+  int64_t U = 0, P = 0;
+  if (auto e = strata_dims(src, "strata_host_put", U, P); e.failure()) return e;
+  if (out->typed_data() != token.typed_data()) {
+    cudaError_t e = cudaMemcpyAsync(out->typed_data(), token.typed_data(), token.element_count(),
+                                    cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  }
+  if (U == 0 || P == 0) return ffi::Error::Success();
+  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U));
+  host_put_kernel<<<grid, kThreads, 0, stream>>>(addr.typed_data(), src.typed_data(), row.typed_data(),
+                                                 put.typed_data(), rows, P);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostPutCuda, HostPutCuda, STRATA_HOST_PUT_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // one row copied between two device buffers, block b taking chunk b (kRowChunk); the row index is read on
 // the device
 __global__ void row_copy_kernel(const uint8_t* src, uint8_t* dst, const int32_t* idx, int64_t L, int64_t P,

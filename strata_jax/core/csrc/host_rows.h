@@ -42,6 +42,13 @@ inline ffi::Error strata_dims(const ffi::Buffer<ffi::U8>& b, const char* call, i
 #define STRATA_HOST_ROWS_BIND(b)                                                                     \
   b.Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>()           \
       .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("rows").Ret<ffi::Buffer<ffi::U8>>()
+// strata_host_put: the other way, device rows written into host memory (the KV cache's cells past the
+// device's, model/kvquant.py StreamedKV). token u8[1] is aliased to the result: it orders later reads after
+// the write (they take the returned token), since XLA sees no other tie between them.
+//   addr u32[2], token u8[1], src u8[U, P], row s32[U] (host row of each), put s32[U] (nonzero: write it)
+#define STRATA_HOST_PUT_BIND(b)                                                                      \
+  b.Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("rows").Ret<ffi::Buffer<ffi::U8>>()
 #define STRATA_ROW_GET_BIND(b) b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()
 #define STRATA_ROW_PUT_BIND(b) \
   b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()

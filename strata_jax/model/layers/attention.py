@@ -228,9 +228,12 @@ def attend(q_BTHDh, k_BTKDh, v_BTKDh, pos_BT, k_LBSKDh, v_LBSKDh, layer, attn_le
                              v_dim=v_dim, window=window, sinks_H=sinks_H, new=new)
         return out, k_new, v_new
     s_S = jnp.arange(S)
-    k_att = _merged(kvquant.read(k_src, layer, 0, S, q_BTHDh.dtype), new, 0, pos_BT, s_S)
+    # what a streamed cache brings over: no position past the furthest query, only QSA's selected blocks
+    upto = jnp.max(jnp.where(pos_BT < k_LBSKDh.shape[2], pos_BT, 0)) + 1
+    want = None if select_BTS is None else jnp.any(select_BTS[:, :, :S], axis=1)
+    k_att = _merged(kvquant.read(k_src, layer, 0, S, q_BTHDh.dtype, upto, want), new, 0, pos_BT, s_S)
     v_att = (k_att[..., :v_dim] if v_src is None
-             else _merged(kvquant.read(v_src, layer, 0, S, q_BTHDh.dtype), new, 1, pos_BT, s_S))
+             else _merged(kvquant.read(v_src, layer, 0, S, q_BTHDh.dtype, upto, want), new, 1, pos_BT, s_S))
     return attend_keys(q_BTHDh, k_att, v_att, pos_BT, scale, select_BTS, window, sinks_H), k_new, v_new
 
 
@@ -285,14 +288,17 @@ def attend_blocked(q_BTHDh, k_LBSKDh, v_LBSKDh, pos_BT, layer, S: int, block: in
         # block before covered, are masked out of it
         at = jnp.minimum(lo, S - block)
         # a quantized cache is dequantized here, one block at a time
-        k_blk = kvquant.read(k_LBSKDh, layer, at, block, q.dtype)
+        sel_BTS = None if select_BTS is None else jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
+        want = None if sel_BTS is None else jnp.any(sel_BTS, axis=1)  # a streamed cache reads only these
+        k_blk = kvquant.read(k_LBSKDh, layer, at, block, q.dtype, reach + 1, want)
         s_S = at + jnp.arange(block)
         k_blk = _merged(k_blk, new, 0, pos_BT, s_S)
         v_blk = (k_blk[..., :Do] if v_LBSKDh is None
-                 else _merged(kvquant.read(v_LBSKDh, layer, at, block, q.dtype), new, 1, pos_BT, s_S))
+                 else _merged(kvquant.read(v_LBSKDh, layer, at, block, q.dtype, reach + 1, want), new, 1, pos_BT,
+                              s_S))
         mask_BTS = _visible(s_S, pos_BT, window) & (s_S >= lo)[None, None, :]
-        if select_BTS is not None:
-            mask_BTS = mask_BTS & jax.lax.dynamic_slice_in_dim(select_BTS, at, block, axis=2)
+        if sel_BTS is not None:
+            mask_BTS = mask_BTS & sel_BTS
         scores = _scores(q, k_blk) * scale
         scores = jnp.where(mask_BTS[:, None, None], scores, -jnp.inf)
         m_new = jnp.maximum(m_BKGT, jnp.max(scores, axis=-1))
