@@ -271,7 +271,7 @@ def _cmd_inspect(args) -> int:
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
     print(format_report(report(GGUFFile(model_or_default(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
                                kv=check_kv(args.kv, "--kv"), dtype=args.dtype, vram_reserve=reserve,
-                               parallel=args.parallel)))
+                               parallel=args.parallel, kv_resident=args.kv_resident)))
     return 0
 
 
@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ctx", type=_positive_int("--ctx"), default=None,
                    help="context to reserve KV cache for (default: the trained length, cut to fit --vram-budget)")
     i.add_argument("--kv", default="f16", help="KV cache storage, as load's --kv: f16, q8_0, q4_0 or K,V")
+    i.add_argument("--kv-resident", type=_positive_int("--kv-resident"), default=None, metavar="N",
+                   help="KV streaming, as load's: N positions of each layer's cache on the device, the rest in host "
+                        "memory")
     i.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype, as load's (auto: bfloat16 on GPU; float32 on CPU, dense weights dequantized)")
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")

@@ -224,3 +224,32 @@ def test_kv_resident_is_checked(value):
 
     with pytest.raises(ConfigError, match="--kv-resident"):
         EngineConfig.create(flags=True, kv_resident=value)
+
+
+def test_inspect_plans_the_streamed_cache(moe_path):
+    """inspect --kv-resident: the device's KV bytes are the resident positions', the rest is host memory,
+    and the expert slots under a budget grow by what the device no longer holds."""
+    from strata_jax.engine.inspect import format_report, report
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model import memory
+    from strata_jax.model.config import ModelConfig
+
+    g = GGUFFile(moe_path)
+    cfg = ModelConfig.from_gguf(g)
+    full = report(g, "19MiB", ctx=4096, vram_reserve=0)
+    streamed = report(g, "19MiB", ctx=4096, vram_reserve=0, kv_resident=256)
+    assert streamed["kv_bytes"] == memory.kv_cache_bytes(cfg, 256, 1, 4) == full["kv_bytes"] // 16
+    assert streamed["kv_bytes"] + streamed["kv_host_bytes"] == full["kv_bytes"]
+    assert streamed["fixed_bytes"] == full["fixed_bytes"] - full["kv_bytes"] + streamed["kv_bytes"]
+    assert "256 positions a layer on the device" in format_report(streamed)
+
+
+def test_speculative_passes_over_a_streamed_cache(moe_path):
+    """Verify passes write drafts' cells past the resident positions (rejected ones are overwritten later):
+    greedy speculative decoding over a streamed cache gives plain decoding's tokens."""
+    ids = [5, 6, 7, 8, 9] * 8 + list(range(3, 30))
+    plain = strata_jax.load(moe_path, ctx=256, prefill_chunk=16)
+    spec = strata_jax.load(moe_path, ctx=256, prefill_chunk=16, kv_resident=32, spec="lookup", spec_max=3)
+    want = plain.generate(ids, max_tokens=24, temperature=0).token_ids
+    got = spec.generate(ids, max_tokens=24, temperature=0)
+    assert got.token_ids == want and got.timings["draft_passes"] > 0

@@ -48,12 +48,13 @@ def tensor_kind(name: str) -> str:
 def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, *, kv: str = "f16",
            dtype: str = "auto", dequantize_dense: bool | None = None, platform: str | None = None,
            vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int | str = "auto",
-           expert_pools: str = "per-layer") -> dict[str, Any]:
+           expert_pools: str = "per-layer", kv_resident: int | None = None) -> dict[str, Any]:
     """The file's tensors by kind and, given a VRAM budget, the context and expert slots `load` would make
     of it with the same options (offload's planners over model/memory.py's estimates). ctx None: the
     trained length, cut to fit the budget; kv: the KV cache's storage (EngineConfig.kv); dtype and
     dequantize_dense as EngineConfig's, resolved for `platform` (default: JAX's backend here) as load
-    resolves them: on a CPU float32, with the dense matrices dequantized at load."""
+    resolves them: on a CPU float32, with the dense matrices dequantized at load. kv_resident: KV streaming
+    (--kv-resident), the positions of each layer's cache on the device; the rest goes to host memory."""
     cfg = ModelConfig.from_gguf(gguf)
     kv = check_kv(kv)
     resolved = EngineConfig.create(dtype=dtype, dequantize_dense=dequantize_dense).resolved(
@@ -78,7 +79,8 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         return plan_model_context(gguf, cfg, spec, ctx=ctx, kv=kv, itemsize=kv_bytes_per_elem, rows=rows,
                                   prefill_chunk=chunk, expert_pools=expert_pools, vram_budget=vram_budget,
                                   vram_reserve=vram_reserve, dense_itemsize=dense_itemsize,
-                                  off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else ())
+                                  off_device=(PLE_TABLE_NAME,) if ple_surely_host("auto", gguf, cfg) else (),
+                                  kv_resident=kv_resident)
 
     # "auto" as load resolves it, from the budget (without one, as on a CPU: 512)
     prefill_chunk = resolve_prefill_chunk(prefill_chunk, cfg, ctx=ctx, plan=plan, budget=parse_size(
@@ -89,8 +91,10 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
     except ConfigError as e:  # what load would refuse with
         too_small, ctx_reason = str(e), "does not fit"
         ctx = ctx or cfg.context_length
+    on_device = min(ctx, kv_resident) if kv_resident else ctx  # KV positions a layer keeps on the device
+
     def fixed(off_device: tuple[str, ...] = ()) -> int:
-        return memory.fixed_device_bytes(gguf, cfg, ctx=ctx, itemsize=kv_bytes_per_elem, rows=rows,
+        return memory.fixed_device_bytes(gguf, cfg, ctx=on_device, itemsize=kv_bytes_per_elem, rows=rows,
                                          prefill_chunk=prefill_chunk, kv=kv, off_device=off_device,
                                          dense_itemsize=dense_itemsize)
 
@@ -108,7 +112,9 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         "dequantize_dense": resolved.dequantize_dense,
         "experts": n_experts_all,
         "expert_bytes": expert_bytes,
-        "kv_bytes": memory.kv_cache_bytes(cfg, ctx, rows, kv_bytes_per_elem, kv),
+        "kv_bytes": memory.kv_cache_bytes(cfg, on_device, rows, kv_bytes_per_elem, kv),
+        "kv_host_bytes": memory.kv_cache_bytes(cfg, ctx - on_device, rows, kv_bytes_per_elem, kv),
+        "kv_resident": on_device if on_device < ctx else None,
         "activation_bytes": memory.activation_bytes(cfg, prefill_chunk),
         "prefill_chunk": prefill_chunk,
         "fixed_bytes": fixed(),
@@ -180,6 +186,9 @@ def format_report(r: dict[str, Any]) -> str:
     rows = f" x {r['rows']} rows" if r["rows"] > 1 else ""
     lines.append(f"kv cache      {fmt_bytes(r['kv_bytes'])} at ctx {r['ctx']:,}{rows} ({r['kv_label']}); "
                  f"{r['ctx_reason']}")
+    if r.get("kv_resident"):
+        lines.append(f"              streamed: {r['kv_resident']:,} positions a layer on the device, "
+                     f"{fmt_bytes(r['kv_host_bytes'])} in pinned host memory (--kv-resident)")
     lines.append(f"activations   {fmt_bytes(r['activation_bytes'])} (one prefill chunk of {r['prefill_chunk']:,} "
                  "tokens, bound)")
     if r.get("ple_table"):
