@@ -179,3 +179,54 @@ def test_batched_rows_equal_alone_when_every_miss_is_low_bit(files):
                               for t, p, n in zip((0, 2, 3), prompts, (9, 14, 6))])
     assert [g["ids"] for g in got] == refs
     assert m.stats()["hits"] == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_a_converted_model_and_its_requantized_copy(arch, tmp_path):
+    """llama.cpp's converter writes a tiny transformers model (q8_0); dev/requant.py's copy has its routed
+    experts requantized to Q4_0 by gguf-py and every other tensor and key as it was. The engine takes it
+    as the model's low-bit copy: decode misses are served from it (its 8 experts a layer are fewer than a
+    prefill bucket's lookups, so prompts stream whole layers at the model's type), and promoting at once
+    is plain offloading, the model's own tokens."""
+    import sys
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q, quants as gguf_quants
+
+    from strata_jax.dev.requant import requantize_experts
+    from strata_jax.gguf.reader import GGUFFile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from reference_models import tiny_model
+
+    hot = tiny_model(arch, "q8_0").gguf_path
+    cold = requantize_experts(hot, tmp_path / "q4_0.gguf", "Q4_0")
+    a, b = GGUFFile(hot), GGUFFile(cold)
+    assert a.metadata.keys() == b.metadata.keys() and a.tensors.keys() == b.tensors.keys()
+    assert all(np.array_equal(np.asarray(a.metadata[k]), np.asarray(b.metadata[k])) for k in a.metadata)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        if "_exps.weight" in name:
+            assert u.type_name == "Q4_0" and u.shape == t.shape
+            want = gguf_quants.quantize(gguf_quants.dequantize(t.data, Q.Q8_0), Q.Q4_0)
+            np.testing.assert_array_equal(u.data.reshape(want.shape), want)
+        else:
+            assert u.type_name == t.type_name
+            np.testing.assert_array_equal(u.data, t.data)
+    ids = list(range(5, 17))
+    half = _routed_experts(hot) // 2
+    never = strata_jax.load(hot, ctx=64, expert_slots=half, cold_experts=cold, promote_after=NEVER)
+    never.generate(ids, max_tokens=8, temperature=0)
+    st = never.stats()
+    assert st["cold_experts"] > 0 and st["hits"] == 0
+    at_once = strata_jax.load(hot, ctx=64, expert_slots=half, cold_experts=cold, promote_after=0)
+    assert _run(at_once, ids)[1] == _run(strata_jax.load(hot, ctx=64), ids)[1]
+
+
+def _routed_experts(path) -> int:
+    """Routed experts over all MoE layers of a GGUF."""
+    from strata_jax.gguf.reader import GGUFFile
+    from strata_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_gguf(GGUFFile(path))
+    return cfg.n_experts * len(cfg.moe_layers)
