@@ -140,6 +140,12 @@ def test_decode_xla_options_come_typed_from_the_environment(monkeypatch):
     monkeypatch.setenv("STRATA_JAX_XLA_DECODE", "--xla_gpu_command_buffer_unroll_loops")
     with pytest.raises(ConfigError, match="write each option as --xla_name=value"):
         decode_xla_from_env()
+    # the prefill program's own, apart from the decode's
+    monkeypatch.setenv("STRATA_JAX_XLA_PREFILL", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS")
+    assert decode_xla_from_env("prefill") == (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS"),)
+    monkeypatch.setenv("STRATA_JAX_XLA_PREFILL", "xla_gpu_enable_command_buffer")
+    with pytest.raises(ConfigError, match="STRATA_JAX_XLA_PREFILL has"):
+        decode_xla_from_env("prefill")
 
 
 @pytest.mark.parametrize("var, value", [("STRATA_JAX_QMATVEC", "yes"), ("STRATA_JAX_MOE_PREFILL", "sparse"),
@@ -300,3 +306,21 @@ def test_rope_scaling_override_sets_the_models_context(tmp_path):
     with pytest.raises(ConfigError, match=r"rope scaling 'linear' needs a factor \(--rope-scale\)"):
         strata_jax.load(path, rope_scaling="linear")
     assert strata_jax.load(path, rope_scaling="none").config.rope_scaling is None
+
+
+def test_a_session_compiles_its_prefill_with_the_prefill_options(monkeypatch):
+    """STRATA_JAX_XLA_PREFILL reaches the prefill program alone (its own jit, compiled with those options; a
+    GPU option parses on a CPU too); without it the session runs the module's one."""
+    import strata_jax
+    from strata_jax.bench.shapes import synthetic_model_path
+    from strata_jax.engine import programs
+
+    path = synthetic_model_path("tiny")
+    plain = strata_jax.load(path, ctx=64)
+    want = plain.generate([5, 6, 7], max_tokens=3, temperature=0).token_ids
+    assert plain._session._prefill_fn is programs.prefill
+    monkeypatch.setenv("STRATA_JAX_XLA_PREFILL", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL")
+    m = strata_jax.load(path, ctx=64)
+    assert m.generate([5, 6, 7], max_tokens=3, temperature=0).token_ids == want
+    fn = m._session._prefill_fn
+    assert fn is not programs.prefill and fn._cache_size() == 1 and m._session._decode is programs.decode

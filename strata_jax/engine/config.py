@@ -260,14 +260,18 @@ def compilation_cache_from_env() -> bool:
     return v != "0"
 
 
-def decode_xla_from_env() -> tuple[tuple[str, bool | int | float | str], ...]:
-    """XLA debug options for the decode program alone from STRATA_JAX_XLA_DECODE, written as in XLA_FLAGS
-    (`--xla_name=value ...`): XLA_FLAGS applies to every program of the process."""
+def decode_xla_from_env(program: str = "decode") -> tuple[tuple[str, bool | int | float | str], ...]:
+    """XLA debug options for one program alone ("decode" or "prefill") from STRATA_JAX_XLA_DECODE /
+    STRATA_JAX_XLA_PREFILL, written as in XLA_FLAGS (`--xla_name=value ...`): XLA_FLAGS applies to every
+    program of the process. E.g. a prefill whose streamed experts may overlap its compute:
+    STRATA_JAX_XLA_PREFILL=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN (the
+    set without WHILE and CONDITIONAL; per program, the list is whole: no +/- edits)."""
+    var = f"STRATA_JAX_XLA_{program.upper()}"
     out = []
-    for item in os.environ.get("STRATA_JAX_XLA_DECODE", "").split():
+    for item in os.environ.get(var, "").split():
         name, eq, value = item.removeprefix("--").partition("=")
         if not name.startswith("xla_") or not eq:
-            raise ConfigError(f"STRATA_JAX_XLA_DECODE has {item!r}: write each option as --xla_name=value, "
+            raise ConfigError(f"{var} has {item!r}: write each option as --xla_name=value, "
                               "separated by spaces, as in XLA_FLAGS.")
         out.append((name, _xla_value(value)))
     return tuple(sorted(out))

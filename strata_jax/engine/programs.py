@@ -172,7 +172,6 @@ def copy_row(kv: KVCache, src, dst) -> KVCache:
     return kv.put_row(dst, kv.take_row(src))
 
 
-@functools.partial(jax.jit, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE)
 def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, start_1, n_valid_1, req: RowStart,
             stop_St, *, cfg, dtype, kernels, attn_len, all_logits: bool, attn_block=None,
             forced=None, kv_host=None):
@@ -196,6 +195,19 @@ def prefill(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T,
                      ~_is_stop(tok_1, stop_St) & (left_1 > 0), req.key_2[None], req.sp, pen)
     rows = _set_row(rows, row, state)
     return PrefillOut(logits, tok_1, lp, mtp_logits), kv, experts, routed, rows
+
+
+_prefill = prefill
+
+
+@functools.cache
+def prefill_program(xla_options: tuple[tuple[str, object], ...] = ()):
+    """`prefill` jitted with XLA debug options of its own (engine/config.py decode_xla_from_env("prefill"))."""
+    return jax.jit(_prefill, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE,
+                   compiler_options=dict(xla_options) or None)
+
+
+prefill = prefill_program(())  # the key a session without options asks for
 
 
 def decode(params, experts, fixed, kv: KVCache, rows: RowState, alive_B, stop_St, limit, *, cfg, dtype, kernels,
@@ -282,7 +294,7 @@ def decode_program(xla_options: tuple[tuple[str, object], ...] = ()):
                    compiler_options=dict(xla_options) or None)
 
 
-decode = decode_program()
+decode = decode_program(())
 
 
 @struct.dataclass

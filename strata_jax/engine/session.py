@@ -244,6 +244,7 @@ class Session:
         self.model, self.n_rows = model, n_rows
         self.decode_chunk = decode_chunk or model.decode_chunk
         self._decode = programs.decode_program(decode_xla_from_env())
+        self._prefill_fn = programs.prefill_program(decode_xla_from_env("prefill"))
         self._conv = model.conversation_cache  # None: no conversation cache
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call
@@ -679,7 +680,7 @@ class Session:
             T = bucket(len(chunk), m.prefill_chunk)
             toks = np.zeros((1, T), np.int32)
             toks[0, : len(chunk)] = chunk
-            out, routed = self._call(programs.prefill, np.int32(row), toks, np.array([pos], np.int32),
+            out, routed = self._call(self._prefill_fn, np.int32(row), toks, np.array([pos], np.int32),
                                      np.array([len(chunk)], np.int32), req, self._stop_St, end=pos + T, prefill=True,
                                      all_logits=all_logits, **m.forced_prefill(pos, T))
             if m.routing is not None:
