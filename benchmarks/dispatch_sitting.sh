@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..15 are later sittings (each described above its pipeline), PART=15 the newest.
+# PART=2..16 are later sittings (each described above its pipeline), PART=16 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -447,5 +447,29 @@ pipeline15() {
 }
 [ "${PART:-1}" = 15 ] && { pipeline() { pipeline15; }; RETURNED="progress phases.tsv cb-*.txt dsf-*.txt"
   collect_more() { (cd "$S" && ls data-*.json > /dev/null 2>&1 && tar -czf "$OUT/data.tar.gz" data-*.json); }; }
+
+# PART=16 (issues 33, 17): qseed's 4,096-token prefill under 32 GiB four ways: experts copied or read in place
+# where cached (STRATA_JAX_PREFILL_CACHED=1), each with the prefill compiled with or without WHILE/CONDITIONAL
+# command buffers (STRATA_JAX_XLA_PREFILL: without them the stream's copies may overlap compute,
+# ../shared/probes/overlap_in_scan.py); then KV streaming (benchmarks/kv_stream_check.sh's bench pair)
+NOWHILE=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+pipeline16() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
+  phase kv-all 200 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
+  phase kv-2048 200 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
+  qseed_file
+  local p=(--shape qseed --tokens 16 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
+           --no-resident)
+  phase prefill-copied 200 "$PY" -m strata_jax.cli bench "${p[@]}" --out "$S/data-prefill-copied.json"
+  phase prefill-cached 200 env STRATA_JAX_PREFILL_CACHED=1 "$PY" -m strata_jax.cli bench "${p[@]}" --label cached \
+    --out "$S/data-prefill-cached.json"
+  phase prefill-nowhile 200 env STRATA_JAX_XLA_PREFILL="$NOWHILE" "$PY" -m strata_jax.cli bench "${p[@]}" \
+    --label nowhile --out "$S/data-prefill-nowhile.json"
+  phase prefill-nowhile-cached 200 env STRATA_JAX_XLA_PREFILL="$NOWHILE" STRATA_JAX_PREFILL_CACHED=1 "$PY" \
+    -m strata_jax.cli bench "${p[@]}" --label nowhile-cached --out "$S/data-prefill-nowhile-cached.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 16 ] && { pipeline() { pipeline16; }; RETURNED="progress phases.tsv data-*.json"; }
 
 sitting_main "$@"
