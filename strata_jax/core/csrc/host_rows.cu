@@ -10,28 +10,33 @@ constexpr int64_t kChunk = 64 << 10;  // bytes per block: enough blocks in fligh
 // blocks left most SMs idle on a 2 MiB row; docs/benchmarks.md)
 constexpr int64_t kRowChunk = kThreads * 16;
 
+// grid.y is capped at 65,535 blocks: requests past it are taken by the same blocks, gridDim.y apart (a KV
+// cache's streamed span is one request per cell)
+constexpr unsigned kMaxGridY = 65535;
+
 __global__ void host_rows_kernel(const uint32_t* addr, uint8_t* pool, const int32_t* row, const int32_t* dst,
-                                 const int32_t* miss, int64_t rows, int64_t X, int64_t P) {
-  const int j = blockIdx.y;
-  if (!miss[j]) return;
-  const int64_t r = row[j], d = dst[j];
-  if (r < 0 || r >= rows || d < 0 || d >= X) return;
-  const uint8_t* src = strata_base(addr) + r * P;
-  uint8_t* out = pool + d * P;
-  const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
-  const bool vec = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | begin | end) & 15) == 0;
-  if (vec) {  // 16-byte loads, four in flight per thread before the stores
-    const uint4* s = reinterpret_cast<const uint4*>(src + begin);
-    uint4* o = reinterpret_cast<uint4*>(out + begin);
-    const int64_t n = (end - begin) / 16;
-    int64_t i = threadIdx.x;
-    for (; i + 3 * kThreads < n; i += 4 * kThreads) {
-      uint4 a = s[i], b = s[i + kThreads], c = s[i + 2 * kThreads], e = s[i + 3 * kThreads];
-      o[i] = a; o[i + kThreads] = b; o[i + 2 * kThreads] = c; o[i + 3 * kThreads] = e;
+                                 const int32_t* miss, int64_t rows, int64_t X, int64_t P, int64_t U) {
+  for (int64_t j = blockIdx.y; j < U; j += gridDim.y) {
+    if (!miss[j]) continue;
+    const int64_t r = row[j], d = dst[j];
+    if (r < 0 || r >= rows || d < 0 || d >= X) continue;
+    const uint8_t* src = strata_base(addr) + r * P;
+    uint8_t* out = pool + d * P;
+    const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
+    const bool vec = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | begin | end) & 15) == 0;
+    if (vec) {  // 16-byte loads, four in flight per thread before the stores
+      const uint4* s = reinterpret_cast<const uint4*>(src + begin);
+      uint4* o = reinterpret_cast<uint4*>(out + begin);
+      const int64_t n = (end - begin) / 16;
+      int64_t i = threadIdx.x;
+      for (; i + 3 * kThreads < n; i += 4 * kThreads) {
+        uint4 a = s[i], b = s[i + kThreads], c = s[i + 2 * kThreads], e = s[i + 3 * kThreads];
+        o[i] = a; o[i + kThreads] = b; o[i + 2 * kThreads] = c; o[i + 3 * kThreads] = e;
+      }
+      for (; i < n; i += kThreads) o[i] = s[i];
+    } else {
+      for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) out[i] = src[i];
     }
-    for (; i < n; i += kThreads) o[i] = s[i];
-  } else {
-    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) out[i] = src[i];
   }
 }
 
@@ -47,9 +52,9 @@ static ffi::Error HostRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, 
     if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
   }
   if (U == 0 || P == 0) return ffi::Error::Success();
-  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U));
+  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U < kMaxGridY ? U : kMaxGridY));
   host_rows_kernel<<<grid, kThreads, 0, stream>>>(addr.typed_data(), o, row.typed_data(), dst.typed_data(),
-                                                  miss.typed_data(), rows, X, P);
+                                                  miss.typed_data(), rows, X, P, U);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
@@ -59,21 +64,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda, STRATA_HOST_ROWS
 
 // device rows written into host rows (zero copy over PCIe): block (x, j) writes chunk x of row j
 __global__ void host_put_kernel(const uint32_t* addr, const uint8_t* src, const int32_t* row, const int32_t* put,
-                                int64_t rows, int64_t P) {
-  const int j = blockIdx.y;
-  if (!put[j]) return;
-  const int64_t r = row[j];
-  if (r < 0 || r >= rows) return;
-  uint8_t* dst = const_cast<uint8_t*>(strata_base(addr)) + r * P;
-  const uint8_t* s = src + j * P;
-  const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
-  const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(dst) | begin | end) & 15) == 0;
-  if (vec) {
-    const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
-    uint4* d4 = reinterpret_cast<uint4*>(dst + begin);
-    for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) d4[k] = s4[k];
-  } else {
-    for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) dst[k] = s[k];
+                                int64_t rows, int64_t P, int64_t U) {
+  for (int64_t j = blockIdx.y; j < U; j += gridDim.y) {
+    if (!put[j]) continue;
+    const int64_t r = row[j];
+    if (r < 0 || r >= rows) continue;
+    uint8_t* dst = const_cast<uint8_t*>(strata_base(addr)) + r * P;
+    const uint8_t* s = src + j * P;
+    const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
+    const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(dst) | begin | end) & 15) == 0;
+    if (vec) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
+      uint4* d4 = reinterpret_cast<uint4*>(dst + begin);
+      for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) d4[k] = s4[k];
+    } else {
+      for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) dst[k] = s[k];
+    }
   }
 }
 
@@ -88,9 +94,9 @@ static ffi::Error HostPutCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, f
     if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
   }
   if (U == 0 || P == 0) return ffi::Error::Success();
-  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U));
+  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U < kMaxGridY ? U : kMaxGridY));
   host_put_kernel<<<grid, kThreads, 0, stream>>>(addr.typed_data(), src.typed_data(), row.typed_data(),
-                                                 put.typed_data(), rows, P);
+                                                 put.typed_data(), rows, P, U);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
