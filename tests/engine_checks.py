@@ -22,6 +22,18 @@ def assert_offloaded_matches(off, ids, reference) -> None:
     assert st["misses"] > 0 and st["lookups"] == st["hits"] + st["misses"]
 
 
+def session_tokens(s, prompts, max_tokens: int) -> list[list[int]]:
+    """Every prompt admitted into Session `s` at once (greedy), stepped until all end: each one's tokens."""
+    got, rows = {}, {}
+    for i, p in enumerate(prompts):
+        r, chunks = s.admit(p, max_tokens=max_tokens, temperature=0)
+        rows[r], got[i] = i, [t for c in chunks for t in c.token_ids]
+    while s.active_rows:
+        for r, chunks in s.step().items():
+            got[rows[r]] += [t for c in chunks for t in c.token_ids]
+    return [got[i] for i in range(len(prompts))]
+
+
 def decode_two_rows(m, seqs, ctx: int, n0=(5, 7), idle_until: int = 6):
     """Two rows through model/forward.py's forward (jitted, all logits): a prefill of n0[b] tokens each in
     one call (a 16-token bucket), then one token per call, row 1 idle (at a position past the cache) for

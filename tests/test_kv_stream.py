@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_checks import session_tokens
+
+import strata_jax
 from strata_jax.core import hostrows
+from strata_jax.core.errors import ConfigError
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
+from strata_jax.engine.session import Session
 from strata_jax.model import kvquant
 from strata_jax.model.layers.attention import attend
 
@@ -101,10 +107,6 @@ def test_attention_over_a_streamed_cache(block, T):
 
 # -- the engine: --kv-resident ----------------------------------------------------------------------------
 
-import strata_jax  # noqa: E402
-from strata_jax.core.errors import ConfigError  # noqa: E402
-from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
-from strata_jax.engine.session import Session  # noqa: E402
 
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=2, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                     vocab_size=512, qtype="Q8_0", seed=5)
@@ -167,14 +169,7 @@ def test_rows_forks_and_prefix_reuse_stream_each_rows_cells(moe_path):
     prompts = [list(range(5, 40)), list(range(40, 49))]
     alone = [ref.generate(p, max_tokens=10, temperature=0, cache_prompt=False).token_ids for p in prompts]
     s = Session(m, 3)
-    got, rows = {}, {}
-    for i, p in enumerate(prompts):
-        r, chunks = s.admit(p, max_tokens=10, temperature=0)
-        rows[r], got[i] = i, [t for c in chunks for t in c.token_ids]
-    while s.active_rows:
-        for r, chunks in s.step().items():
-            got[rows[r]] += [t for c in chunks for t in c.token_ids]
-    assert [got[0], got[1]] == alone
+    assert session_tokens(s, prompts, 10) == alone
     turn2 = s.cached_tokens(0) + [7, 8, 9]
     want = ref.generate(turn2, max_tokens=6, temperature=0, cache_prompt=False)
     row, chunks = s.admit(turn2, max_tokens=6, temperature=0)

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_checks import session_tokens
+
 import strata_jax
 from strata_jax.core.errors import ConfigError
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -182,14 +184,7 @@ def test_rows_and_prefix_reuse_with_q8_0(moe_path):
     prompts = [list(range(5, 30)), list(range(40, 49))]
     alone = [m.generate(p, max_tokens=10, temperature=0, cache_prompt=False).token_ids for p in prompts]
     s = Session(m, 2)
-    got, rows = {}, {}
-    for i, p in enumerate(prompts):
-        r, chunks = s.admit(p, max_tokens=10, temperature=0)
-        rows[r], got[i] = i, [t for c in chunks for t in c.token_ids]
-    while s.active_rows:
-        for r, chunks in s.step().items():
-            got[rows[r]] += [t for c in chunks for t in c.token_ids]
-    assert [got[0], got[1]] == alone
+    assert session_tokens(s, prompts, 10) == alone
     assert isinstance(s._kv.k_LBSKDh, kvquant.QuantKV) and s._kv.k_LBSKDh.q.dtype == jnp.int8
     # the next turn reuses the row's quantized prefix and decodes what a fresh prefill does
     turn2 = s.cached_tokens(0) + [7, 8, 9]
