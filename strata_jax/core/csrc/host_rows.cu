@@ -62,6 +62,18 @@ static ffi::Error HostRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> addr, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostRowsCuda, HostRowsCuda, STRATA_HOST_ROWS_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// bytes [begin, end) of s into o by one block: 16-byte words where both are aligned for them
+__device__ inline void copy_span(const uint8_t* s, uint8_t* o, int64_t begin, int64_t end) {
+  const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(o) | begin | end) & 15) == 0;
+  if (vec) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
+    uint4* o4 = reinterpret_cast<uint4*>(o + begin);
+    for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) o4[k] = s4[k];
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) o[k] = s[k];
+  }
+}
+
 // device rows written into host rows (zero copy over PCIe): block (x, j) writes chunk x of row j
 __global__ void host_put_kernel(const uint32_t* addr, const uint8_t* src, const int32_t* row, const int32_t* put,
                                 int64_t rows, int64_t P, int64_t U) {
@@ -69,17 +81,8 @@ __global__ void host_put_kernel(const uint32_t* addr, const uint8_t* src, const 
     if (!put[j]) continue;
     const int64_t r = row[j];
     if (r < 0 || r >= rows) continue;
-    uint8_t* dst = const_cast<uint8_t*>(strata_base(addr)) + r * P;
-    const uint8_t* s = src + j * P;
-    const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
-    const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(dst) | begin | end) & 15) == 0;
-    if (vec) {
-      const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
-      uint4* d4 = reinterpret_cast<uint4*>(dst + begin);
-      for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) d4[k] = s4[k];
-    } else {
-      for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) dst[k] = s[k];
-    }
+    const int64_t begin = blockIdx.x * kChunk;
+    copy_span(src + j * P, const_cast<uint8_t*>(strata_base(addr)) + r * P, begin, min(begin + kChunk, P));
   }
 }
 
@@ -109,17 +112,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostPutCuda, HostPutCuda, STRATA_HOST_PUT_BI
 __global__ void row_copy_kernel(const uint8_t* src, uint8_t* dst, const int32_t* idx, int64_t L, int64_t P,
                                 bool get) {
   const int64_t i = strata_clamp(idx[0], L);
-  const uint8_t* s = get ? src + i * P : src;
-  uint8_t* o = get ? dst : dst + i * P;
-  const int64_t begin = blockIdx.x * kRowChunk, end = min(begin + kRowChunk, P);
-  const bool vec = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(o) | begin | end) & 15) == 0;
-  if (vec) {
-    const uint4* s4 = reinterpret_cast<const uint4*>(s + begin);
-    uint4* o4 = reinterpret_cast<uint4*>(o + begin);
-    for (int64_t k = threadIdx.x; k < (end - begin) / 16; k += kThreads) o4[k] = s4[k];
-  } else {
-    for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) o[k] = s[k];
-  }
+  const int64_t begin = blockIdx.x * kRowChunk;
+  copy_span(get ? src + i * P : src, get ? dst : dst + i * P, begin, min(begin + kRowChunk, P));
 }
 
 static ffi::Error RowGetCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx,
