@@ -117,9 +117,11 @@ def expected_hit_rate(cfg, slots_per_layer: int) -> float:
 
 
 def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1, vram_budget: str | None = None,
-          probe_pinned: bool = True, cold_experts: str | None = None) -> dict[str, Any]:
+          probe_pinned: bool = True, cold_experts: str | None = None, kv_resident: int | None = None
+          ) -> dict[str, Any]:
     """Everything `strata-jax check` reports, as one JSON-able dict. cold_experts: the low-bit copy
-    (--cold-experts), whose experts take host RAM too."""
+    (--cold-experts), whose experts take host RAM too; kv_resident: KV streaming (--kv-resident), the
+    cache past that many positions a layer in host RAM."""
     import jax
 
     from strata_jax.offload.sizing import device_free_bytes
@@ -180,14 +182,15 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
 
         gguf = GGUFFile(model)
         budget = vram_budget if vram_budget is not None else out["jax"]["free_bytes"]
-        report = model_report(gguf, vram_budget=budget, ctx=ctx, parallel=parallel, platform=dev.platform)
+        report = model_report(gguf, vram_budget=budget, ctx=ctx, parallel=parallel, platform=dev.platform,
+                              kv_resident=kv_resident)
         out["model"] = {"path": str(model), "file_bytes": report["file_bytes"], "shards": report["shards"],
                         "arch": report["config"].arch, "experts": report["experts"],
                         "expert_bytes_total": int(report["experts"] * report["expert_bytes"]),
                         "fixed_device_bytes": report["fixed_bytes"], "reserve_bytes": report["reserve_bytes"],
                         "dense_bytes": report["dense_bytes"], "kv_bytes": report["kv_bytes"],
                         "kv_storage": report["kv_label"], "activation_bytes": report["activation_bytes"],
-                        "ctx": report["ctx"], "parallel": parallel}
+                        "ctx": report["ctx"], "parallel": parallel, "kv_host_bytes": report["kv_host_bytes"]}
         if cold_experts is not None:
             from strata_jax.model.config import ModelConfig
             from strata_jax.model.memory import routed_expert_bytes
@@ -202,7 +205,8 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
     if gpu and probe_pinned:
         # never more than 80% of available RAM: pinning all of it would starve the host (and its other users)
         avail = int((mi.get("MemAvailable") or 0) * 0.8)
-        host = (out.get("model", {}).get("expert_bytes_total") or 0) + out.get("model", {}).get("cold_expert_bytes_total", 0)
+        mo = out.get("model", {})
+        host = (mo.get("expert_bytes_total") or 0) + mo.get("cold_expert_bytes_total", 0) + mo.get("kv_host_bytes", 0)
         want = min(host or avail, avail or PINNED_FLOOR)
         want = max(want, PINNED_FLOOR)
         log.info("check: the largest pinned host allocation, halving from %s (--no-pinned-probe skips it)",
@@ -216,6 +220,7 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
 def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
     cfg = r["config"]
     cold = out["model"].get("cold_expert_bytes_total", 0)  # in host RAM too when offloading
+    kv_host = out["model"].get("kv_host_bytes", 0)  # --kv-resident: the streamed part of the KV cache
     experts_total = out["model"]["expert_bytes_total"]
     ram = out["ram"].get("available")
     v: dict[str, Any] = {}
@@ -237,9 +242,14 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
                      f"does not fit: {budget} of device memory < {fmt_bytes(r['fixed_bytes'])} of dense weights, "
                      f"kv cache and activations + {fmt_bytes(r['reserve_bytes'])} reserved; lower --ctx")
         return v
+    kv_text = (f"; the KV cache past {r['kv_resident']:,} positions a layer ({fmt_bytes(kv_host)}) in host RAM"
+               if kv_host else "")
     if not cfg.is_moe or r["plan"].resident:
         v["fits"], v["mode"] = True, "resident"
-        v["text"] = f"fits resident in {budget} of device memory"
+        v["text"] = f"fits resident in {budget} of device memory" + kv_text
+        if ram is not None and kv_host > ram:
+            v["fits"] = False
+            v["text"] += f"; but the streamed KV cache exceeds the available RAM ({fmt_bytes(ram)})"
         return v
     plan = r["plan"]
     pct = 100 * plan.n_slots / max(r["experts"], 1)
@@ -252,9 +262,11 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
     pinned = out.get("pinned", {}).get("bytes")
     if cold:
         v["text"] += f"; misses served from the low-bit copy ({fmt_bytes(cold)} of experts in host RAM too)"
-    if ram is not None and experts_total + cold > ram:
+    v["text"] += kv_text
+    if ram is not None and experts_total + cold + kv_host > ram:
         v["fits"] = False
-        v["text"] += (f"; but its experts{' and their low-bit copy' if cold else ''} ({fmt_bytes(experts_total + cold)}) "
+        what = "experts" + (" and their low-bit copy" if cold else "") + (" and the streamed KV cache" if kv_host else "")
+        v["text"] += (f"; but its {what} ({fmt_bytes(experts_total + cold + kv_host)}) "
                       f"exceed the available RAM ({fmt_bytes(ram)})")
     elif gpu and pinned is not None and pinned < experts_total:
         v["text"] += (f"; pinned host memory stopped at {fmt_bytes(pinned)} of the experts' "

@@ -297,7 +297,7 @@ def _cmd_check(args) -> int:
     if args.cold_experts is not None and not Path(args.cold_experts).expanduser().is_file():
         raise StrataError(f"--cold-experts {args.cold_experts}: not a file; give the low-bit GGUF of the same model")
     c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
-              probe_pinned=args.pinned_probe, cold_experts=args.cold_experts)
+              probe_pinned=args.pinned_probe, cold_experts=args.cold_experts, kv_resident=args.kv_resident)
     if args.json:  # the text output carries them itself
         for w in c["warnings"]:
             log.warning("%s", w)
@@ -444,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--vram-budget", default=None, help="size the verdict for this much device memory (default: free)")
     k.add_argument("--cold-experts", default=None, metavar="GGUF",
                    help="the low-bit copy serve would get (--cold-experts): its experts count in the RAM verdict")
+    k.add_argument("--kv-resident", type=_positive_int("--kv-resident"), default=None, metavar="N",
+                   help="KV streaming, as serve's: N positions a layer on the device, the rest counted in host RAM")
     k.add_argument("--no-pinned-probe", dest="pinned_probe", action="store_false",
                    help="skip the largest-pinned-allocation probe (it briefly pins up to the model's expert bytes)")
     k.set_defaults(func=_cmd_check)

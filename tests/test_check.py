@@ -92,6 +92,22 @@ def test_the_low_bit_copy_counts_in_host_ram(moe_path, tmp_path, monkeypatch, ca
     assert "--cold-experts" in capsys.readouterr().err
 
 
+def test_the_streamed_kv_cache_counts_in_host_ram(moe_path, monkeypatch, capsys):
+    """--kv-resident: the KV cache past the resident positions is named and counted in host RAM."""
+    base, experts = _budgets(moe_path)
+    budget = str(int(base + experts / 2))
+    c = chk.check(moe_path, vram_budget=budget, probe_pinned=False, ctx=4096, kv_resident=256)
+    host = c["model"]["kv_host_bytes"]
+    assert host == report(GGUFFile(moe_path), vram_budget=budget, ctx=4096, kv_resident=256)["kv_host_bytes"] > 0
+    assert "past 256 positions a layer" in c["verdict"]["text"]
+    assert main(["check", moe_path, "--ctx", "4096", "--kv-resident", "256", "--vram-budget", budget,
+                 "--no-pinned-probe"]) == 0
+    assert "positions a layer" in capsys.readouterr().out
+    monkeypatch.setattr(chk, "meminfo", lambda: {"MemAvailable": experts + host // 2, "MemTotal": 1 << 40})
+    v = chk.check(moe_path, vram_budget=budget, probe_pinned=False, ctx=4096, kv_resident=256)["verdict"]
+    assert not v["fits"] and "streamed KV cache" in v["text"]
+
+
 def test_cli_json_and_model_refs(moe_path, capsys):
     assert main(["check", moe_path, "--json", "--no-pinned-probe"]) == 0
     c = json.loads(capsys.readouterr().out)
