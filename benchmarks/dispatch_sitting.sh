@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..16 are later sittings (each described above its pipeline), PART=16 the newest.
+# PART=2..17 are later sittings (each described above its pipeline), PART=17 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -471,5 +471,30 @@ pipeline16() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 16 ] && { pipeline() { pipeline16; }; RETURNED="progress phases.tsv data-*.json"; }
+
+# PART=17 (issues 35, 17), one call: qseed's architecture at a quarter of its depth (12 layers) under 8 GiB,
+# plain and with an IQ2_XXS copy serving misses until promoted after 2 uses (the files written while KV
+# streaming runs its tests on the GPU (tests/test_kv_stream.py: the host-put kernel) and its bench pair)
+QQ_WRITE=${QHALF_WRITE/n_layers=24/n_layers=12}
+pipeline17() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  local d=$STRATA_JAX_CACHE/qq
+  mkdir -p "$d"
+  (phase write-qq-cold 300 "$PY" -c "$QQ_WRITE" "$d/qq-iq2_xxs.gguf" IQ2_XXS) &
+  (phase write-qq 300 "$PY" -c "$QQ_WRITE" "$d/qq.gguf" IQ3_S) &
+  phase kv-pytest 150 env PYTHONPATH="$PYTHONPATH:." "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kv_stream.py
+  local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
+  phase kv-all 120 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
+  phase kv-2048 120 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
+  wait
+  local q=(--model "$d/qq.gguf" --label qq --tokens 64 --prompt-len 32 --routing realistic --vram-budget 8GiB
+           --no-resident)
+  phase mixed-plain 150 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
+  phase mixed-cold 150 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-experts "$d/qq-iq2_xxs.gguf" \
+    --promote-after 2 --out "$S/data-mixed-cold.json"
+  rm -rf "$d"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 17 ] && { pipeline() { pipeline17; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
 
 sitting_main "$@"
