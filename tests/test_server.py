@@ -832,6 +832,18 @@ def test_metrics(model):
                 "value": 3.0} in as_json["strata_requests"]["samples"]
 
 
+def test_metrics_kv_streaming(moe_path):
+    """--kv-resident: /metrics carries the share of the KV cells finished requests attended to that were read
+    from VRAM (none without streaming)."""
+    streamed = strata_jax.load(moe_path, ctx=CTX, expert_slots=8, kv_resident=16)
+    with serving(streamed) as c:
+        for _ in range(2):
+            chat(c, max_tokens=4, messages=[{"role": "user", "content": "tell me a long story " * 4}])
+        fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        hit = fams["strata_kv_vram_hit_ratio"].samples[0].value
+        assert 0 < hit < 1 and hit == pytest.approx(streamed.kv_stats()["kv_vram_hit"])
+
+
 def test_serve_refuses_unsafe_or_invalid_options(moe_path, capsys, monkeypatch):
     monkeypatch.delenv("STRATA_JAX_API_KEY", raising=False)
     assert main(["serve", "--model", str(moe_path), "--host", "0.0.0.0"]) == 2
