@@ -809,12 +809,12 @@ class Session:
         m = self.model
         if self._kv is not None:
             return self._kv
-        kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, kv=m.kv)
+        # --kv-resident: K and V keep that many positions on the device, the rest in host memory (split off)
+        kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, kv=m.kv, resident=m.kv_resident)
         if self.spec == "mtp":
             kv = kv.replace(mtp=mtp.state_zeros(m.config, self.n_rows, m.ctx, m.dtype, m.kv))
-        if m.kv_resident is not None:  # its first kv_resident positions on the device, the rest in host memory
-            stream = lambda leaf: None if leaf is None else kvquant.streamed(leaf, m.kv_resident, m.device)  # noqa: E731
-            kv, self._kv_host = kv.replace(k_LBSKDh=stream(kv.k_LBSKDh), v_LBSKDh=stream(kv.v_LBSKDh)).split_host()
+        if m.kv_resident is not None:
+            kv, self._kv_host = kv.split_host()
         return jax.device_put(kv, m.device)
 
     def _host_arg(self) -> dict:

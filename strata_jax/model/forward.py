@@ -68,16 +68,29 @@ class KVCache:
     mtp: Any = None  # speculative decoding by MTP: model/mtp.py's MTPState (its block's cache, every leaf [1, B, ...])
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None, kv: str = "f16") -> "KVCache":
-        """An empty cache; kv: EngineConfig.kv, the storage type of keys and values (kvquant.kinds)."""
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, device=None, kv: str = "f16",
+              resident: int | None = None) -> "KVCache":
+        """An empty cache; kv: EngineConfig.kv, the storage type of keys and values (kvquant.kinds);
+        resident (--kv-resident): K and V streamed, that many positions on the device (kvquant.streamed;
+        the whole length is never allocated there)."""
         k_dims, v_dims = cfg.kv_cache_dims
         k_kind, v_kind = kvquant.kinds(kv)
-        make = lambda dims, kind: kvquant.zeros((cfg.n_kv_layers, batch, length, *dims), kind, dtype)  # noqa: E731
+
+        def make(dims, kind):
+            shape = (cfg.n_kv_layers, batch, length, *dims)
+            if resident is None:
+                return kvquant.zeros(shape, kind, dtype)
+            return kvquant.streamed(jax.eval_shape(lambda: kvquant.zeros(shape, kind, dtype)), resident, device)
+
         rec = None
         if cfg.has_recurrent_state:
             rec = hybrid.state_zeros(cfg, batch, length)
         kv = cls(make(k_dims, k_kind), None if v_dims is None else make(v_dims, v_kind), rec)
-        return jax.device_put(kv, device) if device is not None else kv
+        if device is None:
+            return kv
+        if resident is None:
+            return jax.device_put(kv, device)
+        return kv.replace(rec=jax.device_put(rec, device))  # streamed leaves are placed (host part included)
 
     @property
     def length(self) -> int:
