@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..17 are later sittings (each described above its pipeline), PART=17 the newest.
+# PART=2..18 are later sittings (each described above its pipeline), PART=18 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -496,5 +496,16 @@ pipeline17() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 17 ] && { pipeline() { pipeline17; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
+
+# PART=18 (issue 17), one short call: PART=17's KV streaming part alone (its tests on the GPU, its bench pair)
+pipeline18() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  phase kv-pytest 150 env PYTHONPATH="$PYTHONPATH:." "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kv_stream.py
+  local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
+  phase kv-all 120 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
+  phase kv-2048 120 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 18 ] && { pipeline() { pipeline18; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
 
 sitting_main "$@"
