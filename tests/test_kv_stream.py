@@ -201,12 +201,14 @@ def test_decode_does_not_recompile_as_the_context_grows(moe_path):
     assert compiles == []
 
 
-def test_the_device_holds_only_the_resident_positions(moe_path):
+def test_the_device_holds_only_the_resident_positions(moe_path, caplog):
     """The session's device cache is kv_resident positions a layer (the context's rest is host memory), and
-    the freed device memory goes to expert slots under the same budget."""
+    the freed device memory goes to expert slots under the same budget; load's log names the trade."""
     budget = "19MiB"  # the whole-context cache leaves room for 14 of the 16 experts
     full = strata_jax.load(moe_path, ctx=4096, vram_budget=budget, vram_reserve=0)
-    streamed = strata_jax.load(moe_path, ctx=4096, vram_budget=budget, vram_reserve=0, kv_resident=256)
+    with caplog.at_level("INFO", logger="strata_jax"):
+        streamed = strata_jax.load(moe_path, ctx=4096, vram_budget=budget, vram_reserve=0, kv_resident=256)
+    assert "on the device (256 positions a layer) + 3.75 MiB in host memory for 4,096 cells" in caplog.text
     full.generate([5, 6, 7], max_tokens=2, temperature=0)
     streamed.generate([5, 6, 7], max_tokens=2, temperature=0)
     assert streamed._session.kv_bytes() * 8 < full._session.kv_bytes()

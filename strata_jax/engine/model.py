@@ -365,8 +365,12 @@ class Model:
         if self.layer_runs is not None:
             self.params = self.params.replace(layers=runs.stack_layers(self.params.layers, self.layer_runs, free=True))
             log.info("layers: %s", runs.describe(self.layer_runs))
+        streamed = None
+        if self.kv_resident is not None:
+            kv_bytes = lambda n: kv_cache_bytes(cfg, n, config.parallel, itemsize, config.kv)  # noqa: E731
+            streamed = (self.kv_resident, kv_bytes(self.kv_resident), kv_bytes(self.ctx - self.kv_resident))
         log.info(describe_context(self.context_plan, config.parallel, kv_label(config.kv, jnp.dtype(self.dtype).name),
-                                  self.cache_plan))
+                                  self.cache_plan, streamed))
         jax.block_until_ready(self.params)
         dt = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers%s) in %.1f s: %.2f GiB of weights on %s at %.2f GiB/s; "

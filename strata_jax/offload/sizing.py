@@ -163,9 +163,15 @@ def plan_context(*, requested: int | None, trained: int, kv_bytes_per_position: 
                        f"ctx {largest:,} is the largest that does (--ctx, --kv and --parallel trade it)")
 
 
-def describe_context(plan: ContextPlan, rows: int, kv: str, cache: "CachePlan | None") -> str:
-    """The trade of KV cache against expert slots, one line (kv: how the cache stores its values)."""
-    head = f"KV {fmt_bytes(plan.kv_bytes)} for {plan.ctx:,} cells x {rows} row{'s' if rows > 1 else ''} ({kv})"
+def describe_context(plan: ContextPlan, rows: int, kv: str, cache: "CachePlan | None",
+                     streamed: tuple[int, int, int] | None = None) -> str:
+    """The trade of KV cache against expert slots, one line (kv: how the cache stores its values; streamed:
+    --kv-resident's (positions a layer on the device, their bytes, the host memory's bytes))."""
+    where = f"{fmt_bytes(plan.kv_bytes)}"
+    if streamed is not None:
+        n, dev, host = streamed
+        where = f"{fmt_bytes(dev)} on the device ({n:,} positions a layer) + {fmt_bytes(host)} in host memory"
+    head = f"KV {where} for {plan.ctx:,} cells x {rows} row{'s' if rows > 1 else ''} ({kv})"
     if cache is not None:
         head += f" leaves {cache.n_slots:,} expert slots of {cache.total_experts:,}"
     return f"{head}; {plan.reason}"
