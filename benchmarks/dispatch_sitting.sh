@@ -405,23 +405,29 @@ pipeline13() {
 # PART=14 (issue 35): qseed's architecture at half its depth (24 layers: qseed and an IQ2_XXS copy of it take
 # ~76 GB, over the 64 GiB disk of a one-GPU machine; a first try on 2026-12-07 died there without a file back)
 # under 16 GiB, realistic routing, plain and with the IQ2_XXS copy serving misses until promoted after 2 uses
-QHALF_WRITE='import dataclasses, sys
+QPART_WRITE='import dataclasses, sys
 from strata_jax.bench.shapes import SHAPES
 from strata_jax.dev.synthetic import write_synthetic_gguf
-spec = dataclasses.replace(SHAPES["qseed"], n_layers=24, expert_qtype=sys.argv[2])
+spec = dataclasses.replace(SHAPES["qseed"], n_layers=int(sys.argv[3]), expert_qtype=sys.argv[2])
 print(write_synthetic_gguf(sys.argv[1], spec))'
-mixed_rows() {  # PART=14's two runs
-  local d=$STRATA_JAX_CACHE/qhalf
-  mkdir -p "$d"
-  (phase write-qhalf-cold 300 "$PY" -c "$QHALF_WRITE" "$d/qhalf-iq2_xxs.gguf" IQ2_XXS) &
-  phase write-qhalf 300 "$PY" -c "$QHALF_WRITE" "$d/qhalf.gguf" IQ3_S
+mixed_write() {  # mixed_write NAME LAYERS: qseed's architecture at LAYERS layers, IQ3_S and an IQ2_XXS copy, in the background
+  mkdir -p "$STRATA_JAX_CACHE/$1"
+  (phase "write-$1-cold" 300 "$PY" -c "$QPART_WRITE" "$STRATA_JAX_CACHE/$1/$1-iq2_xxs.gguf" IQ2_XXS "$2") &
+  (phase "write-$1" 300 "$PY" -c "$QPART_WRITE" "$STRATA_JAX_CACHE/$1/$1.gguf" IQ3_S "$2") &
+}
+mixed_bench() {  # mixed_bench NAME BUDGET LIMIT_S: once the writes are done, plain and cold rows, then the files go
   wait
-  local q=(--model "$d/qhalf.gguf" --label qhalf --tokens 64 --prompt-len 32 --routing realistic --vram-budget 16GiB
+  local d=$STRATA_JAX_CACHE/$1
+  local q=(--model "$d/$1.gguf" --label "$1" --tokens 64 --prompt-len 32 --routing realistic --vram-budget "$2"
            --no-resident)
-  phase mixed-plain 220 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
-  phase mixed-cold 220 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-experts "$d/qhalf-iq2_xxs.gguf" \
+  phase mixed-plain "$3" "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
+  phase mixed-cold "$3" "$PY" -m strata_jax.cli bench "${q[@]}" --cold-experts "$d/$1-iq2_xxs.gguf" \
     --promote-after 2 --out "$S/data-mixed-cold.json"
   rm -rf "$d"
+}
+mixed_rows() {  # PART=14's two runs
+  mixed_write qhalf 24
+  mixed_bench qhalf 16GiB 220
 }
 
 pipeline14() {
@@ -451,13 +457,11 @@ pipeline15() {
 # PART=16 (issues 33, 17): qseed's 4,096-token prefill under 32 GiB four ways: experts copied or read in place
 # where cached (STRATA_JAX_PREFILL_CACHED=1), each with the prefill compiled with or without WHILE/CONDITIONAL
 # command buffers (STRATA_JAX_XLA_PREFILL: without them the stream's copies may overlap compute,
-# ../shared/probes/overlap_in_scan.py); then KV streaming (benchmarks/kv_stream_check.sh's bench pair)
+# ../shared/probes/overlap_in_scan.py); KV streaming's check (kv_check, PART=17) first
 NOWHILE=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
 pipeline16() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
-  phase kv-all 200 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
-  phase kv-2048 200 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
+  kv_check
   qseed_file
   local p=(--shape qseed --tokens 16 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
            --no-resident)
@@ -475,24 +479,17 @@ pipeline16() {
 # PART=17 (issues 35, 17), one call: qseed's architecture at a quarter of its depth (12 layers) under 8 GiB,
 # plain and with an IQ2_XXS copy serving misses until promoted after 2 uses (the files written while KV
 # streaming runs its tests on the GPU (tests/test_kv_stream.py: the host-put kernel) and its bench pair)
-QQ_WRITE=${QHALF_WRITE/n_layers=24/n_layers=12}
-pipeline17() {
-  note "pipeline: start in $PWD (deadline $(deadline) s)"
-  local d=$STRATA_JAX_CACHE/qq
-  mkdir -p "$d"
-  (phase write-qq-cold 300 "$PY" -c "$QQ_WRITE" "$d/qq-iq2_xxs.gguf" IQ2_XXS) &
-  (phase write-qq 300 "$PY" -c "$QQ_WRITE" "$d/qq.gguf" IQ3_S) &
+kv_check() {  # KV streaming's tests on the GPU, then its bench pair: the small shape at a 16K context, whole / 2,048 resident
   phase kv-pytest 150 env PYTHONPATH="$PYTHONPATH:." "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kv_stream.py
   local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
   phase kv-all 120 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
   phase kv-2048 120 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
-  wait
-  local q=(--model "$d/qq.gguf" --label qq --tokens 64 --prompt-len 32 --routing realistic --vram-budget 8GiB
-           --no-resident)
-  phase mixed-plain 150 "$PY" -m strata_jax.cli bench "${q[@]}" --out "$S/data-mixed-plain.json"
-  phase mixed-cold 150 "$PY" -m strata_jax.cli bench "${q[@]}" --cold-experts "$d/qq-iq2_xxs.gguf" \
-    --promote-after 2 --out "$S/data-mixed-cold.json"
-  rm -rf "$d"
+}
+pipeline17() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  mixed_write qq 12
+  kv_check
+  mixed_bench qq 8GiB 150
   note "pipeline: done"
 }
 [ "${PART:-1}" = 17 ] && { pipeline() { pipeline17; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
@@ -500,10 +497,7 @@ pipeline17() {
 # PART=18 (issue 17), one short call: PART=17's KV streaming part alone (its tests on the GPU, its bench pair)
 pipeline18() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
-  phase kv-pytest 150 env PYTHONPATH="$PYTHONPATH:." "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kv_stream.py
-  local k=(--shape small --ctx 16384 --kv q8_0 --prompt-len 16000 --tokens 64 --resident-only)
-  phase kv-all 120 "$PY" -m strata_jax.cli bench "${k[@]}" --out "$S/data-kv-all.json"
-  phase kv-2048 120 "$PY" -m strata_jax.cli bench "${k[@]}" --kv-resident 2048 --out "$S/data-kv-2048.json"
+  kv_check
   note "pipeline: done"
 }
 [ "${PART:-1}" = 18 ] && { pipeline() { pipeline18; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
