@@ -188,6 +188,11 @@ def test_rows_forks_and_prefix_reuse_stream_each_rows_cells(moe_path):
     assert r1 == dst and got[-1].timings["cache_n"] == len(fresh) - 1
     assert [t for c in got for t in c.token_ids] == ref.generate(fresh, max_tokens=5, temperature=0, cache_prompt=False).token_ids
     s.release(r0)
+    # a released request counts what it read too: here its prompt's 20 tokens, from position 0
+    before = m.kv_stats()["kv_cells"]
+    r2, _ = s.admit(list(range(100, 120)), max_tokens=50, temperature=0, cache_prompt=False)
+    s.release(r2)
+    assert m.kv_stats()["kv_cells"] - before == sum(p + 1 for p in range(20))
 
 
 def test_decode_does_not_recompile_as_the_context_grows(moe_path):

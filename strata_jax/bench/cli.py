@@ -207,7 +207,7 @@ def run(args, argv: list[str]) -> dict:
     ctx = needed_ctx(args)
     on_gpu = smi is not None and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
     itemsize = 4 if args.dtype == "float32" or (args.dtype == "auto" and not on_gpu) else 2
-    need = resident_estimate(gguf, cfg, ctx, itemsize, kv=args.kv)
+    need = resident_estimate(gguf, cfg, min(ctx, args.kv_resident or ctx), itemsize, kv=args.kv)  # KV on the device
     doc["resident_estimate_bytes"] = need
     from strata_jax.bench import peer
 

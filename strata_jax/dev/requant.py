@@ -17,6 +17,7 @@ from gguf import quants as gguf_quants
 from strata_jax.model.memory import is_routed_expert
 
 ARCH_KEY = "general.architecture"
+FILE_TYPE_KEY = "general.file_type"  # the source's type no longer says what the experts are: left out
 
 
 def requantize_experts(src: str | Path, dst: str | Path, qtype: str) -> Path:
@@ -27,7 +28,7 @@ def requantize_experts(src: str | Path, dst: str | Path, qtype: str) -> Path:
     arch = reader.fields[ARCH_KEY].contents()
     writer = GGUFWriter(str(dst), arch)
     for field in reader.fields.values():
-        if field.name == ARCH_KEY or field.name.startswith("GGUF."):
+        if field.name == ARCH_KEY or field.name.startswith("GGUF.") or field.name == FILE_TYPE_KEY:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None

@@ -463,6 +463,7 @@ class Session:
         """End the request in `row` now (a cancelled request): the row is free and keeps what it has
         written for prefix reuse. Returns how many tokens the request had generated."""
         n = self.generated(row)
+        self._count_kv(self._reqs[row])
         self._end(row)
         return n
 
@@ -521,10 +522,16 @@ class Session:
     def _final(self, q: _Request, finish: str) -> GenerationChunk:
         """The request's last chunk; the model's KV-read telemetry counts its cells (--kv-resident)."""
         chunk = q.final(finish)
-        if q.kv_resident is not None:
-            self.model.kv_read[0] += chunk.timings["kv_cells"]
-            self.model.kv_read[1] += chunk.timings["kv_cells_vram"]
+        self._count_kv(q)
         return chunk
+
+    def _count_kv(self, q: _Request | None) -> None:
+        """A request that ends (or is released): the cells its computed tokens attended to, into the model's
+        KV-read telemetry (Model.kv_stats; --kv-resident only)."""
+        if q is not None and q.kv_resident is not None:
+            cells, near = kv_cells(q.n_cached, len(q.fed), q.kv_resident)
+            self.model.kv_read[0] += cells
+            self.model.kv_read[1] += near
 
     def _push(self, row: int, q: _Request, tok: int, lp, first: bool = False) -> list[GenerationChunk]:
         """Take in a sampled token: stream it, and end the request if it is done."""
