@@ -13,7 +13,7 @@ import pytest
 
 import strata_jax
 from strata_jax.cli import main
-from strata_jax.engine.config import FLAGS, OPTIONS, EngineConfig, decode_xla_from_env
+from strata_jax.engine.config import FLAGS, OPTIONS, EngineConfig, xla_options_from_env
 from strata_jax.core.errors import ConfigError, GGUFFormatError
 from strata_jax.model.kernels import Kernels
 from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -135,17 +135,17 @@ def test_the_environment_gives_defaults(monkeypatch):
 def test_decode_xla_options_come_typed_from_the_environment(monkeypatch):
     monkeypatch.setenv("STRATA_JAX_XLA_DECODE", "--xla_gpu_command_buffer_unroll_loops=true xla_dump_hlo_pass_re=fusion "
                        "--xla_gpu_autotune_level=0")
-    assert decode_xla_from_env() == (("xla_dump_hlo_pass_re", "fusion"), ("xla_gpu_autotune_level", 0),
+    assert xla_options_from_env() == (("xla_dump_hlo_pass_re", "fusion"), ("xla_gpu_autotune_level", 0),
                                      ("xla_gpu_command_buffer_unroll_loops", True))
     monkeypatch.setenv("STRATA_JAX_XLA_DECODE", "--xla_gpu_command_buffer_unroll_loops")
     with pytest.raises(ConfigError, match="write each option as --xla_name=value"):
-        decode_xla_from_env()
+        xla_options_from_env()
     # the prefill program's own, apart from the decode's
     monkeypatch.setenv("STRATA_JAX_XLA_PREFILL", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS")
-    assert decode_xla_from_env("prefill") == (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS"),)
+    assert xla_options_from_env("prefill") == (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS"),)
     monkeypatch.setenv("STRATA_JAX_XLA_PREFILL", "xla_gpu_enable_command_buffer")
     with pytest.raises(ConfigError, match="STRATA_JAX_XLA_PREFILL has"):
-        decode_xla_from_env("prefill")
+        xla_options_from_env("prefill")
 
 
 @pytest.mark.parametrize("var, value", [("STRATA_JAX_QMATVEC", "yes"), ("STRATA_JAX_MOE_PREFILL", "sparse"),

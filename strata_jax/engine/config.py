@@ -260,7 +260,7 @@ def compilation_cache_from_env() -> bool:
     return v != "0"
 
 
-def decode_xla_from_env(program: str = "decode") -> tuple[tuple[str, bool | int | float | str], ...]:
+def xla_options_from_env(program: str = "decode") -> tuple[tuple[str, bool | int | float | str], ...]:
     """XLA debug options for one program alone ("decode" or "prefill") from STRATA_JAX_XLA_DECODE /
     STRATA_JAX_XLA_PREFILL, written as in XLA_FLAGS (`--xla_name=value ...`): XLA_FLAGS applies to every
     program of the process. E.g. a prefill whose streamed experts may overlap its compute:

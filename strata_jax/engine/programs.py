@@ -202,7 +202,7 @@ _prefill = prefill
 
 @functools.cache
 def prefill_program(xla_options: tuple[tuple[str, object], ...] = ()):
-    """`prefill` jitted with XLA debug options of its own (engine/config.py decode_xla_from_env("prefill"))."""
+    """`prefill` jitted with XLA debug options of its own (engine/config.py xla_options_from_env("prefill"))."""
     return jax.jit(_prefill, static_argnames=STEP_STATIC + ("all_logits",), donate_argnames=STEP_DONATE,
                    compiler_options=dict(xla_options) or None)
 
@@ -288,7 +288,7 @@ _decode = decode
 
 @functools.cache
 def decode_program(xla_options: tuple[tuple[str, object], ...] = ()):
-    """`decode` jitted with XLA debug options of its own (engine/config.py decode_xla_from_env): a setting
+    """`decode` jitted with XLA debug options of its own (engine/config.py xla_options_from_env): a setting
     such as unrolling the layer scan inside the CUDA graph can suit this program and break prefill's."""
     return jax.jit(_decode, static_argnames=STEP_STATIC + ("mode", "n_max"), donate_argnames=STEP_DONATE,
                    compiler_options=dict(xla_options) or None)

@@ -67,7 +67,7 @@ from strata_jax.model import kvquant, mtp
 from strata_jax.model.forward import KVCache
 from strata_jax.model.memory import kv_cache_bytes
 from strata_jax.engine import compiling, programs
-from strata_jax.engine.config import MIN_PREFILL_CHUNK, decode_xla_from_env
+from strata_jax.engine.config import MIN_PREFILL_CHUNK, xla_options_from_env
 from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.convcache import common_prefix, padded
 from strata_jax.engine.lookup import Acceptance, lookup_draft
@@ -243,8 +243,8 @@ class Session:
             raise ConfigError(f"a session needs at least one row; got {n_rows!r}.")
         self.model, self.n_rows = model, n_rows
         self.decode_chunk = decode_chunk or model.decode_chunk
-        self._decode = programs.decode_program(decode_xla_from_env())
-        self._prefill_fn = programs.prefill_program(decode_xla_from_env("prefill"))
+        self._decode = programs.decode_program(xla_options_from_env())
+        self._prefill_fn = programs.prefill_program(xla_options_from_env("prefill"))
         self._conv = model.conversation_cache  # None: no conversation cache
         model._adopt(self)
         self._kv: KVCache | None = None  # allocated at the first call

@@ -218,9 +218,6 @@ class StreamedKV:
     def nbytes(self) -> int:
         return self.dev.nbytes
 
-    def _arrays(self) -> list[jax.Array]:
-        return jax.tree.leaves(self.dev)
-
     def _rows(self, layer, s_BSr: jax.Array) -> jax.Array:
         """The host row of each (batch entry, position) at `layer` (valid for resident <= s < length)."""
         Sh = self.length - self.resident
@@ -259,7 +256,7 @@ class StreamedKV:
         get_BSr = far_BSr.reshape(-1).astype(jnp.int32) + self.token[0].astype(jnp.int32)
         at = jnp.arange(B * size, dtype=jnp.int32)
         parts = []
-        for a, cells, addr in zip(self._arrays(), self.host.cells, self.host.addr):
+        for a, cells, addr in zip(jax.tree.leaves(self.dev), self.host.cells, self.host.addr):
             layer_a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # [B, N, ...]
             near = jnp.take(layer_a, near_Sr, axis=1)  # [B, Sr, ...]
             got = host_rows(addr, jnp.zeros((B * size, cells.shape[1]), jnp.uint8), row_BSr, at, get_BSr,
@@ -375,8 +372,3 @@ def cell_bytes(a) -> int:
     for d in a.shape[3:]:
         n *= d
     return n * jnp.dtype(a.dtype).itemsize
-
-
-def is_kv_leaf(x) -> bool:
-    """A cache leaf as a whole (for tree maps that must not walk into a QuantKV or a StreamedKV)."""
-    return isinstance(x, (QuantKV, StreamedKV))
