@@ -200,6 +200,8 @@ def test_a_converted_model_and_its_requantized_copy(arch, tmp_path):
     from reference_models import tiny_model
 
     hot = tiny_model(arch, "q8_0").gguf_path
+    with pytest.raises(ValueError, match="gguf-py quantizes only Q4_0"):
+        requantize_experts(hot, tmp_path / "iq2.gguf", "IQ2_XXS")
     cold = requantize_experts(hot, tmp_path / "q4_0.gguf", "Q4_0")
     a, b = GGUFFile(hot), GGUFFile(cold)
     assert a.metadata.keys() - {"general.file_type"} == b.metadata.keys() and a.tensors.keys() == b.tensors.keys()

@@ -16,6 +16,7 @@ from gguf import quants as gguf_quants
 
 from strata_jax.model.memory import is_routed_expert
 
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # what gguf-py's quantize() writes
 ARCH_KEY = "general.architecture"
 FILE_TYPE_KEY = "general.file_type"  # the source's type no longer says what the experts are: left out
 
@@ -23,6 +24,8 @@ FILE_TYPE_KEY = "general.file_type"  # the source's type no longer says what the
 def requantize_experts(src: str | Path, dst: str | Path, qtype: str) -> Path:
     """Write `dst`: `src` (one file) with every routed expert tensor dequantized and quantized again to
     `qtype`; metadata and the other tensors copied as they are. Returns dst."""
+    if qtype.upper() not in QUANTIZABLE:
+        raise ValueError(f"requantize to {qtype!r}: gguf-py quantizes only {', '.join(QUANTIZABLE)}")
     target = GGMLQuantizationType[qtype.upper()]
     reader = GGUFReader(str(src))
     arch = reader.fields[ARCH_KEY].contents()
@@ -52,4 +55,7 @@ def requantize_experts(src: str | Path, dst: str | Path, qtype: str) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) != 4:
         sys.exit("usage: python -m strata_jax.dev.requant IN.gguf OUT.gguf QTYPE")
-    print(requantize_experts(*sys.argv[1:]))
+    try:
+        print(requantize_experts(*sys.argv[1:]))
+    except (ValueError, OSError) as e:
+        sys.exit(f"strata_jax.dev.requant: {e}")
