@@ -530,8 +530,8 @@ class Session:
         KV-read telemetry (Model.kv_stats; --kv-resident only)."""
         if q is not None and q.kv_resident is not None:
             cells, near = kv_cells(q.n_cached, len(q.fed), q.kv_resident)
-            self.model.kv_read[0] += cells
-            self.model.kv_read[1] += near
+            total, vram = self.model.kv_read
+            self.model.kv_read = [total + cells, vram + near]  # one assignment: a scrape reads a consistent pair
 
     def _push(self, row: int, q: _Request, tok: int, lp, first: bool = False) -> list[GenerationChunk]:
         """Take in a sampled token: stream it, and end the request if it is done."""

@@ -428,9 +428,6 @@ class Engine:
         conv = getattr(m, "conversation_cache", None)
         if conv is not None:
             self.snapshot["conversation"] = conv.summary()
-        kv = m.kv_stats() if hasattr(m, "kv_stats") else {}
-        if kv:
-            self.snapshot["kv_stream"] = kv
 
     def _fail_pending(self) -> None:
         while True:

@@ -101,6 +101,11 @@ class Metrics:
         self.processing.set(engine.processing)
         self.kv_slots.set(engine.parallel)
         self.kv_slots_in_use.set(engine.processing)
+        # KV-read counters are host ints the engine bumps before a request's last chunk goes out: read them live,
+        # so a scrape right after a response counts it (the snapshot may still be the one taken before).
+        kv = engine.model.kv_stats() if hasattr(engine.model, "kv_stats") else {}
+        if kv.get("kv_vram_hit") is not None:
+            self.kv_vram_hit.set(kv["kv_vram_hit"])
         snap = engine.snapshot
         if snap:
             self.kv_tokens.set(snap["kv_tokens"])
@@ -110,9 +115,6 @@ class Metrics:
                     self.device_memory.labels(use).set(n)
             for what, n in (snap.get("conversation") or {}).items():
                 self.conversation.labels(what).set(n)
-            kv = snap.get("kv_stream") or {}
-            if kv.get("kv_vram_hit") is not None:
-                self.kv_vram_hit.set(kv["kv_vram_hit"])
             ex = snap.get("expert") or {}
             if ex:
                 self.expert_hit_rate.set(ex.get("hit_rate") or 0)
