@@ -117,8 +117,8 @@ def expected_hit_rate(cfg, slots_per_layer: int) -> float:
 
 
 def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1, vram_budget: str | None = None,
-          probe_pinned: bool = True, cold_experts: str | None = None, kv_resident: int | None = None
-          ) -> dict[str, Any]:
+          probe_pinned: bool = True, cold_experts: str | None = None, kv_resident: int | None = None,
+          devices: str | tuple[int, ...] | None = None) -> dict[str, Any]:
     """Everything `strata-jax check` reports, as one JSON-able dict. cold_experts: the low-bit copy
     (--cold-experts), whose experts take host RAM too; kv_resident: KV streaming (--kv-resident), the
     cache past that many positions a layer in host RAM."""
@@ -131,6 +131,17 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
     out["jax"] = {"version": jax.__version__, "backend": dev.platform, "device": str(dev),
                   "device_kind": getattr(dev, "device_kind", None), "free_bytes": device_free_bytes(dev)}
     gpu = dev.platform == "gpu"
+    # several devices (--devices, or every GPU where there are several) split the expert cache: each one's figures
+    from strata_jax.engine.config import check_option
+    from strata_jax.engine.model import pick_devices
+
+    cards = pick_devices(check_option("devices", devices, flag=True), None)
+    if len(cards) > 1:
+        have = jax.devices()
+        out["cards"] = [{"index": have.index(d), "device": str(d), "device_kind": getattr(d, "device_kind", None),
+                         "free_bytes": device_free_bytes(d)} for d in cards]
+        free = [c["free_bytes"] for c in out["cards"]]
+        out["jax"]["free_bytes"] = None if None in free else min(free)  # the budget is per card
     nv = nvml_info() if gpu else None
     mi = meminfo()
     out["ram"] = {"total": mi.get("MemTotal"), "available": mi.get("MemAvailable"), "free": mi.get("MemFree")}
@@ -183,7 +194,7 @@ def check(model: str | None = None, *, ctx: int | None = None, parallel: int = 1
         gguf = GGUFFile(model)
         budget = vram_budget if vram_budget is not None else out["jax"]["free_bytes"]
         report = model_report(gguf, vram_budget=budget, ctx=ctx, parallel=parallel, platform=dev.platform,
-                              kv_resident=kv_resident)
+                              kv_resident=kv_resident, cards=len(cards))
         out["model"] = {"path": str(model), "file_bytes": report["file_bytes"], "shards": report["shards"],
                         "arch": report["config"].arch, "experts": report["experts"],
                         "expert_bytes_total": int(report["experts"] * report["expert_bytes"]),
@@ -236,6 +247,8 @@ def _verdict(r: dict, out: dict, gpu: bool) -> dict[str, Any]:
                      f"({'fits' if v['fits'] else 'more than'} the {fmt_bytes(ram or 0)} available)")
         return v
     budget = fmt_bytes(r["vram_budget"])
+    if r.get("cards", 1) > 1:
+        budget = f"{r['cards']} cards x {budget}"
     if "too_small" in r or not r["fits_dense"]:
         v["fits"], v["mode"] = False, "does-not-fit"
         v["text"] = ("does not fit: " + r["too_small"] if "too_small" in r else
@@ -292,6 +305,10 @@ def format_check(c: dict[str, Any]) -> str:
         if g.get("pcie_width") or g.get("pcie_gen"):
             lines.append(f"pcie          Gen{g.get('pcie_gen')} x{g.get('pcie_width')} now, Gen{g.get('pcie_gen_max')} "
                          f"x{g.get('pcie_width_max')} max")
+    for card in c.get("cards") or ():
+        free = fmt_bytes(card["free_bytes"]) + " free" if card["free_bytes"] is not None else "no memory figure"
+        lines.append(f"card {card['index']:<8} {card['device']} ({card['device_kind']}), {free}: its share of the "
+                     "expert cache beside the dense weights and KV cache")
     b = c["bandwidth"]
     lines.append(f"host->device  {b['host_to_device_GB_s']:.1f} GB/s ({b['host_memory_kind']}, "
                  f"{fmt_bytes(b['probe_bytes'])} probe); device memory {b['device_memory_GB_s']:.0f} GB/s")

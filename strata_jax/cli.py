@@ -88,6 +88,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="keep N positions of each attention layer's KV cache on the device and stream the rest from "
                         "pinned host memory inside each step (long contexts that do not fit beside the experts; "
                         "default: the whole cache on the device)")
+    p.add_argument("--devices", default=None, metavar="0,1",
+                   help="the devices (JAX's indices) whose memory holds the expert cache: several split its slots, "
+                        "each fetching its own misses, with the dense weights and KV cache on each (default: every GPU "
+                        "where there are several, else the first device)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--prefill-chunk", default="auto",
                    help="prompt tokens per jitted prefill call at most, a power of two >= 16, or auto (default): the "
@@ -164,7 +168,7 @@ def engine_config(args):
     from strata_jax.engine.config import EngineConfig
 
     return EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, prefill_chunk=args.prefill_chunk,
-                               kv_resident=args.kv_resident, decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
+                               kv_resident=args.kv_resident, devices=args.devices, decode_chunk=args.decode_chunk, expert_slots=args.expert_slots,
                                vram_budget=args.vram_budget, vram_reserve=args.vram_reserve, policy=args.policy,
                                prefetch=args.prefetch_depth, expert_pools=args.expert_pools,
                                expert_fetch=getattr(args, "expert_fetch", "auto"),
@@ -297,7 +301,8 @@ def _cmd_check(args) -> int:
     if args.cold_experts is not None and not Path(args.cold_experts).expanduser().is_file():
         raise StrataError(f"--cold-experts {args.cold_experts}: not a file; give the low-bit GGUF of the same model")
     c = check(model, ctx=args.ctx, parallel=args.parallel, vram_budget=args.vram_budget,
-              probe_pinned=args.pinned_probe, cold_experts=args.cold_experts, kv_resident=args.kv_resident)
+              probe_pinned=args.pinned_probe, cold_experts=args.cold_experts, kv_resident=args.kv_resident,
+              devices=args.devices)
     if args.json:  # the text output carries them itself
         for w in c["warnings"]:
             log.warning("%s", w)
@@ -446,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the low-bit copy serve would get (--cold-experts): its experts count in the RAM verdict")
     k.add_argument("--kv-resident", type=_positive_int("--kv-resident"), default=None, metavar="N",
                    help="KV streaming, as serve's: N positions a layer on the device, the rest counted in host RAM")
+    k.add_argument("--devices", default=None, metavar="0,1",
+                   help="the devices serve would split the expert cache over (--devices): each card's memory, and the "
+                        "plan with --vram-budget per card (default: every GPU where there are several)")
     k.add_argument("--no-pinned-probe", dest="pinned_probe", action="store_false",
                    help="skip the largest-pinned-allocation probe (it briefly pins up to the model's expert bytes)")
     k.set_defaults(func=_cmd_check)

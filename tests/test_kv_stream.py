@@ -99,7 +99,10 @@ def test_attention_over_a_streamed_cache(block, T):
     for layer in (1, jnp.int32(2)):
         out_p, kp, vp = run(q, k_new, v_new, kp, vp, None, None, layer)
         out_s, ks, vs = run(q, k_new, v_new, ks, vs, kh, vh, layer)
-        np.testing.assert_array_equal(out_s, out_p)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(out_s, out_p)
+        else:  # a GPU's fusions of the two programs differ: 1 ulp (measured on an H100, docs/benchmarks.md)
+            np.testing.assert_allclose(out_s, out_p, rtol=1e-5, atol=1e-6)
     for layer in range(L):
         for a, b, h in ((kp, ks, kh), (vp, vs, vh)):
             np.testing.assert_array_equal(_read(b, h, layer, 0, S), kvquant.read(a, layer, 0, S, jnp.float32))

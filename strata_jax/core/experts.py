@@ -70,6 +70,8 @@ class ExpertRows:
 
     data: jax.Array
     parts: tuple[Part, Part, Part] = struct.field(pytree_node=False)
+    # a device pool split over several cards (core/cards.py): the mesh whose cards each hold a range of rows
+    cards: Any = struct.field(pytree_node=False, default=None)
 
     @property
     def bytes_per_expert(self) -> int:

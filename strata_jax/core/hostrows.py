@@ -150,7 +150,8 @@ def addresses(groups, device) -> tuple[jax.Array, ...] | None:
 
 
 def address_shapes(n_groups: int, device) -> tuple[jax.ShapeDtypeStruct, ...]:
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    """What `addresses` gives, as shapes; device: a device, or a sharding (replicated on several cards)."""
+    sharding = device if isinstance(device, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(device)
     return tuple(jax.ShapeDtypeStruct((2,), np.uint32, sharding=sharding) for _ in range(n_groups))
 
 

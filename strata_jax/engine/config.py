@@ -47,7 +47,7 @@ EXPERT_FETCH = ("auto", "kernel", "loop")
 
 # the command-line flag of each option that has one (create(flags=True) names these in its errors)
 FLAGS = {
-    "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "kv_resident": "--kv-resident", "prefill_chunk": "--prefill-chunk",
+    "devices": "--devices", "ctx": "--ctx", "dtype": "--dtype", "kv": "--kv", "kv_resident": "--kv-resident", "prefill_chunk": "--prefill-chunk",
     "decode_chunk": "--decode-chunk",
     "expert_slots": "--expert-slots", "vram_budget": "--vram-budget", "vram_reserve": "--vram-reserve",
     "policy": "--policy", "prefetch": "--prefetch-depth", "expert_pools": "--expert-pools", "parallel": "--parallel",
@@ -79,6 +79,10 @@ class EngineConfig:
     # pinned host memory, written and read back inside each step (model/kvquant.py StreamedKV). None: all on
     # the device
     kv_resident: int | None = None
+    # the devices (JAX's indices) whose memory holds the expert cache: several split its slot pools, dense
+    # weights and KV replicated on each (core/cards.py); None: every GPU where there are several, else the
+    # first device
+    devices: tuple[int, ...] | None = None
     # prompt tokens per jitted prefill call at most, a power of two >= 16 so prefill compiles O(log n)
     # shapes (a prompt's last chunk takes the smallest that holds it); "auto": the longest up to
     # AUTO_PREFILL_MAX whose activations take at most 1/8 of the device memory and cost no context
@@ -442,6 +446,20 @@ def _folder(value: Any, name: str) -> str:
     return path
 
 
+def _devices(value: Any, name: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    try:
+        ids = tuple(int(str(i).strip()) for i in items)
+    except ValueError:
+        ids = ()
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ConfigError(f"{name}={value!r} is invalid: give distinct device indices, e.g. 0,1 (JAX's devices: "
+                          "nvidia-smi's order), or leave it unset (every GPU).")
+    return ids
+
+
 def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise _bad(name, value, " or ".join(map(repr, choices)))
@@ -483,6 +501,7 @@ def _check_all(options: dict[str, Any], names: Mapping[str, str], text: bool) ->
                                       "layer kept on the device (the rest streamed from host memory), or None (all)",
                                       optional=True),
         "prefill_chunk": lambda v: _prefill_chunk(v, n("prefill_chunk"), text),
+        "devices": lambda v: _devices(v, n("devices")),
         "decode_chunk": lambda v: _int(v, n("decode_chunk"), text, 1, "a positive integer (decode steps per jitted "
                                        "call; None: 16 on a GPU, 1 elsewhere)", optional=True),
         "dequantize_dense": lambda v: _bool(v, n("dequantize_dense"), optional=True),

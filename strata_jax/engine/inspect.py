@@ -48,13 +48,14 @@ def tensor_kind(name: str) -> str:
 def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None = None, *, kv: str = "f16",
            dtype: str = "auto", dequantize_dense: bool | None = None, platform: str | None = None,
            vram_reserve: int | str | None = None, parallel: int = 1, prefill_chunk: int | str = "auto",
-           expert_pools: str = "per-layer", kv_resident: int | None = None) -> dict[str, Any]:
+           expert_pools: str = "per-layer", kv_resident: int | None = None, cards: int = 1) -> dict[str, Any]:
     """The file's tensors by kind and, given a VRAM budget, the context and expert slots `load` would make
     of it with the same options (offload's planners over model/memory.py's estimates). ctx None: the
     trained length, cut to fit the budget; kv: the KV cache's storage (EngineConfig.kv); dtype and
     dequantize_dense as EngineConfig's, resolved for `platform` (default: JAX's backend here) as load
     resolves them: on a CPU float32, with the dense matrices dequantized at load. kv_resident: KV streaming
-    (--kv-resident), the positions of each layer's cache on the device; the rest goes to host memory."""
+    (--kv-resident), the positions of each layer's cache on the device; the rest goes to host memory. cards:
+    the expert cache split over that many devices (--devices), vram_budget each, the rest on every one."""
     cfg = ModelConfig.from_gguf(gguf)
     kv = check_kv(kv)
     resolved = EngineConfig.create(dtype=dtype, dequantize_dense=dequantize_dense).resolved(
@@ -129,6 +130,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         return out
     budget = parse_size(vram_budget, "vram_budget")
     out["vram_budget"] = budget
+    out["cards"] = cards
     # load's PLE decision (engine/model.py): a table kept in host memory takes no device memory
     out["ple_table"], out["ple_reason"] = ple_placement(
         "auto", gguf, cfg, spec, out["fixed_bytes"], expert_pools=expert_pools, parallel=rows, expert_slots=None,
@@ -145,7 +147,7 @@ def report(gguf: GGUFFile, vram_budget: int | str | None = None, ctx: int | None
         return out
     try:
         plan = plan_model_cache(spec, fixed_bytes=out["fixed_bytes"], expert_pools=expert_pools,
-                                batch_rows=rows, vram_budget=budget, vram_reserve=vram_reserve)
+                                batch_rows=rows, vram_budget=budget, vram_reserve=vram_reserve, cards=cards)
     except ConfigError as e:  # what load would refuse with
         out["fits_dense"], out["too_small"] = False, str(e)
         return out

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import runtime
-from strata_jax.core import hostrows
+from strata_jax.core import cards, hostrows
 from strata_jax.core.paths import cache_dir
 from strata_jax.engine.config import AUTO_PREFILL_MAX, MIN_PREFILL_CHUNK, PLE_DEVICE_MAX, EngineConfig
 from strata_jax.engine.constrained import request_grammar
@@ -290,8 +290,15 @@ class Model:
         config = config or EngineConfig.create()
         cfg = _with_rope_override(ModelConfig.from_gguf(gguf), config)
         self.config = cfg
-        self.device = device or jax.devices()[0]
+        self.devices = pick_devices(config.devices, device)
+        self.device = self.devices[0]  # what is not split lives here too (and on every other card)
+        # several cards split the expert cache (core/cards.py); arrays of the steps' state go to `placement`:
+        # the device, or every card of the mesh
+        self.cards = cards.mesh(self.devices) if len(self.devices) > 1 else None
+        self.placement = self.device if self.cards is None else cards.replicated(self.cards)
         config = config.check_model(cfg).resolved(self.device.platform)
+        if self.cards is not None:
+            _check_cards(config, cfg)
         self.dtype = jnp.dtype(config.dtype).type
         if runtime.applied and self.device.platform == "gpu":
             log.info("XLA: %s (expert-miss loops run as CUDA graph nodes, no host sync per iteration; "
@@ -345,7 +352,12 @@ class Model:
                 mtp_bytes(gguf, cfg, self.ctx, config.parallel, itemsize, config.kv) if config.spec == "mtp" else 0)
 
         self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)
+        if self.cards is not None and self.ple_table == "host":  # several devices read no host table yet
+            log.info("PLE table: device memory on every card (several devices do not read it from host memory)")
+            self.ple_table = "device"
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
+        if self.cards is not None:
+            self.params = jax.device_put(self.params, self.placement)
         self.dense_bytes = _device_bytes(self.params)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
@@ -357,7 +369,7 @@ class Model:
                                           batch_rows=config.parallel, cache_state=config.expert_cache_state,
                                           stacked=config.layer_scan == "on", fetch=config.expert_fetch,
                                           cold=_cold_experts(config.cold_experts, gguf, cfg, spec, self.device),
-                                          promote_after=config.promote_after)
+                                          promote_after=config.promote_after, cards=self.cards)
             loader.bytes_loaded += self.experts.device_bytes
         if config.spec == "mtp":
             self.params = _with_mtp_experts(self.params, gguf, loader, self.device)
@@ -644,6 +656,32 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: a restart compiles none
     log.info("compiled programs are kept in %s (a restart reuses them; STRATA_JAX_COMPILATION_CACHE=0 turns "
              "this off)", cache_dir() / "xla")
+
+
+def pick_devices(ids: tuple[int, ...] | None, device: Any) -> list[Any]:
+    """The devices a model runs on: `devices` by JAX index; else `device`; else every GPU where there are
+    several; else JAX's first device."""
+    if ids is not None:
+        have = jax.devices()
+        if max(ids) >= len(have):
+            raise ConfigError(f"devices={','.join(map(str, ids))}: there is no device {max(ids)} (JAX sees "
+                              f"{len(have)}: {', '.join(str(d) for d in have)}).")
+        return [have[i] for i in ids]
+    if device is not None:
+        return [device]
+    have = jax.devices()
+    return list(have) if have[0].platform == "gpu" and len(have) > 1 else [have[0]]
+
+
+def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
+    """What several cards do not serve yet, refused by name."""
+    if not cfg.is_moe:
+        raise ConfigError(f"several devices split the expert cache, and {cfg.arch} has no experts: run it on one "
+                          "(--devices 0).")
+    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.spec is not None, "--spec"),
+                     (config.ple_table == "host", "--ple-table host")):
+        if on:
+            raise ConfigError(f"{what} does not run on several devices yet: drop it, or run on one (--devices 0).")
 
 
 def load(path: str | os.PathLike[str] | None = None, config: EngineConfig | None = None, *, device: Any = None,

@@ -353,7 +353,7 @@ class Session:
         snap = self._snap_for(row, ids) if m.config.has_recurrent_state and cache_prompt else None
         if snap is not None and len(snap[0]) > n_cached:
             self._spill(row)
-            self._kv = _put_rec(self._kv, np.int32(row), jax.device_put(snap[1], m.device))
+            self._kv = _put_rec(self._kv, np.int32(row), jax.device_put(snap[1], m.placement))
             self._cached[row] = list(snap[0])
             n_cached = len(snap[0])
         if self._conv is not None and cache_prompt:
@@ -809,7 +809,7 @@ class Session:
         m = self.model
         if self._rows is not None:
             return self._rows
-        return jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.device)
+        return jax.device_put(programs.RowState.zeros(self.n_rows, m.config.vocab_size, REPEAT_WINDOW), m.placement)
 
     def _kv_now(self) -> KVCache:
         """The rows' cache, allocated at its first use (with the MTP block's, when it drafts)."""
@@ -817,12 +817,12 @@ class Session:
         if self._kv is not None:
             return self._kv
         # --kv-resident: K and V keep that many positions on the device, the rest in host memory (split off)
-        kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.device, kv=m.kv, resident=m.kv_resident)
+        kv = KVCache.zeros(m.config, self.n_rows, m.ctx, m.dtype, m.placement, kv=m.kv, resident=m.kv_resident)
         if self.spec == "mtp":
             kv = kv.replace(mtp=mtp.state_zeros(m.config, self.n_rows, m.ctx, m.dtype, m.kv))
         if m.kv_resident is not None:
             kv, self._kv_host = kv.split_host()
-        return jax.device_put(kv, m.device)
+        return jax.device_put(kv, m.placement)
 
     def _host_arg(self) -> dict:
         """The programs' kv_host argument: a streamed cache's host part (none otherwise)."""
@@ -860,9 +860,9 @@ class Session:
             k, v = (leaf if h is None else kvquant.put_logical_row(leaf, h, row, val)
                     for leaf, h, val in zip((kv.k_LBSKDh, kv.v_LBSKDh), self._kv_host, (one.k_LBSKDh, one.v_LBSKDh)))
             kv, one = kv.replace(k_LBSKDh=k, v_LBSKDh=v), one.replace(k_LBSKDh=None, v_LBSKDh=None)
-            self._kv = _put_rest(kv, np.int32(row), jax.device_put(one, m.device))
+            self._kv = _put_rest(kv, np.int32(row), jax.device_put(one, m.placement))
         else:
-            self._kv = _put_row(kv, np.int32(row), jax.device_put(one, m.device))
+            self._kv = _put_row(kv, np.int32(row), jax.device_put(one, m.placement))
         self._cached[row] = list(entry.tokens)
         self._snaps[row] = []
         self._conv.restored(tier, n)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.core import layer_ref
+from strata_jax.core import cards, layer_ref
 from strata_jax.core.experts import ExpertRows
 from strata_jax.core.hostrows import host_rows
 from strata_jax.offload.policies import Plan
@@ -36,14 +36,23 @@ def read_rows(store: ExpertStore, moe_idx, start, n: int) -> jax.Array:
 
 def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base=0) -> ExpertRows:
     """The pool with plan's misses copied from MoE layer moe_idx's store rows into slots base + plan.slot_U:
-    by one call of the fetch kernel where the store has its addresses (core/hostrows.py), else a loop."""
+    by one call of the fetch kernel where the store has its addresses (core/hostrows.py), else a loop. A pool
+    split over cards (core/cards.py): each card copies the misses whose slots it holds."""
     if store.addr:
         g = store.group(moe_idx)
-        _, E, _ = store.groups[g].shape
+        L, E, _ = store.shape(g)
         at = layer_ref.value(layer_ref.mapped(moe_idx, store.layer_local))
-        data = host_rows(store.addr[g], pool.data, at * E + plan.ids_U, base + plan.slot_U, plan.miss_U,
-                         store.groups[g].shape[0] * E)
-        return ExpertRows(data, pool.parts)
+        if pool.cards is None:
+            data = host_rows(store.addr[g], pool.data, at * E + plan.ids_U, base + plan.slot_U, plan.miss_U, L * E)
+        else:
+            def copy(data_XP, slot_U, miss_U, addr_2, row_U):
+                return host_rows(addr_2, data_XP, row_U, slot_U, miss_U, L * E)
+
+            data = cards.fetch_rows(pool.cards, pool.data, copy, base + plan.slot_U, plan.miss_U, store.addr[g],
+                                    at * E + plan.ids_U)
+        return pool.replace(data=data)
+    if pool.cards is not None:
+        raise ValueError("a pool split over cards is filled by the fetch kernel only (the store has no addresses)")
     order_U = jnp.argsort(~plan.miss_U, stable=True)  # misses first
 
     def body(i, data_XP):
@@ -51,18 +60,26 @@ def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base
         row_1P = read_rows(store, moe_idx, plan.ids_U[j], 1)
         return jax.lax.dynamic_update_slice_in_dim(data_XP, row_1P, base + plan.slot_U[j], 0)
 
-    return ExpertRows(jax.lax.fori_loop(0, plan.n_misses, body, pool.data), pool.parts)
+    return pool.replace(data=jax.lax.fori_loop(0, plan.n_misses, body, pool.data))
 
 
 def stream_layer(store: ExpertStore, moe_idx) -> ExpertRows:
     """All E experts of one layer on the device (one copy), as a temporary pool indexed by expert id."""
+    return stream_group(store, moe_idx, 0, store.shape(store.group(moe_idx))[1])
+
+
+def stream_group(store: ExpertStore, moe_idx, first, n: int) -> ExpertRows:
+    """Experts first .. first + n - 1 of one layer on the device (one copy), indexed from 0. An addressed
+    store (several cards: ExpertStore.addressed) by the fetch kernel, on every card."""
     g = store.group(moe_idx)
-    return ExpertRows(read_rows(store, moe_idx, 0, store.groups[g].shape[1]), store.parts[g])
-
-
-def stream_group(store: ExpertStore, moe_idx, first: jax.Array, n: int) -> ExpertRows:
-    """Experts first .. first + n - 1 of one layer on the device (one copy), indexed from 0."""
-    return ExpertRows(read_rows(store, moe_idx, first, n), store.parts[store.group(moe_idx)])
+    if store.groups:
+        return ExpertRows(read_rows(store, moe_idx, first, n), store.parts[g])
+    L, E, P = store.shape(g)
+    at = layer_ref.value(layer_ref.mapped(moe_idx, store.layer_local))
+    i_n = jnp.arange(n, dtype=jnp.int32)
+    data = host_rows(store.addr[g], jnp.zeros((n, P), jnp.uint8), at * E + first + i_n, i_n,
+                     jnp.ones((n,), bool), L * E)
+    return ExpertRows(data, store.parts[g])
 
 
 def calibrate_fetch(store: ExpertStore, device, n: int = 8, reps: int = 3) -> tuple[float, float]:

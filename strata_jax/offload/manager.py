@@ -9,6 +9,7 @@ offload/provider.py), so a token costs one dispatch and no host round trip per l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -17,15 +18,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from strata_jax.core.errors import ConfigError
-from strata_jax.core.experts import ExpertCounters, ExpertSpec
-from strata_jax.core.units import fmt_bytes
+from strata_jax.core import cards as cards_
+from strata_jax.core.experts import ExpertCounters, ExpertRows, ExpertSpec
+from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
 from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
-from strata_jax.offload.slot_table import SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_slot_table
+from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_layout,
+                                          resident_slot_table)
 from strata_jax.core import hostrows
 from strata_jax.offload.store import ExpertStore, load_expert_store, store_shapes
 from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
@@ -51,15 +55,18 @@ def _in_background(fn, *args) -> Future:
 
 def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = "per-layer", batch_rows: int = 1,
                      expert_slots: int | None = None, vram_budget: int | str | None = None,
-                     vram_reserve: int | str | None = None, free_bytes: int | None = None) -> CachePlan:
+                     vram_reserve: int | str | None = None, free_bytes: int | None = None, cards: int = 1) -> CachePlan:
     """The expert-cache plan of a model as OffloadManager makes it, from its experts' layout alone, so a
-    report without a device (`strata-jax inspect`) gets the slot count a load would."""
+    report without a device (`strata-jax inspect`) gets the slot count a load would. cards: the cache split
+    over that many (core/cards.py), each holding fixed_bytes beside its share; vram_budget and vram_reserve
+    per card, free_bytes all cards'."""
     layout = expert_layout(spec, expert_pools)
-    return plan_cache(
+    plan = plan_cache(
         pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(t) for t in layout.pool_types),
         n_experts=spec.n_experts, min_slots_per_pool=_min_slots(spec, batch_rows),
-        fixed_bytes=fixed_bytes, expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
-        free_bytes=free_bytes)
+        fixed_bytes=fixed_bytes * cards, expert_slots=expert_slots, vram_budget=_times(vram_budget, cards, "vram_budget"),
+        vram_reserve=_times(vram_reserve, cards, "vram_reserve"), free_bytes=free_bytes)
+    return plan if cards == 1 else split_plan(plan, spec, cards)
 
 
 def expert_floor_bytes(spec: ExpertSpec, *, expert_pools: str = "per-layer", batch_rows: int = 1,
@@ -89,8 +96,14 @@ class OffloadManager:
                  vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                  policy: str | Policy = "lru", prefetch: bool | int = False, expert_pools: str = "per-layer",
                  batch_rows: int = 1, cache_state: str | None = None, stacked: bool = False, fetch: str = "auto",
-                 cold: tuple[Any, ExpertSpec] | None = None, promote_after: int = 2):
+                 cold: tuple[Any, ExpertSpec] | None = None, promote_after: int = 2, cards: Mesh | None = None):
         self.device = device if device is not None else jax.devices()[0]
+        # several cards (core/cards.py): the mesh whose cards split the slot pools; budgets are per card
+        self.cards = cards
+        n = 1 if cards is None else cards.size
+        if cards is not None and cache_state is not None:
+            raise ConfigError("expert_cache_state cannot warm a cache split over several cards yet: drop "
+                              "--expert-cache-state, or run on one card (--devices 0).")
         self.spec = spec
         self.policy = get_policy(policy)
         if isinstance(prefetch, bool) or prefetch is None:
@@ -109,7 +122,7 @@ class OffloadManager:
         self.plan: CachePlan = plan_model_cache(
             spec, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,
             expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
-            free_bytes=device_free_bytes(self.device))
+            free_bytes=_free_bytes(self.device, cards), cards=n)
         log.info(describe(self.plan))
         self.expert_pools = expert_pools
         if not self.plan.resident:
@@ -121,7 +134,12 @@ class OffloadManager:
         # misses fetched by one kernel call per layer (core/hostrows.py), else by a loop of copies; auto:
         # the kernel on a GPU, where the loop holds the host once per miss
         self.fetch_kernel = not self.plan.resident and (
-            fetch == "kernel" or (fetch == "auto" and self.device.platform == "gpu")) and hostrows.available(self.device)
+            fetch == "kernel" or (fetch == "auto" and (self.device.platform == "gpu" or cards is not None))
+        ) and hostrows.available(self.device)
+        if cards is not None and not self.plan.resident and not self.fetch_kernel:
+            raise ConfigError("several cards fetch their misses by the fetch kernel only, which is "
+                              f"{'off (fetch=loop)' if fetch == 'loop' else 'not available here: ' + hostrows.why_not(self.device)}"
+                              ": drop --fetch loop / install a compiler, or run on one card (--devices 0).")
         store: ExpertStore | None = None
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
@@ -132,7 +150,10 @@ class OffloadManager:
         if cold is not None and self.plan.resident:
             log.info("cold experts not used: every expert is resident at the model's own type")
         if self.plan.resident:
-            slots = resident_slot_table(gguf, spec, self.device)
+            if cards is None:
+                slots = resident_slot_table(gguf, spec, self.device)
+            else:  # built split: no card ever holds more than its share
+                slots = resident_slot_table(gguf, spec, cards_.split_rows(cards), cards_.replicated(cards))
             if cache_state is not None:
                 log.info("expert cache state %s not used: every expert is resident, there is no cache to warm",
                          cache_state)
@@ -144,7 +165,10 @@ class OffloadManager:
             if self.cold_spec is not None:
                 store = store.replace(cold=store_shapes(self.cold_spec, self.device))
             if self.fetch_kernel:
-                store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), self.device))
+                at = self.device if cards is None else cards_.replicated(cards)
+                store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), at))
+            if cards is not None:
+                store = store.addressed()
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
                                      stacked=stacked and expert_pools == "per-layer")
             if len(slots.pools) != len(self.plan.slots_per_pool):
@@ -162,9 +186,10 @@ class OffloadManager:
         uses_ME = None if self.cold_spec is None else jax.device_put(
             jnp.zeros((len(spec.moe_layers), spec.n_experts), jnp.int32), self.device)
         self._experts: SlotExperts | None = SlotExperts(
-            jax.device_put(slots, self.device), store, self._zero_counters(), None if self.plan.resident else self.policy,
-            0 if self.plan.resident else self.prefetch, uses_ME=uses_ME,
-            promote_after=promote_after if self.cold_spec is not None else 0)
+            self._place_table(slots), store, self._zero_counters(), None if self.plan.resident else self.policy,
+            0 if self.plan.resident else self.prefetch, uses_ME=self._place(uses_ME),
+            promote_after=promote_after if self.cold_spec is not None else 0,
+            card_misses_C=None if cards is None else self._place(jnp.zeros((n,), jnp.int32)))
         self.reset_stats()
         free = device_free_bytes(self.device)
         if free is not None and free < LOW_FREE_VRAM:
@@ -223,6 +248,9 @@ class OffloadManager:
             slots = jax.device_put(restore_slot_table(self._cache_state, self._saved, slots, store), self.device)
             self._saved = None
         self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
+        if self.cards is not None:  # the arrays stay here (the kernels read them); the steps take their addresses
+            self._host_store = store
+            store = _with_addr(store, lambda s: self._place(s.addr)).addressed()
         row_bytes = self.spec.bytes_per_expert(0)
         log.info("in-step expert fetch (%s): %.0f us per expert of %s (%.1f GB/s host->device)",
                  "kernel" if self.fetch_kernel else "loop", self.fetch_s * 1e6, fmt_bytes(row_bytes),
@@ -254,11 +282,37 @@ class OffloadManager:
         return True
 
     def _zero_counters(self) -> ExpertCounters:
-        return jax.device_put(ExpertCounters.zeros(self._n_layers), self.device)
+        return self._place(ExpertCounters.zeros(self._n_layers))
+
+    def _place(self, tree):
+        """Step state that is not a slot pool: on the device, or replicated on every card."""
+        return jax.device_put(tree, self.device if self.cards is None else cards_.replicated(self.cards))
+
+    def _place_table(self, table: SlotTable) -> SlotTable:
+        """The slot table on the device; on several cards its pools' rows split over them and the rest
+        replicated (core/cards.py)."""
+        if self.cards is None:
+            return jax.device_put(table, self.device)
+        pools = tuple(ExpertRows(jax.device_put(p.data, cards_.split_rows(self.cards)), p.parts, self.cards)
+                      for p in table.pools)
+        return table.replace(pools=pools, caches=self._place(table.caches))
+
+    def card_stats(self) -> list[dict[str, Any]]:
+        """Per card of a split cache: its device, slots, their bytes and the misses it fetched (they add up to
+        the misses fetched into the cache); [] on one card."""
+        if self.cards is None:
+            return []
+        n = self.cards.size
+        misses = np.asarray(self._experts.card_misses_C) if self._experts is not None else np.zeros(n, np.int64)
+        return [{"card": c, "device": str(d), "slots": self.plan.n_slots // n, "bytes": self.device_bytes // n,
+                 "misses": int(misses[c])} for c, d in enumerate(self.cards.devices.flat)]
 
     def reset_stats(self) -> None:
         if self._experts is not None:
             self._experts = self._experts.replace(counters=self._zero_counters())
+            if self._experts.card_misses_C is not None:
+                self._experts = self._experts.replace(card_misses_C=self._place(jnp.zeros_like(
+                    self._experts.card_misses_C)))
         self.step_s = 0.0  # wall time of the steps run since the reset (Model reports it via note_steps)
         self.steps = 0
 
@@ -312,6 +366,7 @@ class OffloadManager:
             "cold_experts": cold,
             "cold_share": cold / (hits + misses) if self.cold_spec is not None and hits + misses else None,
             "promote_after": self.promote_after if self.cold_spec is not None else None,
+            "cards": self.card_stats(),
         }
 
     def cold_bytes(self, st: np.ndarray) -> int:
@@ -331,3 +386,30 @@ def _with_addr(store: ExpertStore, addr) -> ExpertStore:
     """The store (and its cold twin) with the fetch kernel's addresses addr(store)."""
     cold = None if store.cold is None else store.cold.replace(addr=addr(store.cold))
     return store.replace(addr=addr(store), cold=cold)
+
+
+def _times(size: int | str | None, n: int, name: str) -> int | None:
+    """A per-card size (vram_budget, vram_reserve) for n cards together."""
+    return size if size is None or n == 1 else parse_size(size, name) * n
+
+
+def _free_bytes(device, mesh: Mesh | None) -> int | None:
+    if mesh is None:
+        return device_free_bytes(device)
+    free = [device_free_bytes(d) for d in mesh.devices.flat]
+    return None if any(f is None for f in free) else min(free) * len(free)
+
+
+def split_plan(plan: CachePlan, spec: ExpertSpec, n: int) -> CachePlan:
+    """A plan whose pools split evenly over n cards: each offloading pool's slots rounded down to a multiple
+    of n (up where that leaves fewer than a step needs); every expert resident needs each resident pool's
+    rows (layers x experts) to divide by n."""
+    if plan.resident:
+        for layers in resident_layout(spec).pool_layers:
+            if len(layers) * spec.n_experts % n:
+                raise ConfigError(f"{len(layers)} layers x {spec.n_experts} experts do not split over {n} cards: "
+                                  "use a number of cards that divides them, or --expert-slots to offload.")
+        return plan
+    floor = _min_slots(spec, 1)
+    slots = tuple(max(s - s % n, -(-floor // n) * n) for s in plan.slots_per_pool)
+    return dataclasses.replace(plan, slots_per_pool=slots)

@@ -22,7 +22,7 @@ from flax import struct
 from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertCounters, ExpertRows, n_distinct, unique_ids
 from strata_jax.offload.fetch import fetch_misses, stream_group, stream_layer
-from strata_jax.core import layer_ref
+from strata_jax.core import cards, layer_ref
 from strata_jax.offload.policies import FREE, Plan, Policy, promote
 from strata_jax.offload.slot_table import SlotTable, put_row_at, row_at
 from strata_jax.offload.store import ExpertStore
@@ -43,6 +43,8 @@ class SlotExperts:
     # (policies.promote), and the uses after which a miss is promoted to the cache
     uses_ME: jax.Array | None = None
     promote_after: int = struct.field(pytree_node=False, default=0)
+    # pools split over cards (core/cards.py): the misses each card has fetched, int32 [cards]
+    card_misses_C: jax.Array | None = None
 
     @property
     def resident(self) -> bool:
@@ -70,7 +72,8 @@ class SlotExperts:
             me, ids_U, cold = self._cold_rows(moe_idx, ids_Nk, ids_U, state[0])
         table, plan = me._access_and_fetch(me.table, moe_idx, ids_U, state)
         n_cold = jnp.zeros((), jnp.int32) if cold is None else jnp.sum(cold[2]).astype(jnp.int32)
-        me = me.replace(table=table).count(moe_idx, hits=plan.n_hits, misses=plan.n_misses + n_cold)
+        me = me.replace(table=table)._count_cards(moe_idx, plan)
+        me = me.count(moe_idx, hits=plan.n_hits, misses=plan.n_misses + n_cold)
         if cold is not None:
             me = me.count(moe_idx, cold=n_cold)
             cold = cold[0], cold[1], cold[2][cold[1]] & (ids_Nk >= 0)
@@ -89,7 +92,7 @@ class SlotExperts:
         cold_U = (ids_U >= 0) & ~promote_U
         store = self.store.cold
         g, U = store.group(moe_idx), ids_U.shape[0]
-        staging = ExpertRows(jnp.zeros((U, store.groups[g].shape[2]), jnp.uint8), store.parts[g])
+        staging = ExpertRows(jnp.zeros((U, store.shape(g)[2]), jnp.uint8), store.parts[g])
         at_U = jnp.arange(U, dtype=jnp.int32)
         staged = fetch_misses(staging, store, moe_idx, Plan(ids_U, at_U, cold_U, jnp.full((U,), -1, jnp.int32)))
         at_Nk = jnp.argmax(ids_Nk[..., None] == ids_U, axis=-1).astype(jnp.int32)
@@ -105,10 +108,12 @@ class SlotExperts:
         # (docs/benchmarks.md, "Prefetch correctness").
         after, table = jax.lax.optimization_barrier((after, self.table))
         prefetched = jnp.zeros((), jnp.int32)
+        me = self
         for next_idx, pred_Nk in predicted:
             table, plan = self._access_and_fetch(table, next_idx, unique_ids(pred_Nk, self.table.n_experts))
+            me = me.replace(table=table)._count_cards(next_idx, plan)
             prefetched = prefetched + plan.n_misses.astype(jnp.int32)
-        return self.replace(table=table).count(moe_idx, prefetched=prefetched), after
+        return me.count(moe_idx, prefetched=prefetched), after
 
     def stream(self, moe_idx: int, cached: bool = False) -> "SlotExperts":
         if self.resident:
@@ -121,22 +126,24 @@ class SlotExperts:
         if self.resident:
             pool = self.table.pool(moe_idx)
             at = self.table.local(moe_idx) * self.table.n_experts + first_expert
-            return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, at, n, axis=0), pool.parts)
+            return _rows(pool, at, n)
         if not cached:
             return stream_group(self.store, moe_idx, first_expert, n)
         # the group's experts the cache holds come from their slots, the others from the store (one fetch)
         pool = self.table.pool(moe_idx)
         slot_n = jax.lax.dynamic_slice_in_dim(self.table.slot_map(moe_idx, self._rows), first_expert, n)
-        rows = ExpertRows(pool.data[jnp.maximum(slot_n, 0)], pool.parts)
+        if pool.cards is None:
+            rows = ExpertRows(pool.data[jnp.maximum(slot_n, 0)], pool.parts)
+        else:
+            rows = ExpertRows(cards.take_rows(pool.cards, pool.data, jnp.maximum(slot_n, 0)), pool.parts)
         ids_n = first_expert + jnp.arange(n, dtype=jnp.int32)
         plan = Plan(ids_n, jnp.arange(n, dtype=jnp.int32), slot_n < 0, jnp.full((n,), -1, jnp.int32))
         return fetch_misses(rows, self.store, moe_idx, plan)
 
     def layer(self, moe_idx) -> ExpertRows:
         if self.resident:
-            pool, E = self.table.pool(moe_idx), self.table.n_experts
-            rows = jax.lax.dynamic_slice_in_dim(pool.data, self.table.local(moe_idx) * E, E, axis=0)
-            return ExpertRows(rows, pool.parts)
+            E = self.table.n_experts
+            return _rows(self.table.pool(moe_idx), self.table.local(moe_idx) * E, E)
         return stream_layer(self.store, moe_idx)
 
     def count(self, moe_idx, **values: jax.Array) -> "SlotExperts":
@@ -194,8 +201,25 @@ class SlotExperts:
         pool = fetch_misses(table.pool(moe_idx), self.store, moe_idx, plan, base=table.slot_base(moe_idx))
         return table.with_layer(moe_idx, cache, pool, self._rows), plan
 
+    def _count_cards(self, moe_idx, plan: Plan) -> "SlotExperts":
+        """Split pools (core/cards.py): the misses each card fetched, into card_misses_C."""
+        pool = self.table.pool(moe_idx)
+        if pool.cards is None or self.card_misses_C is None:
+            return self
+        n = self.card_misses_C.shape[0]
+        card_U = cards.owner(self.table.slot_base(moe_idx) + plan.slot_U, pool.n_rows, n)
+        per_C = jnp.sum((card_U[None, :] == jnp.arange(n)[:, None]) & plan.miss_U[None, :], axis=1)
+        return self.replace(card_misses_C=self.card_misses_C + per_C.astype(jnp.int32))
+
     @property
     def _rows(self) -> bool:
         """A traced layer's cache state is read and written by the row kernels where the misses go by the
         fetch kernel (core/hostrows.py): both keep the layer scan in XLA's command buffers."""
         return self.store is not None and bool(self.store.addr)
+
+
+def _rows(pool: ExpertRows, at, n: int) -> ExpertRows:
+    """Rows at .. at + n - 1 of a pool (read from the cards that hold them where it is split)."""
+    if pool.cards is None:
+        return ExpertRows(jax.lax.dynamic_slice_in_dim(pool.data, at, n, axis=0), pool.parts)
+    return ExpertRows(cards.take_rows(pool.cards, pool.data, at + jnp.arange(n, dtype=jnp.int32)), pool.parts)

@@ -223,16 +223,17 @@ def _put_rows(pool_XP: jax.Array, rows_EP: jax.Array, at: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(pool_XP, rows_EP, at, axis=0)
 
 
-def resident_slot_table(gguf, spec: ExpertSpec, device=None) -> SlotTable:
+def resident_slot_table(gguf, spec: ExpertSpec, device=None, rows_at=None) -> SlotTable:
     """Every expert resident (resident_layout). Each pool is filled a layer at a time in place, so
-    neither host nor device holds a second copy of it."""
+    neither host nor device holds a second copy of it. device: a device, or a sharding (a pool split over
+    cards: core/cards.py), with rows_at where each layer's rows go on their way in (every card)."""
     E = spec.n_experts
     layout = resident_layout(spec)
     pools, caches = [], []
     for parts, layers in zip(layout.pool_types, layout.pool_layers):
         data = jnp.zeros((len(layers) * E, expert_bytes(parts)), jnp.uint8, device=device)
         for j, i in enumerate(layers):
-            rows = jax.device_put(fused_rows([gguf.tensor(n) for n in spec.tensor_names(i)]), device)
+            rows = jax.device_put(fused_rows([gguf.tensor(n) for n in spec.tensor_names(i)]), rows_at or device)
             data = _put_rows(data, rows, j * E)
         pools.append(ExpertPool(data, parts))
         n = len(layers) * E

@@ -52,10 +52,25 @@ class ExpertStore:
     # mixed precision (--cold-experts): the same experts at a lower-bit type, from a second GGUF of the
     # model; misses not promoted to the cache are served from it (offload/provider.py)
     cold: "ExpertStore | None" = None
+    # the groups' shapes where the arrays are not carried (`addressed`: read by their addresses only)
+    shapes: tuple[tuple[int, int, int], ...] = struct.field(pytree_node=False, default=())
 
     @property
     def nbytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
+
+    def shape(self, g: int) -> tuple[int, int, int]:
+        """(layers, experts, row bytes) of group g."""
+        return tuple(self.groups[g].shape) if self.groups else self.shapes[g]
+
+    def addressed(self) -> "ExpertStore":
+        """The store as a program on several cards takes it (core/cards.py): the fetch kernel's addresses and
+        the shapes, not the host arrays, which a program over a mesh would need replicated (a host copy per
+        card). Every read then goes by the kernel."""
+        if not self.addr:
+            raise ValueError("an addressed store needs the fetch kernel's addresses")
+        return self.replace(groups=(), shapes=tuple(self.shape(g) for g in range(len(self.parts))),
+                            cold=None if self.cold is None else self.cold.addressed())
 
     def group(self, moe_idx) -> int:
         """The group of MoE layer moe_idx (an int, or a LayerRef whose candidates share one group)."""

@@ -141,7 +141,7 @@ def _fill_pool(pool: ExpertRows, owner_X: jax.Array, store: ExpertStore, layers:
     # each layer's owned slots as the misses of one access: fetch_misses' loop, one copy per slot. A
     # shared pool's owners are global ids (local layer * E + expert); a pool of blocks has a row of owners
     # per layer, [layers, block], each the layer's own expert ids
-    E = store.groups[store.layer_group[layers[0]]].shape[1]
+    E = store.shape(store.layer_group[layers[0]])[1]
     for j, moe_idx in enumerate(layers):
         if owner_X.ndim == 2:
             own_X, base, mine_X = owner_X[j], j * owner_X.shape[1], owner_X[j] >= 0

@@ -69,6 +69,11 @@ class Metrics:
         self.kv_vram_hit = Gauge(p + "kv_vram_hit_ratio", "KV streaming (--kv-resident): share of the KV-cache cells "
                                  "finished requests attended to that were read from VRAM (the rest crossed PCIe)",
                                  registry=r)
+        self.card_misses = Gauge(p + "expert_cache_card_misses", "Several devices (--devices): misses each card "
+                                 "fetched into its share of the expert cache since load (they add up to the misses "
+                                 "fetched into the cache)", ["card", "device"], registry=r)
+        self.card_slots = Gauge(p + "expert_cache_card_slots", "Several devices (--devices): expert slots each "
+                                "card holds", ["card", "device"], registry=r)
         self.conversation = Gauge(p + "conversation_cache", "Conversation cache "
                                   "per tier (ram_, disk_): spills, hits (restores), tokens_restored, evictions, refused, "
                                   "entries, bytes, capacity, since load", ["what"], registry=r)
@@ -122,6 +127,9 @@ class Metrics:
                 self.expert_misses.set(ex.get("misses") or 0)
                 self.expert_bytes.set(ex.get("bytes_h2d") or 0)
                 self.expert_cold.set(ex.get("cold_experts") or 0)
+                for c in ex.get("cards") or ():
+                    self.card_misses.labels(str(c["card"]), c["device"]).set(c["misses"])
+                    self.card_slots.labels(str(c["card"]), c["device"]).set(c["slots"])
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ from typing import Any
 
 RATE_WINDOW_S = 2.0
 EXPERT_KEYS = ("lookups", "hits", "misses", "hit_rate", "bytes_h2d", "expert_slots", "total_experts", "resident",
-               "policy", "per_layer_hit_rate", "per_layer_lookups", "cold_experts", "cold_share")
+               "policy", "per_layer_hit_rate", "per_layer_lookups", "cold_experts", "cold_share", "cards")
 
 
 class Telemetry:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from strata_jax.core import cards
 from strata_jax.core.experts import ExpertProvider, ExpertRows, unique_ids
 from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
@@ -130,6 +131,12 @@ def _routed(x_ND, w_Nk, ids_Nk, slot_Nk, pool: ExpertRows, dtype, kernels: Kerne
     """The few-token product of each token's routed experts, read from their slots (their biases, if
     any, by expert id). skipping (mixed precision): a negative slot is a pair this pool does not serve,
     weighted 0; the swiglu kernel skips it (and takes every IQ type then), the other paths read slot 0."""
+    if pool.cards is not None:  # a pool split over cards (core/cards.py): each card its slots' pairs, summed
+        def local(data_XP, w_Nk, slot_Nk, x_ND, ids_Nk, bias):
+            return _routed(x_ND, w_Nk, ids_Nk, slot_Nk, ExpertRows(data_XP, pool.parts), dtype, kernels, cfg, bias,
+                           skipping=True)
+
+        return cards.routed_sum(pool.cards, pool.data, local, w_Nk, slot_Nk, x_ND, ids_Nk, bias)
     parts = qmatvec.expert_parts(pool, slot_Nk.size, kernels, skipping)
     bias_Nk = _bias_rows(bias, ids_Nk)
     if parts is not None and (cfg is None or cfg.expert_act == "silu") and bias is None:

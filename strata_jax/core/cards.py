@@ -1,0 +1,93 @@
+"""Several cards of one host as one expert cache (`devices=`, `--devices 0,1`).
+
+One SPMD program runs on every card of a mesh with one axis, "card". Dense weights, the KV cache, the
+cache policy's state and the counters are replicated: every card computes the same routing and the same
+policy decisions, so the state stays identical without exchanging it. Only the expert slot pools are
+split: each pool's rows (slots) are cut into equal contiguous ranges, one per card. A card fetches the
+misses whose slots it owns, by the fetch kernel from the shared pinned-host store (its address only: the
+store is never a program operand, so host memory holds it once), and multiplies the routed pairs whose
+slots it owns; one sum over the cards joins the MoE output. The pool of a per-layer cache is a stack of
+its layers' blocks, so there the split falls by layer; a shared pool splits by slot.
+
+Everything here runs inside the jitted step (jax.shard_map over the pool's rows); `pool.cards` (the mesh,
+a static field of core.experts.ExpertRows) says a pool is split. On CPU the cards are virtual devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N, set before JAX starts).
+
+Shape legend: strata_jax/core/shapes.py
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "card"
+
+
+def mesh(devices: Sequence[Any]) -> Mesh:
+    """A one-axis mesh ("card") over these devices, in order (the first holds what is not split)."""
+    return Mesh(np.array(list(devices)), (AXIS,))
+
+
+def replicated(m: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(m, P(), memory_kind=memory_kind)
+
+
+def split_rows(m: Mesh) -> NamedSharding:
+    """A pool's rows cut into one contiguous range per card."""
+    return NamedSharding(m, P(AXIS))
+
+
+def local_slots(slot: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
+    """Inside a card's program: each global slot as a row of this card's range (-1 where another card owns
+    it), and whether this card owns it."""
+    local = slot - jax.lax.axis_index(AXIS) * n_local
+    own = (local >= 0) & (local < n_local) & (slot >= 0)
+    return jnp.where(own, local, -1), own
+
+
+def owner(slot: jax.Array, n_slots: int, n_cards: int) -> jax.Array:
+    """The card that holds each global slot of a pool of n_slots rows (-1 for slot -1)."""
+    return jnp.where(slot >= 0, slot // (n_slots // n_cards), -1)
+
+
+def _on_cards(m: Mesh, fn: Callable, split: tuple[bool, ...], out_split: bool, *args):
+    specs = tuple(P(AXIS) if s else P() for s in split)
+    return jax.shard_map(fn, mesh=m, in_specs=specs, out_specs=P(AXIS) if out_split else P(),
+                         check_vma=False)(*args)
+
+
+def routed_sum(m: Mesh, data_XP: jax.Array, compute: Callable, w_Nk: jax.Array, slot_Nk: jax.Array, *rest):
+    """sum over cards of compute(local data_XP, w_Nk, local slot_Nk, *rest): each card computes the pairs
+    whose slots it holds, the others at weight 0 and slot -1 (which the kernels skip), and one psum joins
+    them. compute returns float32 [N, D]."""
+    def local(data, w, slot, *rest):
+        slot, own = local_slots(slot, data.shape[0])
+        return jax.lax.psum(compute(data, jnp.where(own, w, 0.0), slot, *rest), AXIS)
+
+    return _on_cards(m, local, (True, False, False) + (False,) * len(rest), False, data_XP, w_Nk, slot_Nk, *rest)
+
+
+def take_rows(m: Mesh, data_XP: jax.Array, slot_n: jax.Array) -> jax.Array:
+    """data_XP[slot_n] of a split pool, replicated: each card reads the rows it holds (zeros for the others)
+    and a sum over the cards joins them (exact: one card contributes each row)."""
+    def local(data, slot):
+        slot, own = local_slots(slot, data.shape[0])
+        rows = jnp.where(own[:, None], data[jnp.maximum(slot, 0)], 0).astype(jnp.int32)
+        return jax.lax.psum(rows, AXIS).astype(data.dtype)
+
+    return _on_cards(m, local, (True, False), False, data_XP, slot_n)
+
+
+def fetch_rows(m: Mesh, data_XP: jax.Array, copy: Callable, slot_U: jax.Array, miss_U: jax.Array, *rest):
+    """A split pool after copy(local data, local slot_U, miss_U & owned, *rest) on every card: each card
+    writes the misses whose slots it holds into its own rows."""
+    def local(data, slot, miss, *rest):
+        slot, own = local_slots(slot, data.shape[0])
+        return copy(data, slot, miss & own, *rest)
+
+    return _on_cards(m, local, (True, False, False) + (False,) * len(rest), True, data_XP, slot_U, miss_U, *rest)

@@ -1,0 +1,121 @@
+"""Runs in its own process (tests/test_cards.py starts it): JAX must see several CPU devices, which
+XLA_FLAGS=--xla_force_host_platform_device_count=2 gives only if set before JAX starts.
+
+    python tests/cards_probe.py OUT.npz
+
+For each case (a model and its cache options), the same prompt on one device and on two: every
+position's logits, greedy tokens, and the two-card run's expert-cache telemetry, written to OUT.npz
+(arrays) and OUT.json (telemetry) for the test to compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import strata_jax  # noqa: E402
+from strata_jax.bench.shapes import synthetic_model_path  # noqa: E402
+from strata_jax.model.kernels import Kernels  # noqa: E402
+from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
+
+MOE = SyntheticSpec(arch="qwen3moe", n_layers=3, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
+                    vocab_size=512, qtype="Q8_0", seed=11)
+
+BUDGET = "1029.6MiB"  # per card, 1 GiB of it reserved: the moe model offloads on one card, fits on two
+
+# (name, model, options): resident; offloaded with a cache per layer and with one shared pool (the
+# prefill reading cached experts in place too); qseed's architecture (DeltaNet, QSA, PLE, IQ3_S) offloaded
+CASES = [
+    ("moe-resident", "moe", {}),
+    ("moe-per-layer", "moe", dict(expert_slots=12)),
+    ("moe-shared", "moe", dict(expert_slots=10, expert_pools="shared", kernels=Kernels(prefill_cached="on"))),
+    ("moe-resident-grouped", "moe", dict(kernels=Kernels(moe_prefill="grouped"))),
+    ("qtiny-offloaded", "qtiny", dict(expert_slots=24)),
+]
+
+
+def main(out: str) -> None:
+    assert len(jax.devices()) >= 2, jax.devices()
+    paths = {"moe": write_synthetic_gguf(os.path.join(os.path.dirname(out), "moe.gguf"), MOE),
+             "qtiny": synthetic_model_path("qtiny")}
+    prompt = list(range(3, 40))
+    arrays, meta = {}, {}
+    for name, model, options in CASES:
+        runs = {}
+        for label, devices in (("one", (0,)), ("two", (0, 1))):
+            m = strata_jax.load(paths[model], ctx=128, prefill_chunk=16, devices=devices, **options)
+            arrays[f"{name}/{label}/logits"] = np.asarray(m.logits(prompt))
+            g = m.generate(prompt, max_tokens=8, temperature=0, cache_prompt=False)
+            arrays[f"{name}/{label}/tokens"] = np.array(g.token_ids)
+            runs[label] = m
+        two = runs["two"]
+        meta[name] = {"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
+                      "cards": two.experts.card_stats(),
+                      "pool_devices": [sorted(d.id for d in p.data.sharding.device_set)
+                                       for p in two.experts.slots.pools],
+                      "pool_shards": [[s.data.shape[0] for s in p.data.addressable_shards]
+                                      for p in two.experts.slots.pools],
+                      "param_devices": sorted({d.id for x in jax.tree.leaves(two.params) for d in x.sharding.device_set})}
+    meta["served"] = served(paths["moe"])
+    meta["checked"] = checked(paths["moe"])
+    meta["refused"] = refused(paths["moe"])
+    np.savez(out, **arrays)
+    with open(out.replace(".npz", ".json"), "w") as f:
+        json.dump(meta, f)
+
+
+def served(path) -> dict:
+    """A two-card model behind the HTTP app: a chat's text, and /metrics' text after it."""
+    from starlette.testclient import TestClient
+
+    from strata_jax.serving.app import create_app
+    from strata_jax.serving.engine import Engine
+
+    m = strata_jax.load(path, ctx=128, prefill_chunk=16, devices=(0, 1), expert_slots=12)
+    engine = Engine(lambda: m, warmup=False)
+    with TestClient(create_app(engine, model_id="moe")) as c:
+        assert engine.wait_ready(60)
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello cards"}],
+                                                 "max_tokens": 4, "temperature": 0})
+        for _ in range(100):  # the engine thread refreshes its snapshot once the request is done
+            text = c.get("/metrics").text
+            if 'strata_expert_cache_card_misses{card="1"' in text:
+                break
+            time.sleep(0.1)
+    return {"status": r.status_code, "metrics": text, "misses": m.stats()["misses"]}
+
+
+def checked(path, budget: str = BUDGET) -> dict:
+    """`check --devices 0,1 --vram-budget B` (per card): each card's figures and the plan, beside the slots
+    a load over both cards and over one makes of the same budget."""
+    from strata_jax.check import check
+
+    c = check(str(path), ctx=128, vram_budget=budget, probe_pinned=False, devices="0,1")
+    two = strata_jax.load(path, ctx=128, devices=(0, 1), vram_budget=budget)
+    one = strata_jax.load(path, ctx=128, devices=(0,), vram_budget=budget)
+    return {"cards": c["cards"], "verdict": c["verdict"], "two_slots": two.experts.plan.n_slots,
+            "one_slots": one.experts.plan.n_slots, "two_cards": two.stats()["cards"]}
+
+
+def refused(path) -> dict:
+    """What several devices refuse, by name: each option's error message."""
+    out = {}
+    for what, options in (("kv_resident", dict(kv_resident=16)), ("spec", dict(spec="lookup")),
+                          ("cache_state", dict(expert_slots=12, expert_cache_state=os.path.dirname(path))),
+                          ("no_device", dict(devices=(0, 7)))):
+        try:
+            strata_jax.load(path, ctx=128, devices=options.pop("devices", (0, 1)), **options)
+            out[what] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,88 @@
+"""Several devices as one expert cache (core/cards.py), on CPU: two virtual devices in a process of their
+own (tests/cards_probe.py; XLA_FLAGS must be set before JAX starts). Each case's logits and greedy tokens
+on two cards equal one card's, resident and offloaded (a cache per layer, one shared pool), for qwen3moe
+and qseed's architecture; the pools are split and the rest replicated; the misses each card fetched add
+up; /metrics reports each card; what several cards do not serve yet is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_jax.core.errors import ConfigError
+from strata_jax.engine.config import EngineConfig
+
+PROBE = Path(__file__).with_name("cards_probe.py")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cards") / "out.npz"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, str(PROBE), str(out)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return np.load(out), json.loads(out.with_suffix(".json").read_text())
+
+
+CASES = ("moe-resident", "moe-per-layer", "moe-shared", "moe-resident-grouped", "qtiny-offloaded")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_cards_equal_one(probe, case):
+    arrays, meta = probe
+    np.testing.assert_allclose(arrays[f"{case}/two/logits"], arrays[f"{case}/one/logits"], rtol=1e-6, atol=1e-6)
+    assert arrays[f"{case}/two/tokens"].tolist() == arrays[f"{case}/one/tokens"].tolist()
+    m = meta[case]
+    # every pool split in two equal ranges, one per card; the dense weights on both
+    assert all(d == [0, 1] for d in m["pool_devices"])
+    assert all(len(s) == 2 and s[0] == s[1] for s in m["pool_shards"])
+    assert m["param_devices"] == [0, 1]
+    st, per_card = m["stats"], m["cards"]
+    assert [c["card"] for c in per_card] == [0, 1]
+    assert sum(c["slots"] for c in per_card) == st["expert_slots"]
+    assert sum(c["misses"] for c in per_card) == st["misses"] + st["prefetched"]
+    if "resident" in case:
+        assert st["resident"] and st["misses"] == 0
+    else:  # each card fetched some of the misses into its own slots
+        assert not st["resident"] and all(c["misses"] > 0 for c in per_card)
+
+
+def test_metrics_report_each_card(probe):
+    served = probe[1]["served"]
+    assert served["status"] == 200 and served["misses"] > 0
+    lines = [line for line in served["metrics"].splitlines() if line.startswith("strata_expert_cache_card_")]
+    slots = {line.split("{")[1].split(",")[0]: float(line.split()[-1]) for line in lines if "_slots{" in line}
+    misses = [float(line.split()[-1]) for line in lines if "_misses{" in line]
+    assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
+
+
+@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("spec", "--spec"),
+                                         ("cache_state", "--expert-cache-state"), ("no_device", "no device 7")])
+def test_what_two_cards_refuse_is_named(probe, what, words):
+    msg = probe[1]["refused"][what]
+    assert msg is not None and msg.startswith("ConfigError") and words in msg
+
+
+@pytest.mark.parametrize("value", ["0,x", "1,1", "-1", ""])
+def test_devices_option_is_checked(value):
+    with pytest.raises(ConfigError, match="devices"):
+        EngineConfig.create(devices=value)
+
+
+def test_check_plans_each_card_and_the_load_agrees(probe):
+    """`check --devices 0,1 --vram-budget B`: both cards listed; the budget is per card, so two cards hold
+    more experts than one (here every one), as a load over both does."""
+    c = probe[1]["checked"]
+    assert [card["index"] for card in c["cards"]] == [0, 1]
+    assert c["two_slots"] > c["one_slots"]
+    v = c["verdict"]
+    assert v["fits"] and "2 cards x" in v["text"]
+    assert c["two_slots"] == (24 if v["mode"] == "resident" else v["expert_slots"])  # 3 layers x 8 experts
+    assert sum(card["slots"] for card in c["two_cards"]) == c["two_slots"]
