@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..18 are later sittings (each described above its pipeline), PART=18 the newest.
+# PART=2..20 are later sittings (each described above its pipeline), PART=20 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -501,5 +501,47 @@ pipeline18() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 18 ] && { pipeline() { pipeline18; }; RETURNED="progress phases.tsv data-*.json kv-pytest.log"; }
+
+# PART=19 (issue 36), on a machine of two GPUs (run's kind nvidia-h100-x2 or nvidia-h200-x2; carry .gpu for
+# llama.cpp): qseed under 32 GiB a card, its expert cache on one card against split over both (--devices), decode
+# and prefill, and llama.cpp's layer split over both under the same cap. ~15 min.
+pipeline19() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  build_llama 16 &
+  qseed_file
+  phase check-cards 90 bash -c "'$PY' -m strata_jax.cli check '$QFILE' --devices 0,1 --vram-budget 32GiB --no-pinned-probe --json > '$S/data-check-cards.json'"
+  local p=(--shape qseed "${COMMON[@]}" --routing realistic --prefill-len 512 --prefill-len 4096 --vram-budget 32GiB
+           --no-resident)
+  phase bench-one-card 300 "$PY" -m strata_jax.cli bench "${p[@]}" --devices 0 --out "$S/data-one-card.json"
+  wait
+  phase bench-two-cards 420 "$PY" -m strata_jax.cli bench "${p[@]}" --devices 0,1 --peer-llama-bench "$LLAMA_LINK" \
+    --peer-placement budget --peer-when after --peer-wait 400 --peer-reps 1 --out "$S/data-two-cards.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 19 ] && { pipeline() { pipeline19; }; RETURNED="progress phases.tsv data-*.json"; }
+
+# PART=20 (issue 17's table), one GPU: B30 decoding after 4K, 32K and 128K tokens under 32 GiB with q8_0 KV (the
+# planner's all-device cache, then 32,768 positions resident and the rest streamed at 128K), each beside llama.cpp
+# decoding at the same depth (llama-bench -d, -ctk/-ctv q8_0; carry .gpu). ~20 min: two calls (start, wait).
+kv_depth() {  # kv_depth NAME DEPTH [BENCH ARGS...]
+  local name=$1 depth=$2
+  shift 2
+  phase "kv-$name" 420 "$PY" -m strata_jax.cli bench --shape "$B30" --tokens 64 --prompt-len "$depth" \
+    --ctx $((depth + 128)) --kv q8_0 --routing realistic --vram-budget 32GiB --no-resident "$@" \
+    --peer-llama-bench "$LLAMA_LINK" --peer-depth --peer-placement budget --peer-when after --peer-wait 400 \
+    --peer-reps 1 --out "$S/data-kv-$name.json"
+}
+pipeline20() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  build_llama 16 &
+  phase write-b30 400 "$PY" "${WRITE[@]}" "$B30"
+  wait
+  kv_depth 4k 4096
+  kv_depth 32k 32768
+  kv_depth 128k-streamed 131072 --kv-resident 32768
+  kv_depth 128k 131072
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 20 ] && { pipeline() { pipeline20; }; RETURNED="progress phases.tsv data-*.json"; }
 
 sitting_main "$@"

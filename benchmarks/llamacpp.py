@@ -450,6 +450,13 @@ def placement_flags(placement: str, fp: dict, plan: dict | None) -> tuple[list[s
     raise ValueError(f"unknown placement {placement!r}")
 
 
+def depth_flags(depth: int, cache_type: str) -> list[str]:
+    """llama-bench's -d (prefill and decode after `depth` tokens already in the KV cache, as strata-jax's bench
+    decodes after its prompt) and -ctk/-ctv for a KV type other than f16 ("q8_0", or "K,V")."""
+    k, _, v = cache_type.partition(",")
+    return (["-d", str(depth)] if depth else []) + (["-ctk", k, "-ctv", v or k] if cache_type != "f16" else [])
+
+
 def load_mode_flags(load_mode: str, n_cpu_moe: int) -> list[str]:
     """'auto': `-lm none` when some experts stay on the host (llama.cpp warns that CPU tensor overrides
     with mmap are slower and suggests --load-mode none), llama-bench's default (mmap) otherwise."""
@@ -472,6 +479,7 @@ def make_row(placement: str, parsed: dict, fp: dict, n_cpu_moe: int, cmd: list[s
         "n_prompt": pre["n_prompt"] if pre else args.n_prompt, "n_gen": dec["n_gen"] if dec else args.n_gen,
         "reps": args.reps, "n_threads": (dec or pre or {}).get("n_threads"),
         "flash_attn": (dec or pre or {}).get("flash_attn"), "load_mode": (dec or pre or {}).get("load_mode"),
+        "depth": getattr(args, "depth", 0), "cache_type": getattr(args, "cache_type", "f16"),
         "command": shlex.join(cmd), "build": parsed["build"], "model": str(args.model),
         "model_size": parsed.get("model", {}).get("model_size"),
     }
@@ -483,7 +491,8 @@ def make_row(placement: str, parsed: dict, fp: dict, n_cpu_moe: int, cmd: list[s
 
 def cmd_plan(args) -> int:
     fp = model_footprint(read_gguf_header(args.model))
-    plan = plan_budget(fp, int(args.budget_gib * GiB), args.n_prompt + args.n_gen, args.n_ubatch, args.overhead_gib)
+    plan = plan_budget(fp, int(args.budget_gib * GiB), args.n_prompt + args.n_gen + args.depth, args.n_ubatch,
+                       args.overhead_gib)
     print(json.dumps({"footprint": fp, "plan": plan}, indent=1))
     return 0
 
@@ -493,7 +502,8 @@ def cmd_run(args) -> int:
     if not any(fp["expert_bytes"]):
         print(f"note: {args.model} has no routed-expert tensors; cpu-experts/budget equal all-gpu", file=sys.stderr)
     placements = [p for ps in args.placement for p in ps.split(",") if p]
-    plan = plan_budget(fp, int(args.budget_gib * GiB), args.n_prompt + args.n_gen, args.n_ubatch, args.overhead_gib)
+    plan = plan_budget(fp, int(args.budget_gib * GiB), args.n_prompt + args.n_gen + args.depth, args.n_ubatch,
+                       args.overhead_gib)
     rows = []
     out = Path(args.out)
     if args.append and out.exists():
@@ -502,7 +512,8 @@ def cmd_run(args) -> int:
         flags, ncmoe = placement_flags(placement, fp, plan)
         cmd = [args.bin, "-m", str(args.model), "-p", str(args.n_prompt), "-n", str(args.n_gen),
                "-r", str(args.reps), "-ub", str(args.n_ubatch), "-fa", "1", "-t", str(args.threads),
-               *flags, *load_mode_flags(args.load_mode, ncmoe), "-o", "json", *(args.extra or [])]
+               *flags, *load_mode_flags(args.load_mode, ncmoe), *depth_flags(args.depth, args.cache_type), "-o", "json",
+               *(args.extra or [])]
         if placement == "budget":
             print(f"budget {args.budget_gib} GiB -> n_cpu_moe {plan['n_cpu_moe']} "
                   f"({plan['gpu_expert_layers']}/{plan['moe_layers']} expert layers on the GPU, estimate "
@@ -571,6 +582,9 @@ def main(argv=None) -> int:
         a.add_argument("--n-gen", type=int, default=128)
         a.add_argument("--n-ubatch", type=int, default=512)
         a.add_argument("--overhead-gib", type=float, default=1.0)
+        a.add_argument("--depth", type=int, default=0, help="llama-bench -d: tokens already in the KV cache (the "
+                                                             "budget plan's context includes them)")
+        a.add_argument("--cache-type", default="f16", help="KV type: f16, q8_0, q4_0 or K,V (llama-bench -ctk/-ctv)")
         a.set_defaults(fn=fn)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -37,6 +37,9 @@ CASES = [
     ("moe-shared", "moe", dict(expert_slots=10, expert_pools="shared", kernels=Kernels(prefill_cached="on"))),
     ("moe-resident-grouped", "moe", dict(kernels=Kernels(moe_prefill="grouped"))),
     ("qtiny-offloaded", "qtiny", dict(expert_slots=24)),
+    # speculative decoding: verify passes over the split cache (lookup drafts; a draft model on the first card)
+    ("moe-lookup", "moe", dict(expert_slots=12, spec="lookup")),
+    ("moe-draft", "moe", dict(expert_slots=12, spec="draft:MOE")),
 ]
 
 
@@ -48,11 +51,14 @@ def main(out: str) -> None:
     arrays, meta = {}, {}
     for name, model, options in CASES:
         runs = {}
+        if options.get("spec") == "draft:MOE":
+            options = dict(options, spec=f"draft:{paths['moe']}")
         for label, devices in (("one", (0,)), ("two", (0, 1))):
             m = strata_jax.load(paths[model], ctx=128, prefill_chunk=16, devices=devices, **options)
             arrays[f"{name}/{label}/logits"] = np.asarray(m.logits(prompt))
-            g = m.generate(prompt, max_tokens=8, temperature=0, cache_prompt=False)
+            g = m.generate(prompt + prompt, max_tokens=12, temperature=0, cache_prompt=False)
             arrays[f"{name}/{label}/tokens"] = np.array(g.token_ids)
+            arrays[f"{name}/{label}/drafted"] = np.array(g.timings.get("draft_n") or 0)
             runs[label] = m
         two = runs["two"]
         meta[name] = {"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
@@ -106,7 +112,7 @@ def checked(path, budget: str = BUDGET) -> dict:
 def refused(path) -> dict:
     """What several devices refuse, by name: each option's error message."""
     out = {}
-    for what, options in (("kv_resident", dict(kv_resident=16)), ("spec", dict(spec="lookup")),
+    for what, options in (("kv_resident", dict(kv_resident=16)), ("spec", dict(spec="mtp")),
                           ("cache_state", dict(expert_slots=12, expert_cache_state=os.path.dirname(path))),
                           ("no_device", dict(devices=(0, 7)))):
         try:

@@ -365,6 +365,10 @@ def test_peer_command():
     only = peer.peer_command("b", "m.gguf", budget=32 * GiB, prefill_lens=[512], n_gen=16, reps=1, out="o.json",
                              placements=["budget"])
     assert only[only.index("--placement") + 1] == "budget"
+    deep = peer.peer_command("b", "m.gguf", budget=None, prefill_lens=[512], n_gen=16, reps=1, out="o.json",
+                             depth=16000, kv="q8_0")
+    assert deep[deep.index("--depth") + 1] == "16000" and deep[deep.index("--cache-type") + 1] == "q8_0"
+    assert "--depth" not in bare and "--cache-type" not in bare
 
 
 @pytest.mark.parametrize("value", ["lots", "100", "0"])

@@ -31,7 +31,8 @@ def probe(tmp_path_factory):
     return np.load(out), json.loads(out.with_suffix(".json").read_text())
 
 
-CASES = ("moe-resident", "moe-per-layer", "moe-shared", "moe-resident-grouped", "qtiny-offloaded")
+CASES = ("moe-resident", "moe-per-layer", "moe-shared", "moe-resident-grouped", "qtiny-offloaded", "moe-lookup",
+         "moe-draft")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -39,6 +40,8 @@ def test_two_cards_equal_one(probe, case):
     arrays, meta = probe
     np.testing.assert_allclose(arrays[f"{case}/two/logits"], arrays[f"{case}/one/logits"], rtol=1e-6, atol=1e-6)
     assert arrays[f"{case}/two/tokens"].tolist() == arrays[f"{case}/one/tokens"].tolist()
+    if "lookup" in case or "draft" in case:  # verify passes ran, the same on both
+        assert arrays[f"{case}/two/drafted"] == arrays[f"{case}/one/drafted"] > 0
     m = meta[case]
     # every pool split in two equal ranges, one per card; the dense weights on both
     assert all(d == [0, 1] for d in m["pool_devices"])
@@ -63,7 +66,7 @@ def test_metrics_report_each_card(probe):
     assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
 
 
-@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("spec", "--spec"),
+@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("spec", "--spec mtp"),
                                          ("cache_state", "--expert-cache-state"), ("no_device", "no device 7")])
 def test_what_two_cards_refuse_is_named(probe, what, words):
     msg = probe[1]["refused"][what]

@@ -91,6 +91,13 @@ def test_placement_flags(moe_gguf):
     assert lc.load_mode_flags("mmap", 3) == ["-lm", "mmap"]
 
 
+def test_depth_and_kv_type_flags():
+    """llama-bench's -d (KV already filled, as strata-jax decodes after its prompt) and -ctk/-ctv."""
+    assert lc.depth_flags(0, "f16") == []
+    assert lc.depth_flags(16000, "q8_0") == ["-d", "16000", "-ctk", "q8_0", "-ctv", "q8_0"]
+    assert lc.depth_flags(4096, "q8_0,q4_0") == ["-d", "4096", "-ctk", "q8_0", "-ctv", "q4_0"]
+
+
 def test_experts_regex_is_llama_cpp_s():
     # LLM_FFN_EXPS_REGEX of common/common.h: \.ffn_(up|down|gate|gate_up)_(ch|)exps
     for name in ("blk.0.ffn_up_exps.weight", "blk.12.ffn_gate_up_exps.weight", "blk.3.ffn_down_chexps.weight"):

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-resident", default=None, type=int, metavar="N",
                    help="KV streaming in every configuration: N positions of each attention layer's cache on the "
                         "device, the rest in pinned host memory (load's --kv-resident); rows carry kv_vram_hit")
+    p.add_argument("--devices", default=None, metavar="0,1",
+                   help="the devices every configuration splits its expert cache over (load's --devices; "
+                        "--vram-budget is per card); rows carry `devices` and per-card misses")
     p.add_argument("--routing", choices=["model", "realistic"], action="append", default=None,
                    help="model: the random routers; realistic: every configuration replays the same "
                         "realistic_trace(QWEN3_30B_A3B, seed 0) at this shape. Repeat for both (default model)")
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-placement", action="append", choices=list(PEER_PLACEMENTS), default=None,
                    help="llama.cpp placements to run (repeatable; default all three, budget only with "
                         "--vram-budget)")
+    p.add_argument("--peer-depth", action="store_true",
+                   help="llama-bench decodes (and prefills) after --prompt-len tokens already in its KV cache (-d), "
+                        "as these rows decode after the prompt, with --kv's type (-ctk/-ctv): long-context rows")
     p.add_argument("--peer-reps", type=_positive, default=3)
     p.add_argument("--peer-threads", type=_positive, default=None)
     p.add_argument("--spec", default=None, metavar="{lookup,mtp,draft:PATH}",
@@ -164,6 +170,8 @@ def _child_resident(args, path: str, shape: str, ctx: int) -> list[dict]:
     if args.prefill_chunk:
         argv += ["--prefill-chunk", str(args.prefill_chunk)]
     argv += ["--layer-scan", args.layer_scan]
+    if args.devices:
+        argv += ["--devices", args.devices]
     if args.spec:
         argv += ["--spec", args.spec, "--spec-max", str(args.spec_max)]
     log.info("resident reference in a child process without the VRAM cap: %s", shlex.join(argv))
@@ -214,7 +222,8 @@ def run(args, argv: list[str]) -> dict:
     def run_peer():
         res.add(peer.run_peer(args.peer_llama_bench, path, budget=budget, prefill_lens=args.prefill_len or [512],
                               n_gen=args.tokens, reps=args.peer_reps, threads=args.peer_threads,
-                              wait_s=args.peer_wait, placements=args.peer_placement))
+                              wait_s=args.peer_wait, placements=args.peer_placement,
+                              depth=args.prompt_len if args.peer_depth else 0, kv=args.kv))
 
     peer_when = None
     if args.peer_llama_bench and not args.resident_only:
@@ -250,6 +259,7 @@ def run(args, argv: list[str]) -> dict:
                      conf.name, f"{need / 2**30:.1f} GiB")
             continue
         rows = run_config(path, conf, ctx=ctx, dtype=args.dtype, kv=args.kv, kv_resident=args.kv_resident,
+                          devices=args.devices,
                           routings=args.routing, traces=traces,
                           prompt=prompt, long_prompts=long_prompts, n_tokens=args.tokens, mb=mb, probes=probes,
                           skip_if_resident=conf.kind == "budget" and has_resident,
@@ -279,7 +289,7 @@ def check_engine_options(args) -> None:
 
     for depth in args.prefetch_depth:
         EngineConfig.create(flags=True, ctx=args.ctx, dtype=args.dtype, kv=args.kv, kv_resident=args.kv_resident,
-                            decode_chunk=args.decode_chunk,
+                            decode_chunk=args.decode_chunk, devices=args.devices,
                             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
                             vram_budget=args.vram_budget, policy=args.policy, prefetch=depth,
                             layer_scan=args.layer_scan, expert_fetch=args.expert_fetch, spec=args.spec,

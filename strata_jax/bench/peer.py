@@ -41,7 +41,7 @@ def fits_after(model_bytes: int, total_bytes: int | None, cap_fraction: float | 
 
 def peer_command(binary: str, model: str, *, budget: int | None, prefill_lens: list[int], n_gen: int, reps: int,
                  out: str, threads: int | None = None, script: Path = LLAMACPP_SCRIPT,
-                 placements: list[str] | None = None) -> list[str]:
+                 placements: list[str] | None = None, depth: int = 0, kv: str = "f16") -> list[str]:
     placements = [p for p in (placements or PEER_PLACEMENTS) if p != "budget" or budget]
     # the longest prompt is llama-bench's main -p, so the budget plan's context covers it; the others
     # ride along as extra -p values (llama-bench appends repeated -p lists) and come back in "raw"
@@ -50,6 +50,10 @@ def peer_command(binary: str, model: str, *, budget: int | None, prefill_lens: l
            "--n-prompt", str(lens[-1]), "--n-gen", str(n_gen), "--reps", str(reps), "--raw", "--out", out]
     if budget:
         cmd += ["--budget-gib", f"{budget / GiB:g}"]
+    if depth:  # llama-bench -d: prefill and decode after this many tokens in the cache
+        cmd += ["--depth", str(depth)]
+    if kv != "f16":
+        cmd += ["--cache-type", kv]
     if threads:
         cmd += ["--threads", str(threads)]
     if len(lens) > 1:
@@ -94,7 +98,8 @@ def wait_for_binary(binary: str, seconds: float) -> bool:
 
 
 def run_peer(binary: str, model: str, *, budget: int | None, prefill_lens: list[int], n_gen: int, reps: int,
-             threads: int | None = None, wait_s: float = 0, placements: list[str] | None = None) -> list[dict]:
+             threads: int | None = None, wait_s: float = 0, placements: list[str] | None = None, depth: int = 0,
+             kv: str = "f16") -> list[dict]:
     if not wait_for_binary(binary, wait_s):
         log.error("peer: %s is not an executable; no llama.cpp rows", binary)
         return [{"engine": "llama.cpp", "error": f"{binary}: no such executable"}]
@@ -104,7 +109,7 @@ def run_peer(binary: str, model: str, *, budget: int | None, prefill_lens: list[
     fd, out = tempfile.mkstemp(prefix="llama-peer-", suffix=".json")
     os.close(fd)
     cmd = peer_command(binary, model, budget=budget, prefill_lens=prefill_lens, n_gen=n_gen, reps=reps, out=out,
-                       threads=threads, placements=placements)
+                       threads=threads, placements=placements, depth=depth, kv=kv)
     log.info("peer: %s", " ".join(cmd))
     proc = subprocess.run(cmd)  # its progress goes straight to our stdout/stderr
     try:

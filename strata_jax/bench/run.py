@@ -149,7 +149,7 @@ def _error(stage: str, e: Exception) -> str:
 
 def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt, long_prompts, n_tokens, mb,
                probes, skip_if_resident: bool = False, kv: str = "f16", spec=((), ()),
-               kv_resident: int | None = None) -> list[dict]:
+               kv_resident: int | None = None, devices: str | None = None) -> list[dict]:
     """Rows for one configuration, one per routing mode. A failure is recorded in its row ('error', or
     'prefill_errors' per prompt length beside the decode figures) and the model is loaded afresh for the
     next mode (a failed step loses its donated state): a one-shot GPU sitting must not lose the rest.
@@ -162,7 +162,7 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             "cache_fraction": conf.cache_fraction, "policy": conf.load_kw.get("policy"),
             "prefetch_depth": conf.load_kw.get("prefetch", 0),
             "layer_scan": conf.load_kw.get("layer_scan", "on"), "vram_budget_bytes": conf.load_kw.get("vram_budget"),
-            "kv": kv, "kv_resident": kv_resident}
+            "kv": kv, "kv_resident": kv_resident, "devices": devices}
     rows, model, first = [], None, True
     for routing in routings:
         row = dict(base, routing=routing)
@@ -172,7 +172,7 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
             t0 = time.perf_counter()
             try:
                 model = strata_jax.load(path, ctx=ctx, dtype=dtype, kv=kv, kv_resident=kv_resident,
-                                        **conf.load_kw).wait_loaded()
+                                        devices=devices, **conf.load_kw).wait_loaded()
             except Exception as e:  # noqa: BLE001 - out-of-memory is an XlaRuntimeError, sizing a StrataError
                 log.exception("%s: load failed", conf.name)
                 row["error"] = _error("load", e)
@@ -214,6 +214,8 @@ def run_config(path, conf: Config, *, ctx: int, dtype, routings, traces, prompt,
         row["device_peak_bytes"] = device_peak_bytes()
         if model is not None and model.kv_stats():  # --kv-resident: the KV cells read from VRAM, decode and prefill
             row["kv_vram_hit"] = model.kv_stats()["kv_vram_hit"]
+        if model is not None and model.stats().get("cards"):  # several devices: each card's slots and misses
+            row["cards"] = model.stats()["cards"]
     del model
     gc.collect()
     return rows

@@ -296,9 +296,9 @@ class Model:
         # the device, or every card of the mesh
         self.cards = cards.mesh(self.devices) if len(self.devices) > 1 else None
         self.placement = self.device if self.cards is None else cards.replicated(self.cards)
-        config = config.check_model(cfg).resolved(self.device.platform)
         if self.cards is not None:
             _check_cards(config, cfg)
+        config = config.check_model(cfg).resolved(self.device.platform)
         self.dtype = jnp.dtype(config.dtype).type
         if runtime.applied and self.device.platform == "gpu":
             log.info("XLA: %s (expert-miss loops run as CUDA graph nodes, no host sync per iteration; "
@@ -678,7 +678,7 @@ def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
     if not cfg.is_moe:
         raise ConfigError(f"several devices split the expert cache, and {cfg.arch} has no experts: run it on one "
                           "(--devices 0).")
-    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.spec is not None, "--spec"),
+    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.spec == "mtp", "--spec mtp"),
                      (config.ple_table == "host", "--ple-table host")):
         if on:
             raise ConfigError(f"{what} does not run on several devices yet: drop it, or run on one (--devices 0).")

@@ -66,7 +66,7 @@ def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = 
         n_experts=spec.n_experts, min_slots_per_pool=_min_slots(spec, batch_rows),
         fixed_bytes=fixed_bytes * cards, expert_slots=expert_slots, vram_budget=_times(vram_budget, cards, "vram_budget"),
         vram_reserve=_times(vram_reserve, cards, "vram_reserve"), free_bytes=free_bytes)
-    return plan if cards == 1 else split_plan(plan, spec, cards)
+    return plan if cards == 1 else split_plan(plan, spec, cards, batch_rows)
 
 
 def expert_floor_bytes(spec: ExpertSpec, *, expert_pools: str = "per-layer", batch_rows: int = 1,
@@ -123,7 +123,8 @@ class OffloadManager:
             spec, fixed_bytes=fixed_bytes, expert_pools=expert_pools, batch_rows=batch_rows,
             expert_slots=expert_slots, vram_budget=vram_budget, vram_reserve=vram_reserve,
             free_bytes=_free_bytes(self.device, cards), cards=n)
-        log.info(describe(self.plan))
+        log.info(describe(self.plan) + ("" if cards is None else f"; split over {n} cards ({self.plan.n_slots // n:,} "
+                                        f"slots each: {', '.join(str(d) for d in cards.devices.flat)})"))
         self.expert_pools = expert_pools
         if not self.plan.resident:
             sizes = sorted(set(self.plan.slots_per_pool))
@@ -400,7 +401,7 @@ def _free_bytes(device, mesh: Mesh | None) -> int | None:
     return None if any(f is None for f in free) else min(free) * len(free)
 
 
-def split_plan(plan: CachePlan, spec: ExpertSpec, n: int) -> CachePlan:
+def split_plan(plan: CachePlan, spec: ExpertSpec, n: int, batch_rows: int = 1) -> CachePlan:
     """A plan whose pools split evenly over n cards: each offloading pool's slots rounded down to a multiple
     of n (up where that leaves fewer than a step needs); every expert resident needs each resident pool's
     rows (layers x experts) to divide by n."""
@@ -410,6 +411,6 @@ def split_plan(plan: CachePlan, spec: ExpertSpec, n: int) -> CachePlan:
                 raise ConfigError(f"{len(layers)} layers x {spec.n_experts} experts do not split over {n} cards: "
                                   "use a number of cards that divides them, or --expert-slots to offload.")
         return plan
-    floor = _min_slots(spec, 1)
+    floor = _min_slots(spec, batch_rows)
     slots = tuple(max(s - s % n, -(-floor // n) * n) for s in plan.slots_per_pool)
-    return dataclasses.replace(plan, slots_per_pool=slots)
+    return dataclasses.replace(plan, slots_per_pool=slots, expert_cache_bytes=int(sum(slots) * plan.avg_expert_bytes))
