@@ -27,6 +27,10 @@ from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=3, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                     vocab_size=512, qtype="Q8_0", seed=11)
 
+# the prefill's groups of experts: 4 of MOE's 8 at a chunk of 16 (or 8) tokens in float32, so two groups a layer
+# and each card streams and multiplies one (model/layers/moe.py _prefill_experts)
+SPLIT_GROUP_BYTES = 500_000
+
 BUDGET = "1029.6MiB"  # per card, 1 GiB of it reserved: the moe model offloads on one card, fits on two
 
 # (name, model, options): resident; offloaded with a cache per layer and with one shared pool (the
@@ -40,17 +44,30 @@ CASES = [
     # speculative decoding: verify passes over the split cache (lookup drafts; a draft model on the first card)
     ("moe-lookup", "moe", dict(expert_slots=12, spec="lookup")),
     ("moe-draft", "moe", dict(expert_slots=12, spec="draft:MOE")),
+    ("moe-blocked", "moe", dict(expert_slots=12, kernels=Kernels(moe_prefill="blocked"))),
 ]
 
 
 def main(out: str) -> None:
     assert len(jax.devices()) >= 2, jax.devices()
+    from strata_jax.core import cards
+    from strata_jax.model.layers import moe
+
+    group_bytes, moe.PREFILL_GROUP_BYTES = moe.PREFILL_GROUP_BYTES, SPLIT_GROUP_BYTES  # read at trace time
+    on_every_card, splits = cards.on_every_card, []
+
+    def counted(*args):  # a prefill cut over the cards, traced
+        splits.append(1)
+        return on_every_card(*args)
+
+    cards.on_every_card = counted
     paths = {"moe": write_synthetic_gguf(os.path.join(os.path.dirname(out), "moe.gguf"), MOE),
              "qtiny": synthetic_model_path("qtiny")}
     prompt = list(range(3, 40))
     arrays, meta = {}, {}
     for name, model, options in CASES:
         runs = {}
+        splits.clear()
         if options.get("spec") == "draft:MOE":
             options = dict(options, spec=f"draft:{paths['moe']}")
         for label, devices in (("one", (0,)), ("two", (0, 1))):
@@ -61,15 +78,17 @@ def main(out: str) -> None:
             arrays[f"{name}/{label}/drafted"] = np.array(g.timings.get("draft_n") or 0)
             runs[label] = m
         two = runs["two"]
-        meta[name] = {"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
+        meta[name] = {"split_traces": len(splits),"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
                       "cards": two.experts.card_stats(),
                       "pool_devices": [sorted(d.id for d in p.data.sharding.device_set)
                                        for p in two.experts.slots.pools],
                       "pool_shards": [[s.data.shape[0] for s in p.data.addressable_shards]
                                       for p in two.experts.slots.pools],
                       "param_devices": sorted({d.id for x in jax.tree.leaves(two.params) for d in x.sharding.device_set})}
+    moe.PREFILL_GROUP_BYTES, cards.on_every_card = group_bytes, on_every_card  # the planner reads it too
     meta["served"] = served(paths["moe"])
     meta["checked"] = checked(paths["moe"])
+    meta["warm"] = warm(paths["moe"], os.path.join(os.path.dirname(out), "state"))
     meta["refused"] = refused(paths["moe"])
     np.savez(out, **arrays)
     with open(out.replace(".npz", ".json"), "w") as f:
@@ -109,11 +128,24 @@ def checked(path, budget: str = BUDGET) -> dict:
             "one_slots": one.experts.plan.n_slots, "two_cards": two.stats()["cards"]}
 
 
+def warm(path, state: str) -> dict:
+    """A two-card cache saved, then loaded warm on two cards: each card refills its own slots; the same prompt
+    then misses less and decodes the same tokens."""
+    prompt, kw = list(range(3, 40)), dict(ctx=128, prefill_chunk=16, devices=(0, 1), expert_slots=12)
+    cold = strata_jax.load(path, **kw)
+    a = cold.generate(prompt, max_tokens=8, temperature=0)
+    cold.save_expert_cache(state)
+    again = strata_jax.load(path, expert_cache_state=state, **kw)
+    owned = [int(np.sum(np.asarray(c.owner_X) >= 0)) for c in again.experts.slots.caches]
+    b = again.generate(prompt, max_tokens=8, temperature=0)
+    return {"same": a.token_ids == b.token_ids, "cold_misses": cold.stats()["misses"],
+            "warm_misses": again.stats()["misses"], "owned": owned, "cards": again.stats()["cards"]}
+
+
 def refused(path) -> dict:
     """What several devices refuse, by name: each option's error message."""
     out = {}
     for what, options in (("kv_resident", dict(kv_resident=16)), ("spec", dict(spec="mtp")),
-                          ("cache_state", dict(expert_slots=12, expert_cache_state=os.path.dirname(path))),
                           ("no_device", dict(devices=(0, 7)))):
         try:
             strata_jax.load(path, ctx=128, devices=options.pop("devices", (0, 1)), **options)

@@ -57,6 +57,9 @@ class OnePool:
         start = moe_idx * self.n_experts + first_expert
         return ExpertRows(jax.lax.dynamic_slice_in_dim(self.rows.data, start, n, axis=0), self.rows.parts)
 
+    def card_streamer(self, moe_idx, cached=False):
+        return None
+
     def layer(self, moe_idx):
         return ExpertRows(self.rows.data[moe_idx * self.n_experts:(moe_idx + 1) * self.n_experts], self.rows.parts)
 

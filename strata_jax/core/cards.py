@@ -91,3 +91,18 @@ def fetch_rows(m: Mesh, data_XP: jax.Array, copy: Callable, slot_U: jax.Array, m
         return copy(data, slot, miss & own, *rest)
 
     return _on_cards(m, local, (True, False, False) + (False,) * len(rest), True, data_XP, slot_U, miss_U, *rest)
+
+
+def on_every_card(m: Mesh, fn: Callable, *args):
+    """fn(card, n_cards, *args) on every card, every argument and the result replicated: work cut by the
+    card's index (a prefill's groups of experts, each card streaming its share over its own link), joined
+    inside fn by `total`."""
+    def local(*args):
+        return fn(jax.lax.axis_index(AXIS), m.size, *args)
+
+    return jax.shard_map(local, mesh=m, in_specs=P(), out_specs=P(), check_vma=False)(*args)
+
+
+def total(x: jax.Array) -> jax.Array:
+    """Inside on_every_card: the sum of x over the cards."""
+    return jax.lax.psum(x, AXIS)

@@ -229,6 +229,10 @@ class ExpertProvider(Protocol):
     def layer(self, moe_idx: int) -> ExpertRows:
         """All E experts of the layer on the device, row e = expert e."""
 
+    def card_streamer(self, moe_idx: int, cached: bool = False) -> tuple[Any, "ExpertProvider"] | None:
+        """Where a many-token step's streamed groups can be cut over several cards (core/cards.py): the mesh
+        and a provider reduced to what `group` needs, an operand every card takes whole; None elsewhere."""
+
     def count(self, moe_idx: int, **values: jax.Array) -> "ExpertProvider":
         """The provider with values added to its counters of this layer (ExpertCounters.add)."""
 

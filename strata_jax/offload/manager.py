@@ -101,9 +101,6 @@ class OffloadManager:
         # several cards (core/cards.py): the mesh whose cards split the slot pools; budgets are per card
         self.cards = cards
         n = 1 if cards is None else cards.size
-        if cards is not None and cache_state is not None:
-            raise ConfigError("expert_cache_state cannot warm a cache split over several cards yet: drop "
-                              "--expert-cache-state, or run on one card (--devices 0).")
         self.spec = spec
         self.policy = get_policy(policy)
         if isinstance(prefetch, bool) or prefetch is None:
@@ -245,13 +242,14 @@ class OffloadManager:
             else:
                 store = _with_addr(store, lambda s: hostrows.addresses(s.groups, self.device))
         slots = self._experts.table
-        if self._saved is not None:
-            slots = jax.device_put(restore_slot_table(self._cache_state, self._saved, slots, store), self.device)
-            self._saved = None
         self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
         if self.cards is not None:  # the arrays stay here (the kernels read them); the steps take their addresses
             self._host_store = store
             store = _with_addr(store, lambda s: self._place(s.addr)).addressed()
+        if self._saved is not None:  # each card fills its own slots (by the fetch kernel on several)
+            caches, saved = self._saved
+            slots = self._place_table(restore_slot_table(self._cache_state, (self._place(caches), saved), slots, store))
+            self._saved = None
         row_bytes = self.spec.bytes_per_expert(0)
         log.info("in-step expert fetch (%s): %.0f us per expert of %s (%.1f GB/s host->device)",
                  "kernel" if self.fetch_kernel else "loop", self.fetch_s * 1e6, fmt_bytes(row_bytes),

@@ -140,6 +140,15 @@ class SlotExperts:
         plan = Plan(ids_n, jnp.arange(n, dtype=jnp.int32), slot_n < 0, jnp.full((n,), -1, jnp.int32))
         return fetch_misses(rows, self.store, moe_idx, plan)
 
+    def card_streamer(self, moe_idx, cached: bool = False):
+        """Offloaded over several cards, streaming (not reading cached slots): the mesh and this provider
+        with only its store (the fetch kernel's addresses), for each card to stream its share of the groups."""
+        pool = self.table.pool(moe_idx)
+        if self.resident or cached or pool.cards is None:
+            return None
+        return pool.cards, self.replace(table=self.table.replace(pools=(), caches=()), counters=None, pending_keys=(),
+                                        pending=(), uses_ME=None, card_misses_C=None)
+
     def layer(self, moe_idx) -> ExpertRows:
         if self.resident:
             E = self.table.n_experts

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.core import cards
+from strata_jax.core.layer_ref import LayerRef
 from strata_jax.core.experts import ExpertProvider, ExpertRows, unique_ids
 from strata_jax.gguf.quant import dequant
 from strata_jax.model import qmatvec
@@ -184,7 +185,7 @@ def _group_weights(experts: ExpertProvider, moe_idx: int, first: jax.Array, n: i
 
 
 def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
-                   cfg: ModelConfig | None = None, bias=None, cached: bool = False):
+                   cfg: ModelConfig | None = None, bias=None, cached: bool = False, part=None):
     """Every token through every expert, weighted by its routing weight (zero where it did not route):
     E/k times the multiply-adds of the routed products, but as large plain GEMMs, deterministic (each
     weight lands on zero once), and in bounded memory: a scan over groups of experts (_prefill_group)
@@ -196,13 +197,15 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
     the host store in that step, so the device holds one group's bytes, never the layer's (a whole
     streamed layer per MoE layer could be copied early for every layer at once and exhaust memory).
     cfg, bias: the experts' activation (expert_glu) and biases (MoEParams.expert_bias); a down bias
-    is weighted by the routing weight as its expert's output is."""
+    is weighted by the routing weight as its expert's output is.
+    part: (card, cards, total) on several cards (_prefill_experts): this card's share of the groups."""
     N = x_ND.shape[0]
     f32 = jnp.float32
     combine_NE = jnp.zeros((N, n_experts), f32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk)
-    J = _prefill_group(N, n_experts, ffn_dim, x_ND.shape[1], dtype)
+    J = _group_size(_experts_dense, N, ids_Nk.shape[1], n_experts, ffn_dim, x_ND.shape[1], dtype)
     first_C = jnp.arange(0, n_experts, J, dtype=jnp.int32)  # C groups of J consecutive experts
     combine_CNJ = combine_NE.reshape(N, -1, J).transpose(1, 0, 2)
+    first_C, combine_CNJ = _share(part, first_C, combine_CNJ)
 
     def group(acc_ND, xs):
         first, combine_NJ = xs
@@ -215,11 +218,11 @@ def _experts_dense(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dt
             acc_ND = acc_ND + jnp.einsum("ng,gd->nd", combine_NJ, bd, precision="highest")
         return acc_ND, None
 
-    return jax.lax.scan(group, jnp.zeros((N, x_ND.shape[1]), f32), (first_C, combine_CNJ))[0]
+    return _total(part, jax.lax.scan(group, jnp.zeros((N, x_ND.shape[1]), f32), (first_C, combine_CNJ))[0])
 
 
 def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, dtype, n_experts: int, ffn_dim: int,
-                     cfg: ModelConfig | None = None, bias=None, cached: bool = False):
+                     cfg: ModelConfig | None = None, bias=None, cached: bool = False, part=None):
     """Every (token, expert) pair computed once, within the dense path's scan over streamed groups of
     experts: the pairs sorted by expert, each expert of a group multiplies a block of up to `cap` of its
     rows (one batched GEMM over the group's experts), and a group holding a busier expert takes more
@@ -233,8 +236,8 @@ def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, 
     sizes_E = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     starts_E = jnp.cumsum(sizes_E) - sizes_E
     tok_P, w_P = (order // k).astype(jnp.int32), w_Nk.reshape(-1)[order]
-    cap = min(N, 8 * -(-2 * P // (8 * n_experts)))
-    J = _prefill_group(cap, n_experts, ffn_dim, D, dtype)
+    cap = _block_rows(N, k, n_experts)
+    J = _group_size(_experts_blocked, N, k, n_experts, ffn_dim, D, dtype)
 
     def group(y_PD, first):
         (g_JFD, u_JFD, d_JDF), (bg, bu, bd) = _group_weights(experts, moe_idx, first, J, dtype, bias, cached)
@@ -257,9 +260,52 @@ def _experts_blocked(x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx: int, 
 
         return jax.lax.fori_loop(0, (jnp.max(size_J) + cap - 1) // cap, block, y_PD), None
 
-    first_C = jnp.arange(0, n_experts, J, dtype=jnp.int32)
-    y_PD = jax.lax.scan(group, jnp.zeros((P, D), f32), first_C)[0]
+    first_C, = _share(part, jnp.arange(0, n_experts, J, dtype=jnp.int32))
+    y_PD = _total(part, jax.lax.scan(group, jnp.zeros((P, D), f32), first_C)[0])  # each pair's row from one card
     return _sum_pairs(y_PD, order, N, k)
+
+
+def _block_rows(N: int, k: int, n_experts: int) -> int:
+    """_experts_blocked's rows per block of an expert: twice the mean rows per expert, a multiple of 8."""
+    return min(N, 8 * -(-2 * N * k // (8 * n_experts)))
+
+
+def _group_size(impl, N: int, k: int, n_experts: int, ffn_dim: int, d_model: int, dtype) -> int:
+    """Experts per step of a prefill formulation's scan over groups."""
+    rows = _block_rows(N, k, n_experts) if impl is _experts_blocked else N
+    return _prefill_group(rows, n_experts, ffn_dim, d_model, dtype)
+
+
+def _share(part, *xs):
+    """This card's share of a scan's groups (leading axis cut into `cards` equal parts), or all of them."""
+    if part is None:
+        return xs
+    card, n, _ = part
+    return tuple(jax.lax.dynamic_index_in_dim(x.reshape(n, -1, *x.shape[1:]), card, 0, keepdims=False) for x in xs)
+
+
+def _total(part, x):
+    return x if part is None else part[2](x)
+
+
+def _prefill_experts(impl, x_ND, w_Nk, ids_Nk, experts: ExpertProvider, moe_idx, dtype, n_experts: int,
+                     ffn_dim: int, cfg: ModelConfig, bias, cached: bool):
+    """A many-token formulation over groups of experts (dense or blocked). Offloaded over several cards
+    (core/cards.py), each card streams and multiplies its share of the groups over its own PCIe link and one
+    sum over the cards joins them; where the groups do not divide by the cards, every card runs them all."""
+    split = experts.card_streamer(moe_idx, cached)
+    N, k = ids_Nk.shape
+    if split is None or n_experts // _group_size(impl, N, k, n_experts, ffn_dim, x_ND.shape[1], dtype) % split[0].size:
+        return impl(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, n_experts, ffn_dim, cfg, bias, cached)
+    mesh, streamer = split
+    at = moe_idx.at if isinstance(moe_idx, LayerRef) else None  # a scanned run's traced layer, as an operand
+
+    def local(card, n, x_ND, w_Nk, ids_Nk, streamer, bias, at):
+        idx = moe_idx if at is None else LayerRef(moe_idx.ids, at)
+        return impl(x_ND, w_Nk, ids_Nk, streamer, idx, dtype, n_experts, ffn_dim, cfg, bias, False,
+                    part=(card, n, cards.total))
+
+    return cards.on_every_card(mesh, local, x_ND, w_Nk, ids_Nk, streamer, bias, at)
 
 
 def _experts_grouped(x_ND, w_Nk, ids_Nk, rows_E: ExpertRows, dtype, n_experts: int, cfg: ModelConfig | None = None,
@@ -348,7 +394,8 @@ def moe_block(
         cached = kernels.prefill_cached == "on" and impl is not _experts_grouped  # Kernels.prefill_cached
         experts = experts.stream(moe_idx, cached)
         if impl is not _experts_grouped:
-            out_ND = impl(x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg, bias, cached)
+            out_ND = _prefill_experts(impl, x_ND, w_Nk, ids_Nk, experts, moe_idx, dtype, E, cfg.expert_ffn_dim, cfg,
+                                      bias, cached)
         else:
             out_ND = _experts_grouped(x_ND, w_Nk, ids_Nk, experts.layer(moe_idx), dtype, E, cfg, bias)
     if predicted_Nk is not None:
