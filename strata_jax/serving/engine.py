@@ -384,8 +384,8 @@ class Engine:
                 continue
             del self._active[row]
             self.telemetry.finished(chunk.timings)
+            self._snapshot(session)  # before the last event: a scrape right after the response counts the request
             job.emit(Event("final", chunk, expert_cache=self._expert_since(self.model, job.expert_base), index=index))
-            self._snapshot(session)
 
     def _reap_cancelled(self, session: Any) -> None:
         """Free the rows of jobs whose clients went away, before their next token."""
