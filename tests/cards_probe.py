@@ -45,6 +45,8 @@ CASES = [
     ("moe-lookup", "moe", dict(expert_slots=12, spec="lookup")),
     ("moe-draft", "moe", dict(expert_slots=12, spec="draft:MOE")),
     ("moe-blocked", "moe", dict(expert_slots=12, kernels=Kernels(moe_prefill="blocked"))),
+    # MTP drafting: the converted tiny glm4moe with its MTP block (tests/reference_models.py), offloaded
+    ("glm4moe-mtp", "glm4moe", dict(expert_slots=6, spec="mtp", spec_max=3, dtype="float32")),
 ]
 
 
@@ -61,7 +63,10 @@ def main(out: str) -> None:
         return on_every_card(*args)
 
     cards.on_every_card = counted
+    from reference_models import glm4moe_model
+
     paths = {"moe": write_synthetic_gguf(os.path.join(os.path.dirname(out), "moe.gguf"), MOE),
+             "glm4moe": glm4moe_model("f32").gguf_path,
              "qtiny": synthetic_model_path("qtiny")}
     prompt = list(range(3, 40))
     arrays, meta = {}, {}
@@ -145,7 +150,7 @@ def warm(path, state: str) -> dict:
 def refused(path) -> dict:
     """What several devices refuse, by name: each option's error message."""
     out = {}
-    for what, options in (("kv_resident", dict(kv_resident=16)), ("spec", dict(spec="mtp")),
+    for what, options in (("kv_resident", dict(kv_resident=16)), ("ple_table", dict(ple_table="host")),
                           ("no_device", dict(devices=(0, 7)))):
         try:
             strata_jax.load(path, ctx=128, devices=options.pop("devices", (0, 1)), **options)

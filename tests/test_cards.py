@@ -32,7 +32,7 @@ def probe(tmp_path_factory):
 
 
 CASES = ("moe-resident", "moe-per-layer", "moe-shared", "moe-resident-grouped", "qtiny-offloaded", "moe-lookup",
-         "moe-draft", "moe-blocked")
+         "moe-draft", "moe-blocked", "glm4moe-mtp")
 
 
 SPLIT, WHOLE = ("moe-per-layer", "moe-blocked"), ("moe-resident", "moe-resident-grouped", "moe-shared")
@@ -44,7 +44,7 @@ def test_two_cards_equal_one(probe, case):
     # equal but for the order of a sum: a split prefill adds each card's groups, then the cards'
     np.testing.assert_allclose(arrays[f"{case}/two/logits"], arrays[f"{case}/one/logits"], rtol=1e-5, atol=1e-5)
     assert arrays[f"{case}/two/tokens"].tolist() == arrays[f"{case}/one/tokens"].tolist()
-    if "lookup" in case or "draft" in case:  # verify passes ran, the same on both
+    if "lookup" in case or "draft" in case or "mtp" in case:  # verify passes ran, the same on both
         assert arrays[f"{case}/two/drafted"] == arrays[f"{case}/one/drafted"] > 0
     m = meta[case]
     # every pool split in two equal ranges, one per card; the dense weights on both
@@ -75,7 +75,7 @@ def test_metrics_report_each_card(probe):
     assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
 
 
-@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("spec", "--spec mtp"),
+@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("ple_table", "--ple-table host"),
                                          ("no_device", "no device 7")])
 def test_what_two_cards_refuse_is_named(probe, what, words):
     msg = probe[1]["refused"][what]

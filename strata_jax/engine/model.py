@@ -225,7 +225,7 @@ def _check_mtp(gguf: GGUFFile, cfg: ModelConfig) -> None:
 
 def _with_mtp_experts(params, gguf: GGUFFile, loader: WeightLoader, device):
     """params with the MTP block's routed experts resident in a provider of their own (--spec mtp:
-    model/mtp.py)."""
+    model/mtp.py); device: a device, or every card's (replicated: the block is one layer)."""
     cfg = loader.cfg
     nx = params.nextn[0]
     if nx.block.moe is None:
@@ -372,7 +372,7 @@ class Model:
                                           promote_after=config.promote_after, cards=self.cards)
             loader.bytes_loaded += self.experts.device_bytes
         if config.spec == "mtp":
-            self.params = _with_mtp_experts(self.params, gguf, loader, self.device)
+            self.params = _with_mtp_experts(self.params, gguf, loader, self.placement)
         self.layer_runs = _layer_runs(self.params, cfg, self.experts, config.layer_scan)
         if self.layer_runs is not None:
             self.params = self.params.replace(layers=runs.stack_layers(self.params.layers, self.layer_runs, free=True))
@@ -678,8 +678,7 @@ def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
     if not cfg.is_moe:
         raise ConfigError(f"several devices split the expert cache, and {cfg.arch} has no experts: run it on one "
                           "(--devices 0).")
-    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.spec == "mtp", "--spec mtp"),
-                     (config.ple_table == "host", "--ple-table host")):
+    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.ple_table == "host", "--ple-table host")):
         if on:
             raise ConfigError(f"{what} does not run on several devices yet: drop it, or run on one (--devices 0).")
 
