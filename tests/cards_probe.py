@@ -45,6 +45,8 @@ CASES = [
     ("moe-lookup", "moe", dict(expert_slots=12, spec="lookup")),
     ("moe-draft", "moe", dict(expert_slots=12, spec="draft:MOE")),
     ("moe-blocked", "moe", dict(expert_slots=12, kernels=Kernels(moe_prefill="blocked"))),
+    # KV streaming: the cache past 16 positions in host memory, which both cards read and write by address
+    ("moe-kv-stream", "moe", dict(expert_slots=12, kv="q8_0", kv_resident=16)),
     # MTP drafting: the converted tiny glm4moe with its MTP block (tests/reference_models.py), offloaded
     ("glm4moe-mtp", "glm4moe", dict(expert_slots=6, spec="mtp", spec_max=3, dtype="float32")),
 ]
@@ -150,7 +152,7 @@ def warm(path, state: str) -> dict:
 def refused(path) -> dict:
     """What several devices refuse, by name: each option's error message."""
     out = {}
-    for what, options in (("kv_resident", dict(kv_resident=16)), ("ple_table", dict(ple_table="host")),
+    for what, options in (("ple_table", dict(ple_table="host")),
                           ("no_device", dict(devices=(0, 7)))):
         try:
             strata_jax.load(path, ctx=128, devices=options.pop("devices", (0, 1)), **options)

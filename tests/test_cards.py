@@ -32,7 +32,7 @@ def probe(tmp_path_factory):
 
 
 CASES = ("moe-resident", "moe-per-layer", "moe-shared", "moe-resident-grouped", "qtiny-offloaded", "moe-lookup",
-         "moe-draft", "moe-blocked", "glm4moe-mtp")
+         "moe-draft", "moe-blocked", "glm4moe-mtp", "moe-kv-stream")
 
 
 SPLIT, WHOLE = ("moe-per-layer", "moe-blocked"), ("moe-resident", "moe-resident-grouped", "moe-shared")
@@ -75,7 +75,7 @@ def test_metrics_report_each_card(probe):
     assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
 
 
-@pytest.mark.parametrize("what, words", [("kv_resident", "--kv-resident"), ("ple_table", "--ple-table host"),
+@pytest.mark.parametrize("what, words", [("ple_table", "--ple-table host"),
                                          ("no_device", "no device 7")])
 def test_what_two_cards_refuse_is_named(probe, what, words):
     msg = probe[1]["refused"][what]

@@ -678,7 +678,7 @@ def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
     if not cfg.is_moe:
         raise ConfigError(f"several devices split the expert cache, and {cfg.arch} has no experts: run it on one "
                           "(--devices 0).")
-    for on, what in ((config.kv_resident is not None, "--kv-resident"), (config.ple_table == "host", "--ple-table host")):
+    for on, what in ((config.ple_table == "host", "--ple-table host"),):
         if on:
             raise ConfigError(f"{what} does not run on several devices yet: drop it, or run on one (--devices 0).")
 

@@ -826,7 +826,7 @@ class Session:
 
     def _host_arg(self) -> dict:
         """The programs' kv_host argument: a streamed cache's host part (none otherwise)."""
-        return {} if self._kv_host is None else {"kv_host": self._kv_host}
+        return {} if self._kv_host is None else {"kv_host": tuple(h and h.addressed() for h in self._kv_host)}
 
     def _row_cache(self, kv: KVCache, row: int) -> KVCache:
         """Row `row`'s one-row cache over the whole context, to spill it (a streamed cache's host part read

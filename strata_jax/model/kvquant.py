@@ -187,6 +187,16 @@ class HostKV:
 
     cells: tuple[jax.Array, ...]
     addr: tuple[jax.Array, ...]
+    # the cells' shapes where the arrays are not carried (`addressed`: what a program takes)
+    shapes: tuple[tuple[int, int], ...] = struct.field(pytree_node=False, default=())
+
+    def shape(self, i: int) -> tuple[int, int]:
+        return tuple(self.cells[i].shape) if self.cells else self.shapes[i]
+
+    def addressed(self) -> "HostKV":
+        """What a step takes: the kernels' addresses and the shapes. The arrays stay with the engine (the
+        kernels read and write them by address), so a program on several cards needs no host copy per card."""
+        return self.replace(cells=(), shapes=tuple(self.shape(i) for i in range(len(self.addr))))
 
 
 @struct.dataclass
@@ -234,9 +244,9 @@ class StreamedKV:
         put_BT = (pos_BT >= N) & (pos_BT < self.length)
         row_BT = jnp.where(put_BT, self._rows(layer, pos_BT), -1)
         token = self.token
-        for n, cells, addr in zip(jax.tree.leaves(new), self.host.cells, self.host.addr):
+        for i, (n, addr) in enumerate(zip(jax.tree.leaves(new), self.host.addr)):
             src = jax.lax.bitcast_convert_type(n.reshape(B * T, -1), jnp.uint8).reshape(B * T, -1)
-            token = host_put(addr, token, src, row_BT.reshape(-1), put_BT.reshape(-1), cells.shape[0])
+            token = host_put(addr, token, src, row_BT.reshape(-1), put_BT.reshape(-1), self.host.shape(i)[0])
         return self.replace(dev=dev, token=token)
 
     def read(self, layer, start, size: int, dtype, upto=None, want_BSr=None) -> jax.Array:
@@ -256,11 +266,11 @@ class StreamedKV:
         get_BSr = far_BSr.reshape(-1).astype(jnp.int32) + self.token[0].astype(jnp.int32)
         at = jnp.arange(B * size, dtype=jnp.int32)
         parts = []
-        for a, cells, addr in zip(jax.tree.leaves(self.dev), self.host.cells, self.host.addr):
+        for i, (a, addr) in enumerate(zip(jax.tree.leaves(self.dev), self.host.addr)):
             layer_a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # [B, N, ...]
             near = jnp.take(layer_a, near_Sr, axis=1)  # [B, Sr, ...]
-            got = host_rows(addr, jnp.zeros((B * size, cells.shape[1]), jnp.uint8), row_BSr, at, get_BSr,
-                            cells.shape[0])
+            n_rows, width = self.host.shape(i)
+            got = host_rows(addr, jnp.zeros((B * size, width), jnp.uint8), row_BSr, at, get_BSr, n_rows)
             w = a.dtype.itemsize
             far = jax.lax.bitcast_convert_type(got if w == 1 else got.reshape(B * size, -1, w), a.dtype)
             far = far.reshape(near.shape)
@@ -282,8 +292,12 @@ class StreamedKV:
 def streamed(leaf, resident: int, device=None) -> StreamedKV:
     """A streamed leaf of `leaf`'s logical shape [L, B, S, ...] (an empty plain array or QuantKV): its first
     `resident` positions on the device (zeros), the other S - resident in pinned host memory (zeros; pageable
-    where pinned memory cannot be had). The host-rows kernels must be available on the device's platform."""
-    device = device or jax.devices()[0]
+    where pinned memory cannot be had). The host-rows kernels must be available on the device's platform.
+    device: a device, or a sharding (replicated on several cards: the host arrays then sit with the first card
+    and every card reads and writes them by address)."""
+    placement = device = device or jax.devices()[0]
+    if isinstance(device, jax.sharding.NamedSharding):
+        device = device.mesh.devices.flat[0]
     if not hostrows.available(device):
         raise ConfigError("--kv-resident streams the KV cache by the host-rows kernels, which are not available "
                           f"here ({hostrows.why_not(device)}): install a compiler (nvcc on a GPU, g++ on a CPU) "
@@ -309,9 +323,9 @@ def streamed(leaf, resident: int, device=None) -> StreamedKV:
         raise ConfigError("--kv-resident needs host memory the device can read (pinned memory): "
                           f"{hostrows.why_not(device) or 'the host arrays are not mapped'}.")
     token = jnp.zeros((1,), jnp.uint8)
-    return StreamedKV(jax.device_put(dev, device), jax.device_put(token, device),
-                      jax.device_put(jnp.arange(B, dtype=jnp.int32), device), HostKV(tuple(cells), addr),
-                      length=S, host_rows=B)
+    return StreamedKV(jax.device_put(dev, placement), jax.device_put(token, placement),
+                      jax.device_put(jnp.arange(B, dtype=jnp.int32), placement),
+                      HostKV(tuple(cells), jax.device_put(addr, placement)), length=S, host_rows=B)
 
 
 def split_host(kv_leaf) -> tuple:
