@@ -27,6 +27,8 @@ from strata_jax.dev.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa
 MOE = SyntheticSpec(arch="qwen3moe", n_layers=3, d_model=128, head_dim=32, expert_ffn_dim=64, ffn_dim=128,
                     vocab_size=512, qtype="Q8_0", seed=11)
 
+DENSE = SyntheticSpec(arch="qwen2", n_layers=2, d_model=128, head_dim=32, ffn_dim=128, vocab_size=512, qtype="Q8_0")
+
 # the prefill's groups of experts: 4 of MOE's 8 at a chunk of 16 (or 8) tokens in float32, so two groups a layer
 # and each card streams and multiplies one (model/layers/moe.py _prefill_experts)
 SPLIT_GROUP_BYTES = 500_000
@@ -85,7 +87,7 @@ def main(out: str) -> None:
             arrays[f"{name}/{label}/drafted"] = np.array(g.timings.get("draft_n") or 0)
             runs[label] = m
         two = runs["two"]
-        meta[name] = {"split_traces": len(splits),"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
+        meta[name] = {"split_traces": len(splits), "host_tables": len(two._host_tables), "ple": two.ple_table,"stats": {k: v for k, v in two.stats().items() if not isinstance(v, list)},
                       "cards": two.experts.card_stats(),
                       "pool_devices": [sorted(d.id for d in p.data.sharding.device_set)
                                        for p in two.experts.slots.pools],
@@ -96,7 +98,8 @@ def main(out: str) -> None:
     meta["served"] = served(paths["moe"])
     meta["checked"] = checked(paths["moe"])
     meta["warm"] = warm(paths["moe"], os.path.join(os.path.dirname(out), "state"))
-    meta["refused"] = refused(paths["moe"])
+    dense = write_synthetic_gguf(os.path.join(os.path.dirname(out), "dense.gguf"), DENSE)
+    meta["refused"] = refused(paths["moe"], dense)
     np.savez(out, **arrays)
     with open(out.replace(".npz", ".json"), "w") as f:
         json.dump(meta, f)
@@ -149,13 +152,12 @@ def warm(path, state: str) -> dict:
             "warm_misses": again.stats()["misses"], "owned": owned, "cards": again.stats()["cards"]}
 
 
-def refused(path) -> dict:
-    """What several devices refuse, by name: each option's error message."""
+def refused(path, dense) -> dict:
+    """What several devices refuse, by name: each case's error message."""
     out = {}
-    for what, options in (("ple_table", dict(ple_table="host")),
-                          ("no_device", dict(devices=(0, 7)))):
+    for what, model, devices in (("dense", dense, (0, 1)), ("no_device", path, (0, 7))):
         try:
-            strata_jax.load(path, ctx=128, devices=options.pop("devices", (0, 1)), **options)
+            strata_jax.load(model, ctx=128, devices=devices)
             out[what] = None
         except Exception as e:  # noqa: BLE001 - the test reads the message
             out[what] = f"{type(e).__name__}: {e}"

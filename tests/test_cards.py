@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -58,6 +59,8 @@ def test_two_cards_equal_one(probe, case):
     # offloaded and streaming, the prefill's two groups of experts a layer were cut over the cards (each streams
     # one); resident, or reading cached experts in place (moe-shared), every card runs them all. Counted where
     # the case traces its programs afresh (a later case of the same programs reuses them)
+    if case == "qtiny-offloaded":  # the PLE table in host memory, every card reading its rows by address
+        assert m["ple"] == "host" and m["host_tables"] > 0
     if case in SPLIT or case in WHOLE:
         assert (m["split_traces"] > 0) == (case in SPLIT)
     if "resident" in case:
@@ -75,8 +78,7 @@ def test_metrics_report_each_card(probe):
     assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
 
 
-@pytest.mark.parametrize("what, words", [("ple_table", "--ple-table host"),
-                                         ("no_device", "no device 7")])
+@pytest.mark.parametrize("what, words", [("dense", "has no experts"), ("no_device", "no device 7")])
 def test_what_two_cards_refuse_is_named(probe, what, words):
     msg = probe[1]["refused"][what]
     assert msg is not None and msg.startswith("ConfigError") and words in msg
@@ -86,6 +88,22 @@ def test_what_two_cards_refuse_is_named(probe, what, words):
 def test_devices_option_is_checked(value):
     with pytest.raises(ConfigError, match="devices"):
         EngineConfig.create(devices=value)
+
+
+def test_which_devices_by_default(monkeypatch):
+    """Unasked, a MoE model takes every GPU where there are several, a dense model the first; asked, the
+    devices named (JAX's order)."""
+    import jax
+
+    from strata_jax.engine.model import pick_devices
+
+    gpus = [SimpleNamespace(platform="gpu", id=i) for i in range(2)]
+    monkeypatch.setattr(jax, "devices", lambda *a: gpus)
+    assert pick_devices(None, None, moe=True) == gpus and pick_devices(None, None, moe=False) == gpus[:1]
+    assert pick_devices((1,), None) == gpus[1:] and pick_devices(None, gpus[1]) == gpus[1:]
+    cpus = [SimpleNamespace(platform="cpu", id=i) for i in range(2)]
+    monkeypatch.setattr(jax, "devices", lambda *a: cpus)
+    assert pick_devices(None, None, moe=True) == cpus[:1]  # virtual CPU devices are not cards
 
 
 def test_check_plans_each_card_and_the_load_agrees(probe):

@@ -290,7 +290,7 @@ class Model:
         config = config or EngineConfig.create()
         cfg = _with_rope_override(ModelConfig.from_gguf(gguf), config)
         self.config = cfg
-        self.devices = pick_devices(config.devices, device)
+        self.devices = pick_devices(config.devices, device, moe=cfg.is_moe)
         self.device = self.devices[0]  # what is not split lives here too (and on every other card)
         # several cards split the expert cache (core/cards.py); arrays of the steps' state go to `placement`:
         # the device, or every card of the mesh
@@ -352,12 +352,10 @@ class Model:
                 mtp_bytes(gguf, cfg, self.ctx, config.parallel, itemsize, config.kv) if config.spec == "mtp" else 0)
 
         self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)
-        if self.cards is not None and self.ple_table == "host":  # several devices read no host table yet
-            log.info("PLE table: device memory on every card (several devices do not read it from host memory)")
-            self.ple_table = "device"
         self.params = load_params(loader, "pinned_host" if self.ple_table == "host" else "device")
+        self._host_tables: list[Any] = []  # several cards: host tables the steps read by address, kept here
         if self.cards is not None:
-            self.params = jax.device_put(self.params, self.placement)
+            self.params = jax.device_put(self._addressed_tables(self.params), self.placement)
         self.dense_bytes = _device_bytes(self.params)
         self.experts: OffloadManager | None = None
         if cfg.is_moe:
@@ -399,6 +397,18 @@ class Model:
         self.host = HostTiming()
         self.kv_read = [0, 0]  # KV cells finished requests attended to, and those read from VRAM (kv_stats)
         self._session: Session | None = None  # generate's one-row session, made on first use
+
+    def _addressed_tables(self, params):
+        """params with each host PLE table addressed (ple.PLETable.addressed; the arrays kept by the model)."""
+        from strata_jax.model.layers import ple
+
+        def one(t):
+            if not isinstance(t, ple.PLETable) or t.memory_kind != "pinned_host":
+                return t
+            self._host_tables.append(t.rows.data)
+            return t.addressed(self.device)
+
+        return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, ple.PLETable))
 
     def wait_loaded(self) -> "Model":
         """Until the whole model is in memory; returns the model. The expert store of an offloading model
@@ -658,9 +668,9 @@ def enable_compilation_cache() -> None:
              "this off)", cache_dir() / "xla")
 
 
-def pick_devices(ids: tuple[int, ...] | None, device: Any) -> list[Any]:
-    """The devices a model runs on: `devices` by JAX index; else `device`; else every GPU where there are
-    several; else JAX's first device."""
+def pick_devices(ids: tuple[int, ...] | None, device: Any, moe: bool = True) -> list[Any]:
+    """The devices a model runs on: `devices` by JAX index; else `device`; else, for a MoE model (moe), every
+    GPU where there are several; else JAX's first device."""
     if ids is not None:
         have = jax.devices()
         if max(ids) >= len(have):
@@ -670,7 +680,7 @@ def pick_devices(ids: tuple[int, ...] | None, device: Any) -> list[Any]:
     if device is not None:
         return [device]
     have = jax.devices()
-    return list(have) if have[0].platform == "gpu" and len(have) > 1 else [have[0]]
+    return list(have) if moe and have[0].platform == "gpu" and len(have) > 1 else [have[0]]
 
 
 def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
@@ -678,9 +688,6 @@ def _check_cards(config: EngineConfig, cfg: ModelConfig) -> None:
     if not cfg.is_moe:
         raise ConfigError(f"several devices split the expert cache, and {cfg.arch} has no experts: run it on one "
                           "(--devices 0).")
-    for on, what in ((config.ple_table == "host", "--ple-table host"),):
-        if on:
-            raise ConfigError(f"{what} does not run on several devices yet: drop it, or run on one (--devices 0).")
 
 
 def load(path: str | os.PathLike[str] | None = None, config: EngineConfig | None = None, *, device: Any = None,

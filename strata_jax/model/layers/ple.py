@@ -134,6 +134,17 @@ class PLETable:
     # a host table's address for the host-rows kernel (core/hostrows.py), uint32 [2] on the device; None:
     # a decode step's rows are copied by a loop of DMAs
     addr: jax.Array | None = None
+    # `addressed` (several cards): the host table's rows; `rows` then holds none of them (shape [0, row bytes])
+    n_rows: int = struct.field(pytree_node=False, default=0)
+
+    def addressed(self, device) -> "PLETable":
+        """A host table as a program on several cards takes it: its address and shape, every gather by the
+        kernel, so the table is not an operand (replicated, it would be a host copy per card). The caller
+        keeps the array."""
+        addr = self.addr if self.addr is not None else hostrows.addresses([self.rows.data], device)[0]
+        data = self.rows.data
+        return self.replace(rows=QTensor(np.zeros((0,) + data.shape[1:], data.dtype), self.rows.qtype,
+                                         self.rows.n_cols), addr=addr, n_rows=data.shape[0])
 
 
 def place_table(qt: QTensor, memory_kind: str = "device", device: Any = None, kernel: bool | None = None) -> PLETable:
@@ -178,9 +189,10 @@ def _dma_take(data, idx_N: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, idx_N.shape[0], body, jnp.zeros((idx_N.shape[0],) + data.shape[1:], data.dtype))
 
 
-def _kernel_take(addr_2: jax.Array, data, idx_N: jax.Array) -> jax.Array:
-    """data[idx_N] (clipped, as _take) by one call of the host-rows kernel (core/hostrows.py)."""
-    N, (R, W) = idx_N.shape[0], data.shape
+def _kernel_take(addr_2: jax.Array, data, idx_N: jax.Array, R: int) -> jax.Array:
+    """data[idx_N] (clipped, as _take; data: the table or a stand-in of its row shape and dtype, R its rows) by
+    one call of the host-rows kernel (core/hostrows.py)."""
+    N, W = idx_N.shape[0], data.shape[1]
     size = jnp.dtype(data.dtype).itemsize
     out_NB = hostrows.host_rows(addr_2, jnp.zeros((N, W * size), jnp.uint8), jnp.clip(idx_N, 0, R - 1),
                                 jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), bool), R)
@@ -195,8 +207,10 @@ def gather_rows(table: PLETable, idx_N: jax.Array, dtype=jnp.float32) -> jax.Arr
     qt = table.rows
     if table.memory_kind == "device":
         return quant.take_rows(qt, idx_N, dtype)
-    if table.addr is not None and idx_N.shape[0] <= DMA_ROWS_MAX:
-        raw = _kernel_take(table.addr, qt.data, idx_N)
+    if table.n_rows:  # addressed (several cards): the kernel at every size
+        raw = _kernel_take(table.addr, qt.data, idx_N, table.n_rows)
+    elif table.addr is not None and idx_N.shape[0] <= DMA_ROWS_MAX:
+        raw = _kernel_take(table.addr, qt.data, idx_N, qt.data.shape[0])
     elif idx_N.shape[0] <= DMA_ROWS_MAX:
         raw = _dma_take(qt.data, idx_N)
     else:
