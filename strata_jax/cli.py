@@ -259,7 +259,9 @@ def _cmd_generate(args) -> int:
     if model.config.is_moe:
         st = model.stats()
         print(f"experts: {st['lookups']} lookups, hit rate {st['hit_rate']:.1%}, {st['bytes_h2d'] / 1e6:.1f} MB "
-              f"host->device, {st['expert_slots']} slots of {st['total_experts']}", file=sys.stderr)
+              f"host->device, {st['expert_slots']} slots of {st['total_experts']}"
+              + "".join(f"; {c['device']}: {c['slots']} slots, {c['misses']} misses" for c in st.get("cards") or ()),
+              file=sys.stderr)
     return 0
 
 

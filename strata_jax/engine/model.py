@@ -387,7 +387,9 @@ class Model:
                  "compute %s, context %d, decode %s per jitted call, dense weights %s %s",
                  os.path.basename(gguf.path), cfg.arch, cfg.n_layers,
                  f", {cfg.n_experts} experts top-{cfg.n_experts_used}" if cfg.is_moe else "",
-                 dt, loader.bytes_loaded / 2**30, self.device, loader.bytes_loaded / 2**30 / max(dt, 1e-9),
+                 dt, loader.bytes_loaded / 2**30,
+                 self.device if self.cards is None else f"{len(self.devices)} devices ({', '.join(map(str, self.devices))})",
+                 loader.bytes_loaded / 2**30 / max(dt, 1e-9),
                  jnp.dtype(self.dtype).name, self.ctx,
                  f"{self.decode_chunk} steps" if self.decode_chunk > 1 else "1 step", fmt_bytes(self.dense_bytes),
                  "dequantized at load (CPU default; dequantize_dense=False keeps GGML blocks)" if dequantize_dense
