@@ -167,7 +167,8 @@ class OffloadManager:
                 store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), at))
             if cards is not None:
                 store = store.addressed()
-            slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout, self.device,
+            slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout,
+                                     self.device if cards is None else cards_.split_rows(cards),  # built split
                                      stacked=stacked and expert_pools == "per-layer")
             if len(slots.pools) != len(self.plan.slots_per_pool):
                 log.info("expert pools: the %d per-layer caches in %d pool%s of alike layers (layer scan)",
