@@ -9,6 +9,7 @@ position's logits, greedy tokens, and the two-card run's expert-cache telemetry,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +48,8 @@ CASES = [
     ("moe-lookup", "moe", dict(expert_slots=12, spec="lookup")),
     ("moe-draft", "moe", dict(expert_slots=12, spec="draft:MOE")),
     ("moe-blocked", "moe", dict(expert_slots=12, kernels=Kernels(moe_prefill="blocked"))),
+    # mixed precision: misses served from a Q4_0 copy of the experts until used twice (staged on every card)
+    ("moe-mixed", "moe", dict(expert_slots=12, cold_experts="COLD", promote_after=2)),
     # KV streaming: the cache past 16 positions in host memory, which both cards read and write by address
     ("moe-kv-stream", "moe", dict(expert_slots=12, kv="q8_0", kv_resident=16)),
     # MTP drafting: the converted tiny glm4moe with its MTP block (tests/reference_models.py), offloaded
@@ -71,6 +74,8 @@ def main(out: str) -> None:
 
     paths = {"moe": write_synthetic_gguf(os.path.join(os.path.dirname(out), "moe.gguf"), MOE),
              "glm4moe": glm4moe_model("f32").gguf_path,
+             "moe-q4": write_synthetic_gguf(os.path.join(os.path.dirname(out), "moe-q4.gguf"),
+                                            dataclasses.replace(MOE, expert_qtype="Q4_0")),
              "qtiny": synthetic_model_path("qtiny")}
     prompt = list(range(3, 40))
     arrays, meta = {}, {}
@@ -79,6 +84,8 @@ def main(out: str) -> None:
         splits.clear()
         if options.get("spec") == "draft:MOE":
             options = dict(options, spec=f"draft:{paths['moe']}")
+        if options.get("cold_experts") == "COLD":
+            options = dict(options, cold_experts=str(paths["moe-q4"]))
         for label, devices in (("one", (0,)), ("two", (0, 1))):
             m = strata_jax.load(paths[model], ctx=128, prefill_chunk=16, devices=devices, **options)
             arrays[f"{name}/{label}/logits"] = np.asarray(m.logits(prompt))
@@ -93,11 +100,13 @@ def main(out: str) -> None:
                                        for p in two.experts.slots.pools],
                       "pool_shards": [[s.data.shape[0] for s in p.data.addressable_shards]
                                       for p in two.experts.slots.pools],
+                      "cold_experts": two.stats().get("cold_experts"),
                       "param_devices": sorted({d.id for x in jax.tree.leaves(two.params) for d in x.sharding.device_set})}
     moe.PREFILL_GROUP_BYTES, cards.on_every_card = group_bytes, on_every_card  # the planner reads it too
     meta["served"] = served(paths["moe"])
     meta["checked"] = checked(paths["moe"])
     meta["warm"] = warm(paths["moe"], os.path.join(os.path.dirname(out), "state"))
+    meta["conversation"] = conversation(paths["moe"])
     dense = write_synthetic_gguf(os.path.join(os.path.dirname(out), "dense.gguf"), DENSE)
     meta["refused"] = refused(paths["moe"], dense)
     np.savez(out, **arrays)
@@ -150,6 +159,22 @@ def warm(path, state: str) -> dict:
     b = again.generate(prompt, max_tokens=8, temperature=0)
     return {"same": a.token_ids == b.token_ids, "cold_misses": cold.stats()["misses"],
             "warm_misses": again.stats()["misses"], "owned": owned, "cards": again.stats()["cards"]}
+
+
+def conversation(path) -> dict:
+    """The conversation cache on two cards: a row taken by another conversation comes back from host RAM and
+    the next turn continues as on one card."""
+    out = {}
+    for label, devices in (("one", (0,)), ("two", (0, 1))):
+        m = strata_jax.load(path, ctx=128, prefill_chunk=16, devices=devices, expert_slots=12,
+                            conversation_cache_mib=8)
+        m.generate(list(range(5, 40)), max_tokens=6, temperature=0)
+        turn2 = m.session().cached_tokens(0) + [13, 14, 15]
+        m.generate([40, 41, 42, 43], max_tokens=6, temperature=0)  # takes the only row
+        a = m.generate(turn2, max_tokens=6, temperature=0)
+        out[label] = {"tokens": a.token_ids, "cache_n": a.timings["cache_n"], "turn2": len(turn2),
+                      "hits": m.conversation_cache.ram.stats.hits}
+    return out
 
 
 def refused(path, dense) -> dict:
