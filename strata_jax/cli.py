@@ -277,7 +277,7 @@ def _cmd_inspect(args) -> int:
         raise StrataError("give the model once: `strata-jax inspect PATH` or `--model PATH|REPO:FILE`")
     print(format_report(report(GGUFFile(model_or_default(args.path or args.model)), vram_budget=budget, ctx=args.ctx,
                                kv=check_kv(args.kv, "--kv"), dtype=args.dtype, vram_reserve=reserve,
-                               parallel=args.parallel, kv_resident=args.kv_resident)))
+                               parallel=args.parallel, kv_resident=args.kv_resident, cards=args.cards)))
     return 0
 
 
@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vram-reserve", default=None, help="memory kept free for XLA workspace, as load (default 1GiB)")
     i.add_argument("--parallel", type=_positive_int("--parallel"), default=1,
                    help="KV-cache rows to reserve, as serve --parallel (default 1)")
+    i.add_argument("--cards", type=_positive_int("--cards"), default=1,
+                   help="plan the expert cache split over this many cards of --vram-budget each, as --devices "
+                        "would (each card keeps the dense weights and KV cache beside its share)")
     i.set_defaults(func=_cmd_inspect)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
     _add_engine_options(s)

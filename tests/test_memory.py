@@ -13,7 +13,7 @@ from gguf import GGUFReader
 import strata_jax
 from strata_jax.bench.shapes import SHAPES
 from strata_jax.dev.synthetic import write_synthetic_gguf
-from strata_jax.engine.inspect import report
+from strata_jax.engine.inspect import format_report, report
 from strata_jax.core.errors import ConfigError
 from strata_jax.model import memory
 from strata_jax.model.config import ModelConfig
@@ -137,6 +137,20 @@ def test_inspect_agrees_with_load(moe):
     m = strata_jax.load(path, ctx=256, **GPU_LIKE, vram_budget=budget)
     assert not m.cache_plan.resident
     assert m.cache_plan == r["plan"] and m.stats()["expert_slots"] == r["expert_slots"]
+
+
+def test_inspect_plans_several_cards(moe):
+    """--cards 2: each card keeps the fixed bytes and its budget's share of experts, so two cards of the budget
+    hold twice one card's expert bytes (rounded to an even count per pool); the report says so."""
+    _, gguf, cfg = moe
+    per_expert = memory.routed_expert_bytes(gguf) / (cfg.n_experts * len(cfg.moe_layers))
+    budget = int(DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256)
+                 + 9.5 * per_expert)
+    one, two = (report(gguf, vram_budget=budget, ctx=256, cards=n, **GPU_LIKE) for n in (1, 2))
+    assert not one["plan"].resident and two["cards"] == 2
+    assert all(n % 2 == 0 for n in two["plan"].slots_per_pool)
+    assert 2 * one["expert_slots"] - 2 * len(one["plan"].slots_per_pool) <= two["expert_slots"] <= 2 * one["expert_slots"] + 2
+    assert "a card x 2 cards" in format_report(two)
 
 
 def test_inspect_refuses_what_load_refuses(moe):

@@ -196,7 +196,7 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("ple_table"):
         lines.append(f"ple table     {fmt_bytes(r['ple_bytes'])} in {r['ple_table']} memory ({r['ple_reason']})")
     if "vram_budget" in r:
-        budget = fmt_bytes(r["vram_budget"])
+        budget = fmt_bytes(r["vram_budget"]) + (f" a card x {r['cards']} cards" if r.get("cards", 1) > 1 else "")
         before = (f"{fmt_bytes(r['fixed_bytes'])} of dense weights, kv cache and activations, "
                   f"{fmt_bytes(r['reserve_bytes'])} reserved")
         if "too_small" in r:  # the planner's own refusal, as load would raise it

@@ -27,7 +27,8 @@ from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.offload.fetch import calibrate_fetch
 from strata_jax.offload.policies import Policy, get_policy
 from strata_jax.offload.provider import SlotExperts
-from strata_jax.offload.sizing import CachePlan, describe, device_free_bytes, min_expert_bytes, plan_cache
+from strata_jax.offload.sizing import (DEFAULT_RESERVE, CachePlan, describe, device_free_bytes, min_expert_bytes,
+                                      plan_cache)
 from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_layout,
                                           resident_slot_table)
 from strata_jax.core import hostrows
@@ -65,7 +66,8 @@ def plan_model_cache(spec: ExpertSpec, *, fixed_bytes: int, expert_pools: str = 
         pool_layers=layout.pool_layers, pool_expert_bytes=tuple(expert_bytes(t) for t in layout.pool_types),
         n_experts=spec.n_experts, min_slots_per_pool=_min_slots(spec, batch_rows),
         fixed_bytes=fixed_bytes * cards, expert_slots=expert_slots, vram_budget=_times(vram_budget, cards, "vram_budget"),
-        vram_reserve=_times(vram_reserve, cards, "vram_reserve"), free_bytes=free_bytes)
+        vram_reserve=_times(DEFAULT_RESERVE if vram_reserve is None and cards > 1 else vram_reserve, cards,
+                            "vram_reserve"), free_bytes=free_bytes)
     return plan if cards == 1 else split_plan(plan, spec, cards, batch_rows)
 
 
