@@ -132,7 +132,8 @@ def served(path) -> dict:
             if 'strata_expert_cache_card_misses{card="1"' in text:
                 break
             time.sleep(0.1)
-    return {"status": r.status_code, "metrics": text, "misses": m.stats()["misses"]}
+    return {"status": r.status_code, "metrics": text, "misses": m.stats()["misses"],
+            "monitor_cards": (engine.snapshot.get("expert") or {}).get("cards")}
 
 
 def checked(path, budget: str = BUDGET) -> dict:

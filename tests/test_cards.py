@@ -72,13 +72,15 @@ def test_two_cards_equal_one(probe, case):
         assert not st["resident"] and all(c["misses"] > 0 for c in per_card)
 
 
-def test_metrics_report_each_card(probe):
+def test_metrics_and_the_monitor_report_each_card(probe):
     served = probe[1]["served"]
     assert served["status"] == 200 and served["misses"] > 0
     lines = [line for line in served["metrics"].splitlines() if line.startswith("strata_expert_cache_card_")]
     slots = {line.split("{")[1].split(",")[0]: float(line.split()[-1]) for line in lines if "_slots{" in line}
     misses = [float(line.split()[-1]) for line in lines if "_misses{" in line]
     assert slots == {'card="0"': 6.0, 'card="1"': 6.0} and len(misses) == 2 and sum(misses) > 0
+    # the web UI's monitor stream carries them too (its expert card lists each card)
+    assert [(c["device"], c["slots"]) for c in served["monitor_cards"]] == [("cpu:0", 6), ("cpu:1", 6)]
 
 
 @pytest.mark.parametrize("what, words", [("dense", "has no experts"), ("no_device", "no device 7")])

@@ -351,8 +351,10 @@ function updateMonitor(ev) {
     $("m-expert-kind").textContent = "";
     return;
   }
-  $("m-expert-kind").textContent = ex.resident ? `all ${ex.total_experts} experts resident`
-    : `${ex.expert_slots} slots for ${ex.total_experts} experts, ${ex.policy}`;
+  const cards = ex.cards || [];  // --devices: the cache split over several cards
+  $("m-expert-kind").textContent = (ex.resident ? `all ${ex.total_experts} experts resident`
+    : `${ex.expert_slots} slots for ${ex.total_experts} experts, ${ex.policy}`)
+    + cards.map((c) => ` · ${c.device}: ${c.slots} slots, ${c.misses} misses`).join("");
   $("m-hit").textContent = ex.lookups ? fmtPct(ex.hit_rate) : "-";
   $("m-hit-recent").textContent = fmtPct(ex.hit_rate_recent);
   $("m-h2d").textContent = ex.h2d_MB_per_s === null ? "-" : fmtRate(ex.h2d_MB_per_s) + " MB/s";
