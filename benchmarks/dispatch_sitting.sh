@@ -506,6 +506,7 @@ pipeline18() {
 # llama.cpp): qseed under 32 GiB a card, its expert cache on one card against split over both (--devices), decode
 # and prefill, and llama.cpp's layer split over both under the same cap. ~15 min.
 pipeline19() {
+  export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared hosts (.library/device/KINDS.md)
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   build_llama 16 &
   qseed_file
