@@ -111,6 +111,27 @@ def test_which_devices_by_default(monkeypatch):
     assert pick_devices(None, None, moe=True) == cpus[:1]  # virtual CPU devices are not cards
 
 
+@pytest.mark.parametrize("given, want", [
+    ((12, 12, 12), (12, 12, 12)),  # already even: kept
+    ((13, 15, 17), (12, 14, 16)),  # rounded down
+    ((9, 9, 30), (10, 10, 28)),    # up to the step's floor (10 over 2 cards), the 2 slots that costs taken from the largest
+    ((9, 9, 9), (10, 10, 10)),     # no pool can spare any: the floor stands
+])
+def test_a_split_plan_keeps_to_its_budget(given, want):
+    """Two cards: every pool's slots even; a pool the rounding leaves under a step's floor rounds up, and the
+    slots that adds come out of the largest pools, so the plan holds no more than the budget gave."""
+    from strata_jax.core.experts import ExpertSpec
+    from strata_jax.offload.manager import split_plan
+    from strata_jax.offload.sizing import CachePlan
+
+    spec = ExpertSpec(moe_layers=(0, 1, 2), n_experts=64, n_experts_used=9, layer_parts=())
+    plan = CachePlan(resident=False, slots_per_pool=given, expert_cache_bytes=sum(given) * 100, total_experts=192,
+                     reason="budget", avg_expert_bytes=100.0)
+    got = split_plan(plan, spec, 2)
+    assert got.slots_per_pool == want and got.expert_cache_bytes == sum(want) * 100
+    assert got.n_slots <= max(plan.n_slots, 10 * 3)
+
+
 def test_check_plans_each_card_and_the_load_agrees(probe):
     """`check --devices 0,1 --vram-budget B`: both cards listed; the budget is per card, so two cards hold
     more experts than one (here every one), as a load over both does."""

@@ -153,6 +153,16 @@ def test_inspect_plans_several_cards(moe):
     assert "a card x 2 cards" in format_report(two)
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_inspect_cards_must_be_a_count(moe, value, capsys):
+    """`inspect --cards` takes a positive count of cards; anything else is refused by name."""
+    from strata_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "--model", str(moe[0]), "--cards", value])
+    assert e.value.code == 2 and "--cards" in capsys.readouterr().err
+
+
 def test_inspect_refuses_what_load_refuses(moe):
     path, gguf, cfg = moe
     budget = DEFAULT_RESERVE + memory.fixed_device_bytes(gguf, cfg, ctx=256, itemsize=2, prefill_chunk=256)  # no room for an expert

@@ -64,7 +64,7 @@ def _on_cards(m: Mesh, fn: Callable, split: tuple[bool, ...], out_split: bool, *
 def routed_sum(m: Mesh, data_XP: jax.Array, compute: Callable, w_Nk: jax.Array, slot_Nk: jax.Array, *rest):
     """sum over cards of compute(local data_XP, w_Nk, local slot_Nk, *rest): each card computes the pairs
     whose slots it holds, the others at weight 0 and slot -1 (which the kernels skip), and one psum joins
-    them. compute returns float32 [N, D]."""
+    them. compute returns float32 [N, D] (the products sum in float32, as on one card)."""
     def local(data, w, slot, *rest):
         slot, own = local_slots(slot, data.shape[0])
         return jax.lax.psum(compute(data, jnp.where(own, w, 0.0), slot, *rest), AXIS)
@@ -74,11 +74,11 @@ def routed_sum(m: Mesh, data_XP: jax.Array, compute: Callable, w_Nk: jax.Array, 
 
 def take_rows(m: Mesh, data_XP: jax.Array, slot_n: jax.Array) -> jax.Array:
     """data_XP[slot_n] of a split pool, replicated: each card reads the rows it holds (zeros for the others)
-    and a sum over the cards joins them (exact: one card contributes each row)."""
+    and a sum over the cards joins them, in the pool's own dtype (exact: one card contributes each row, the
+    others add zeros)."""
     def local(data, slot):
         slot, own = local_slots(slot, data.shape[0])
-        rows = jnp.where(own[:, None], data[jnp.maximum(slot, 0)], 0).astype(jnp.int32)
-        return jax.lax.psum(rows, AXIS).astype(data.dtype)
+        return jax.lax.psum(jnp.where(own[:, None], data[jnp.maximum(slot, 0)], 0).astype(data.dtype), AXIS)
 
     return _on_cards(m, local, (True, False), False, data_XP, slot_n)
 

@@ -404,14 +404,23 @@ def _free_bytes(device, mesh: Mesh | None) -> int | None:
 
 def split_plan(plan: CachePlan, spec: ExpertSpec, n: int, batch_rows: int = 1) -> CachePlan:
     """A plan whose pools split evenly over n cards: each offloading pool's slots rounded down to a multiple
-    of n (up where that leaves fewer than a step needs); every expert resident needs each resident pool's
-    rows (layers x experts) to divide by n."""
+    of n (up where that leaves fewer than a step needs, the slots that costs taken back from the largest
+    pools, so the plan stays within the bytes it was given where any pool can spare them); every expert
+    resident needs each resident pool's rows (layers x experts) to divide by n."""
     if plan.resident:
         for layers in resident_layout(spec).pool_layers:
             if len(layers) * spec.n_experts % n:
                 raise ConfigError(f"{len(layers)} layers x {spec.n_experts} experts do not split over {n} cards: "
                                   "use a number of cards that divides them, or --expert-slots to offload.")
         return plan
-    floor = _min_slots(spec, batch_rows)
-    slots = tuple(max(s - s % n, -(-floor // n) * n) for s in plan.slots_per_pool)
-    return dataclasses.replace(plan, slots_per_pool=slots, expert_cache_bytes=int(sum(slots) * plan.avg_expert_bytes))
+    floor = -(-_min_slots(spec, batch_rows) // n) * n  # a step's floor, a multiple of n
+    slots = [max(s - s % n, floor) for s in plan.slots_per_pool]
+    over = sum(slots) - plan.n_slots  # slots the floor added beyond what the budget gave
+    while over > 0:
+        i = max(range(len(slots)), key=slots.__getitem__)
+        if slots[i] - n < floor:
+            break  # no pool can spare n slots: the step's floor needs these few more
+        slots[i] -= n
+        over -= n
+    return dataclasses.replace(plan, slots_per_pool=tuple(slots),
+                               expert_cache_bytes=int(sum(slots) * plan.avg_expert_bytes))
