@@ -548,7 +548,8 @@ pipeline20() {
 # PART=21 (issues 35, 18), one GPU, ~22 min: qseed's architecture at 12 layers under 8 GiB plain and with an
 # IQ2_XXS copy serving misses (PART=17's rows); issue 18's verify passes of 2, 4 and 8 tokens with the acceptance
 # forced to 1, 0.8 and 0.6 on qseed, then on BSEED (their files do not fit the disk together), each under 32 GiB;
-# between them prompt lookup on the real default model for code edits (benchmarks/lookup_edit.py). The model
+# between them prompt lookup on the real default model for code edits (benchmarks/lookup_edit.py) and whether a
+# cached file can be the store in place (benchmarks/pin_probe.py: issue 30's load). The model
 # (491 MB) travels in pieces of .mdl/ (ignored; `split -b 52M -d -a 2 MODEL .mdl/part` and its sha256 in
 # .mdl/model.sha256), one carried piece a call while the pipeline runs: `mkdir -p /tmp/mdl && cp .mdl/* /tmp/mdl/`.
 spec_rows() {  # spec_rows SHAPE LIMIT_S: its verify passes under 32 GiB, realistic routing
@@ -575,6 +576,8 @@ pipeline21() {
   spec_rows qseed 330
   rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*
   lookup_default 120
+  phase pin-probe 150 "$PY" benchmarks/pin_probe.py --gib 8 --out "$S/data-pin-probe.json"
+  rm -f /tmp/pin_probe.bin
   phase write-bseed 300 "$PY" "${WRITE[@]}" bseed
   spec_rows bseed 330
   note "pipeline: done"
