@@ -61,36 +61,42 @@ def _on_cards(m: Mesh, fn: Callable, split: tuple[bool, ...], out_split: bool, *
                          check_vma=False)(*args)
 
 
+def _per_card(m: Mesh, data_XP: jax.Array, slot: jax.Array, fn: Callable, out_split: bool, *rest):
+    """fn(local data, local slot, own, *rest) on every card: its share of a split pool, the global slots as
+    rows of that share (-1 elsewhere) and which of them it owns; the other arguments replicated."""
+    def local(data, slot, *rest):
+        return fn(data, *local_slots(slot, data.shape[0]), *rest)
+
+    return _on_cards(m, local, (True, False) + (False,) * len(rest), out_split, data_XP, slot, *rest)
+
+
 def routed_sum(m: Mesh, data_XP: jax.Array, compute: Callable, w_Nk: jax.Array, slot_Nk: jax.Array, *rest):
     """sum over cards of compute(local data_XP, w_Nk, local slot_Nk, *rest): each card computes the pairs
     whose slots it holds, the others at weight 0 and slot -1 (which the kernels skip), and one psum joins
     them. compute returns float32 [N, D] (the products sum in float32, as on one card)."""
-    def local(data, w, slot, *rest):
-        slot, own = local_slots(slot, data.shape[0])
+    def local(data, slot, own, w, *rest):
         return jax.lax.psum(compute(data, jnp.where(own, w, 0.0), slot, *rest), AXIS)
 
-    return _on_cards(m, local, (True, False, False) + (False,) * len(rest), False, data_XP, w_Nk, slot_Nk, *rest)
+    return _per_card(m, data_XP, slot_Nk, local, False, w_Nk, *rest)
 
 
 def take_rows(m: Mesh, data_XP: jax.Array, slot_n: jax.Array) -> jax.Array:
     """data_XP[slot_n] of a split pool, replicated: each card reads the rows it holds (zeros for the others)
     and a sum over the cards joins them, in the pool's own dtype (exact: one card contributes each row, the
     others add zeros)."""
-    def local(data, slot):
-        slot, own = local_slots(slot, data.shape[0])
+    def local(data, slot, own):
         return jax.lax.psum(jnp.where(own[:, None], data[jnp.maximum(slot, 0)], 0).astype(data.dtype), AXIS)
 
-    return _on_cards(m, local, (True, False), False, data_XP, slot_n)
+    return _per_card(m, data_XP, slot_n, local, False)
 
 
 def fetch_rows(m: Mesh, data_XP: jax.Array, copy: Callable, slot_U: jax.Array, miss_U: jax.Array, *rest):
     """A split pool after copy(local data, local slot_U, miss_U & owned, *rest) on every card: each card
     writes the misses whose slots it holds into its own rows."""
-    def local(data, slot, miss, *rest):
-        slot, own = local_slots(slot, data.shape[0])
+    def local(data, slot, own, miss, *rest):
         return copy(data, slot, miss & own, *rest)
 
-    return _on_cards(m, local, (True, False, False) + (False,) * len(rest), True, data_XP, slot_U, miss_U, *rest)
+    return _per_card(m, data_XP, slot_U, local, True, miss_U, *rest)
 
 
 def on_every_card(m: Mesh, fn: Callable, *args):
