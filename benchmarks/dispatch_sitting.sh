@@ -548,7 +548,8 @@ pipeline20() {
 # PART=21 (issues 35, 18), one GPU, ~22 min: qseed's architecture at 12 layers under 8 GiB plain and with an
 # IQ2_XXS copy serving misses (PART=17's rows); issue 18's verify passes of 2, 4 and 8 tokens with the acceptance
 # forced to 1, 0.8 and 0.6 on qseed, then on BSEED (their files do not fit the disk together), each under 32 GiB;
-# between them prompt lookup on the real default model for code edits (benchmarks/lookup_edit.py) and whether a
+# between them prompt lookup on the real default model for code edits (benchmarks/lookup_edit.py), its needle at
+# 8K / 32K / 64K (YaRN; issue 17) and whether a
 # cached file can be the store in place (benchmarks/pin_probe.py: issue 30's load). The model
 # (491 MB) travels in pieces of .mdl/ (ignored; `split -b 52M -d -a 2 MODEL .mdl/part` and its sha256 in
 # .mdl/model.sha256), one carried piece a call while the pipeline runs: `mkdir -p /tmp/mdl && cp .mdl/* /tmp/mdl/`.
@@ -561,12 +562,13 @@ lookup_default() {  # the default model's pieces from /tmp/mdl (waits up to $1 s
   local t0=$SECONDS
   until [ -f /tmp/mdl/model.sha256 ] && cat /tmp/mdl/part* > /tmp/mdl/model.gguf \
         && (cd /tmp/mdl && sha256sum -c --status model.sha256); do
-    (( SECONDS - t0 > $1 )) && { note "lookup: the model's pieces did not all come"; return 0; }
+    (( SECONDS - t0 > $1 )) && { note "lookup: the model's pieces did not all come"; return 1; }
     sleep 10
   done
   note "lookup: the default model is whole"
   phase lookup-default 240 env PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/lookup_edit.py --model /tmp/mdl/model.gguf \
     --tokens 96 --out "$S/data-lookup-default.json"
+  return 0  # the model is whole: what follows may use it
 }
 pipeline21() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
@@ -575,7 +577,13 @@ pipeline21() {
   qseed_file
   spec_rows qseed 330
   rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*
-  lookup_default 120
+  # issue 17's needle on the GPU at every size: 8K and 32K (trained 32,768), 64K with YaRN x2
+  lookup_default 120 && {
+    phase needle-default 150 env PYTHONPATH="$PYTHONPATH:." "$PY" -m strata_jax.bench.needle --model /tmp/mdl/model.gguf \
+      --ctx 8192 --ctx 32768 --depth 0.1,0.5,0.9 --kv q8_0 --out "$S/data-needle-default.json"
+    phase needle-default-yarn 120 env PYTHONPATH="$PYTHONPATH:." "$PY" -m strata_jax.bench.needle --model /tmp/mdl/model.gguf \
+      --ctx 65536 --depth 0.1,0.5,0.9 --kv q8_0 --rope-scaling yarn --rope-scale 2 --out "$S/data-needle-default-yarn.json"
+  }
   phase pin-probe 150 "$PY" benchmarks/pin_probe.py --gib 8 --out "$S/data-pin-probe.json"
   rm -f /tmp/pin_probe.bin
   phase write-bseed 300 "$PY" "${WRITE[@]}" bseed
