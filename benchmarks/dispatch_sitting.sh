@@ -576,6 +576,10 @@ pipeline21() {
   mixed_bench qq 8GiB 150
   qseed_file
   spec_rows qseed 330
+  # issue 30's load: the store in host memory of our own, page-locked after the reads (STRATA_JAX_STORE)
+  phase registered-qseed 170 env STRATA_JAX_STORE=registered "$PY" -m strata_jax.cli bench --shape qseed --tokens 64 \
+    --prompt-len 32 --routing realistic --vram-budget 32GiB --no-resident --label registered \
+    --out "$S/data-registered-qseed.json"
   rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*
   local whole=0
   lookup_default 120 && whole=1

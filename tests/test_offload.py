@@ -448,6 +448,49 @@ def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
     np.testing.assert_array_equal(got["kernel"][2], got["loop"][2])  # the same bytes in the same slots
 
 
+@pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 12, "off")])
+def test_registered_store_equals_resident(moe_path, reference, pools, slots, scan, monkeypatch):
+    """STRATA_JAX_STORE=registered: the store in host memory of our own (store.HostMemory), read by address
+    only, holds the file's rows, and decodes (prefill streamed from it too) the resident logits and tokens."""
+    from strata_jax.core import hostrows
+    from strata_jax.offload.store import HostMemory
+
+    if not hostrows.available(jax.devices()[0]):
+        pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
+    monkeypatch.setenv("STRATA_JAX_STORE", "registered")
+    ids, ref_logits, ref_tokens = reference
+    m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, expert_pools=pools, layer_scan=scan,
+                        expert_fetch="kernel")
+    store = m.experts.store
+    assert store.memory_kind == "registered" and store.groups == () and len(store.addr) == 2
+    mems = m.experts._host_memory
+    assert len(mems) == 2 and all(isinstance(x, HostMemory) for x in mems)
+    for i, block in enumerate(m.config.moe_layers):  # the file's rows, where the kernel reads them
+        view = mems[store.layer_group[i]].view()
+        np.testing.assert_array_equal(view[store.layer_local[i]], _file_rows(moe_path, block))
+    np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
+    st = m.stats()
+    assert st["misses"] > 0 and st["store_memory"] == "registered"
+
+
+def test_registered_store_falls_back_by_name(moe_path, reference, monkeypatch, caplog):
+    """Memory that cannot be page-locked (a low `ulimit -l`): the store goes into JAX's pinned memory, says
+    why, and decodes the same."""
+    from strata_jax.core import hostrows
+
+    if not hostrows.available(jax.devices()[0]):
+        pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
+    monkeypatch.setenv("STRATA_JAX_STORE", "registered")
+    monkeypatch.setattr(hostrows, "register", lambda ptr, n, device: "out of memory")
+    ids, ref_logits, _ = reference
+    with caplog.at_level(logging.WARNING, logger="strata_jax"):
+        m = strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_fetch="kernel")
+        np.testing.assert_array_equal(m.logits(ids), ref_logits)
+    assert m.experts.store.memory_kind in ("pinned_host", "unpinned_host")
+    assert "could not page-lock" in caplog.text and "out of memory" in caplog.text
+
+
 def test_fetch_kernel_skips_what_it_must(tmp_path):
     """The call copies exactly the rows marked as misses, into their slots, and leaves a request outside
     the store or the pool alone (a padded id, a slot of -1)."""

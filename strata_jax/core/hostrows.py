@@ -117,6 +117,9 @@ def available(device) -> bool:
                                             platform="CUDA" if platform == "cuda" else "cpu")
             lib.strata_device_pointer.restype = ctypes.c_void_p
             lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
+            lib.strata_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.strata_host_unregister.argtypes = [ctypes.c_void_p]
+            lib.strata_error_string.restype = ctypes.c_char_p
             _loaded[platform] = lib
         except (RuntimeError, OSError, AttributeError, ValueError) as e:
             _loaded[platform] = None
@@ -147,6 +150,32 @@ def addresses(groups, device) -> tuple[jax.Array, ...] | None:
             return None
         out.append(jax.device_put(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32), device))
     return tuple(out)
+
+
+def address_of(ptr: int, device) -> jax.Array | None:
+    """The address a kernel reads host memory at `ptr` (registered, or any on CPU), as `addresses` gives it;
+    None where the device cannot reach it."""
+    lib = _loaded.get(_platform(device))
+    dev = lib.strata_device_pointer(ptr) if lib is not None else None
+    if not dev:
+        return None
+    return jax.device_put(np.array([dev & 0xFFFFFFFF, dev >> 32], np.uint32), device)
+
+
+def register(ptr: int, nbytes: int, device) -> str | None:
+    """Page-lock and map host memory of our own (ptr, nbytes) for the device's kernels (`available` first);
+    None, or why it failed."""
+    lib = _loaded.get(_platform(device))
+    if lib is None:
+        return why_not(device) or "the fetch kernel is not available"
+    e = lib.strata_host_register(ptr, nbytes)
+    return None if e == 0 else lib.strata_error_string(e).decode()
+
+
+def unregister(ptr: int, device) -> None:
+    lib = _loaded.get(_platform(device))
+    if lib is not None:
+        lib.strata_host_unregister(ptr)
 
 
 def address_shapes(n_groups: int, device) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -95,9 +95,10 @@ def calibrate_fetch(store: ExpertStore, device, n: int = 8, reps: int = 3) -> tu
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / reps
 
-    layer = store.layer(0)
-    n = min(n, layer.n_rows)
-    pool = [ExpertRows(jnp.zeros((n, layer.bytes_per_expert), jnp.uint8, device=device), layer.parts)]
+    g = store.layer_group[0]
+    _, E, P = store.shape(g)
+    n = min(n, E)
+    pool = [ExpertRows(jnp.zeros((n, P), jnp.uint8, device=device), store.parts[g])]
     ids = jnp.arange(n, dtype=jnp.int32)
     plan = jax.device_put(Plan(ids, ids, jnp.ones((n,), bool), jnp.full((n,), -1, jnp.int32)), device)
     fetch = jax.jit(lambda pool, store, plan: fetch_misses(pool, store, 0, plan), donate_argnums=0)
@@ -107,4 +108,4 @@ def calibrate_fetch(store: ExpertStore, device, n: int = 8, reps: int = 3) -> tu
         return pool[0]
 
     stream = jax.jit(lambda store: stream_layer(store, 0).data)
-    return seconds(run_fetch) / n, seconds(lambda: stream(store)) / layer.n_rows
+    return seconds(run_fetch) / n, seconds(lambda: stream(store)) / E

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -32,7 +33,7 @@ from strata_jax.offload.sizing import (DEFAULT_RESERVE, CachePlan, describe, dev
 from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_layout,
                                           resident_slot_table)
 from strata_jax.core import hostrows
-from strata_jax.offload.store import ExpertStore, load_expert_store, store_shapes
+from strata_jax.offload.store import ExpertStore, load_expert_store, load_registered_store, store_shapes
 from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
 
 log = logging.getLogger("strata_jax")
@@ -144,6 +145,7 @@ class OffloadManager:
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
         self._loading: Future | None = None  # the store's load, until `wait` takes it
+        self._registered = False  # the store in host memory of our own (STRATA_JAX_STORE=registered)
         # mixed precision: (the low-bit GGUF, its experts' layout), used only when offloading
         self.cold_spec = cold[1] if cold is not None and not self.plan.resident else None
         self.promote_after = promote_after
@@ -160,14 +162,19 @@ class OffloadManager:
         else:
             # the store loads in the background (most of a cold start: allocating pinned memory and reading
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
-            self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None)
+            # STRATA_JAX_STORE=registered: the store in host memory of our own, page-locked after the reads
+            # (store.HostMemory; the kernels read it by address); being measured against JAX's pinned memory
+            self._registered = (self.fetch_kernel and cards is None
+                                and os.environ.get("STRATA_JAX_STORE", "") == "registered")
+            self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None,
+                                           self._registered)
             store = store_shapes(spec, self.device)
             if self.cold_spec is not None:
                 store = store.replace(cold=store_shapes(self.cold_spec, self.device))
             if self.fetch_kernel:
                 at = self.device if cards is None else cards_.replicated(cards)
                 store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), at))
-            if cards is not None:
+            if cards is not None or self._registered:
                 store = store.addressed()
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout,
                                      self.device if cards is None else cards_.split_rows(cards),  # built split
@@ -235,20 +242,23 @@ class OffloadManager:
         in-step fetch. A failed load raises here, at every call. Between steps only."""
         if self._loading is None:
             return
-        store = self._loading.result()
+        store, self._host_memory = self._loading.result()
         if self.fetch_kernel:
             stores = (store,) if store.cold is None else (store, store.cold)
-            if any(hostrows.addresses(s.groups, self.device) is None for s in stores):
+            if any(not s.addr and hostrows.addresses(s.groups, self.device) is None for s in stores):
                 log.warning("the expert store is not in memory the device can read (%s host memory): misses are "
                             "fetched by a loop of copies instead of the fetch kernel", store.memory_kind)
                 self.fetch_kernel = False
             else:
-                store = _with_addr(store, lambda s: hostrows.addresses(s.groups, self.device))
+                store = _with_addr(store, lambda s: s.addr or hostrows.addresses(s.groups, self.device))
         slots = self._experts.table
         self.fetch_s, self.stream_s = calibrate_fetch(store, self.device)
         if self.cards is not None:  # the arrays stay here (the kernels read them); the steps take their addresses
             self._host_store = store
             store = _with_addr(store, lambda s: self._place(s.addr)).addressed()
+        elif self._registered:  # as the ahead-compiled steps took it (a cold twin's arrays stay here)
+            self._host_store = store
+            store = store.addressed()
         if self._saved is not None:  # each card fills its own slots (by the fetch kernel on several)
             caches, saved = self._saved
             slots = self._place_table(restore_slot_table(self._cache_state, (self._place(caches), saved), slots, store))
@@ -378,10 +388,19 @@ class OffloadManager:
         return int(sum(int(st[i, 6]) * self.cold_spec.bytes_per_expert(i) for i in range(self._n_layers)))
 
 
-def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | None) -> ExpertStore:
-    """The expert store, with its low-bit twin when mixed precision is on."""
-    store = load_expert_store(gguf, spec, device)
-    return store if cold is None else store.replace(cold=load_expert_store(cold[0], cold[1], device))
+def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | None,
+                 registered: bool = False) -> tuple[ExpertStore, tuple]:
+    """The expert store, with its low-bit twin when mixed precision is on, and the host memory of our own
+    it lives in (registered: store.HostMemory; else JAX's arrays hold it and this is ())."""
+    mems: tuple = ()
+    if registered:
+        try:
+            store, mems = load_registered_store(gguf, spec, device)
+        except MemoryError as e:
+            log.warning("%s: the store goes into JAX's pinned memory instead", e)
+    if not mems:
+        store = load_expert_store(gguf, spec, device)
+    return (store if cold is None else store.replace(cold=load_expert_store(cold[0], cold[1], device))), mems
 
 
 def _with_addr(store: ExpertStore, addr) -> ExpertStore:

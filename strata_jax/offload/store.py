@@ -14,7 +14,9 @@ Shape legend: strata_jax/core/shapes.py
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import sys
 import time
@@ -25,9 +27,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax.core import layer_ref
+from strata_jax.core import hostrows, layer_ref
 from strata_jax.core.experts import ExpertRows, ExpertSpec, Part
-from strata_jax.core.hostrows import host_view
 from strata_jax.core.units import fmt_bytes
 
 log = logging.getLogger("strata_jax")
@@ -57,7 +58,7 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
+        return sum(int(np.prod(self.shape(g), dtype=np.int64)) for g in range(len(self.parts)))
 
     def shape(self, g: int) -> tuple[int, int, int]:
         """(layers, experts, row bytes) of group g."""
@@ -143,7 +144,7 @@ def _host_array(shape: tuple[int, ...], sharding) -> tuple[jax.Array, np.ndarray
     alloc_GB_s); on a GPU's pinned memory it is not measured yet."""
     out = jax.device_put(np.zeros(shape, np.uint8), sharding)
     out.block_until_ready()
-    return out, host_view(out).reshape(shape)
+    return out, hostrows.host_view(out).reshape(shape)
 
 
 def _copy_tasks(gguf, spec: ExpertSpec, layers: tuple[int, ...], view_LEP: np.ndarray, files: dict[str, int]):
@@ -178,7 +179,64 @@ def _read_rows(fd: int, offset: int, dst_RB: np.ndarray, src_RB: np.ndarray) -> 
         np.copyto(dst_RB, src_RB)
 
 
-def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple[jax.Array, ...]:
+class HostMemory:
+    """Host memory of the engine's own for a store group (STRATA_JAX_STORE=registered): an anonymous mapping,
+    huge pages asked for, filled in place by the readers, then page-locked and mapped for the device
+    (core/hostrows.register) so that the fetch kernel reads it. JAX's pinned allocation page-locks fresh
+    memory at ~2.3 GB/s and writes zeros through it before the reads (docs/benchmarks.md); here the reads
+    are the first touch. The store is then addressed (ExpertStore.addressed): the kernels read it by its
+    address, never as a program operand. `close` (or the last reference going) unregisters and unmaps."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape, self.nbytes = shape, int(np.prod(shape, dtype=np.int64))
+        self.address = _libc.mmap(None, max(self.nbytes, 1), mmap.PROT_READ | mmap.PROT_WRITE,
+                                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if self.address in (None, ctypes.c_void_p(-1).value):
+            raise MemoryError(f"could not map {fmt_bytes(self.nbytes)} of host memory for the expert store")
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            _libc.madvise(self.address, self.nbytes, mmap.MADV_HUGEPAGE)
+        self.device = None  # the device it is registered with
+
+    def view(self) -> np.ndarray:
+        """Its bytes as a writable numpy array of its shape (valid until close)."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.address)).reshape(self.shape)
+
+    def register(self, device) -> None:
+        why = hostrows.register(self.address, self.nbytes, device)
+        if why is not None:
+            raise MemoryError(f"could not page-lock {fmt_bytes(self.nbytes)} of host memory ({why})")
+        self.device = device
+
+    def close(self) -> None:
+        if self.address is None:
+            return
+        try:
+            if self.device is not None:
+                hostrows.unregister(self.address, self.device)
+            _libc.munmap(self.address, max(self.nbytes, 1))
+        except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone first
+            pass
+        self.address = None
+
+    def __del__(self):
+        self.close()
+
+
+def _mapping_functions():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+_libc = _mapping_functions()
+
+
+def _load_groups(gguf, spec: ExpertSpec, alloc, progress: _Progress) -> tuple:
+    """Each group's host memory, allocated by alloc(shape) -> (holder, writable uint8 view), filled from the
+    file; the holders (JAX host arrays, or HostMemory)."""
     parts, layer_group, _ = store_groups(spec)
     groups = []
     alloc_s = 0.0  # logged apart: the reads alone are far faster than the load (docs/benchmarks.md)
@@ -188,7 +246,7 @@ def _load_groups(gguf, spec: ExpertSpec, sharding, progress: _Progress) -> tuple
             for g, p in enumerate(parts):
                 layers = tuple(i for i, q in enumerate(layer_group) if q == g)
                 t0 = time.perf_counter()
-                data_LEP, view_LEP = _host_array((len(layers), spec.n_experts, sum(x.nbytes for x in p)), sharding)
+                data_LEP, view_LEP = alloc((len(layers), spec.n_experts, sum(x.nbytes for x in p)))
                 alloc_s += time.perf_counter() - t0
                 futures = {pool.submit(copy): n for copy, n in _copy_tasks(gguf, spec, layers, view_LEP, files)}
                 for f in as_completed(futures):
@@ -224,7 +282,8 @@ def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "p
     for k, kind in enumerate(kinds):
         t0 = time.perf_counter()
         try:
-            groups = _load_groups(gguf, spec, _host_sharding(device, kind), _Progress(total, "experts"))
+            sharding = _host_sharding(device, kind)
+            groups = _load_groups(gguf, spec, lambda shape: _host_array(shape, sharding), _Progress(total, "experts"))
         except (RuntimeError, ValueError, MemoryError) as e:  # XLA reports allocation failure as RuntimeError
             if k + 1 == len(kinds):
                 raise
@@ -239,3 +298,37 @@ def load_expert_store(gguf, spec: ExpertSpec, device=None, memory_kind: str = "p
                  len(groups), "s" if len(groups) > 1 else "")
         return ExpertStore(groups, parts, layer_group, layer_local, kind)
     raise AssertionError("unreachable")
+
+
+def load_registered_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, tuple[HostMemory, ...]]:
+    """The store in host memory of the engine's own (HostMemory), registered for `device` and addressed: what
+    a step takes, and the memory, which the caller keeps (and closes) while the store is in use. Raises
+    MemoryError where the memory cannot be had or page-locked (the caller then loads it as JAX's)."""
+    parts, layer_group, layer_local = store_groups(spec)
+    total = sum(gguf.tensor(n).nbytes for i in range(len(spec.moe_layers)) for n in spec.tensor_names(i))
+    t0 = time.perf_counter()
+
+    def alloc(shape):
+        mem = HostMemory(shape)
+        return mem, mem.view()
+
+    mems = _load_groups(gguf, spec, alloc, _Progress(total, "experts"))
+    t_read = time.perf_counter() - t0
+    try:
+        for m in mems:
+            m.register(device)
+    except BaseException:
+        for m in mems:
+            m.close()
+        raise
+    t_reg = time.perf_counter() - t0 - t_read
+    addr = tuple(hostrows.address_of(m.address, device) for m in mems)
+    if any(a is None for a in addr):
+        for m in mems:
+            m.close()
+        raise MemoryError("the device cannot read the registered store")
+    log.info("experts loaded: %s in registered host memory at %s/s (read %.2f s, page-locked %.2f s)",
+             fmt_bytes(total), fmt_bytes(total / max(t_read + t_reg, 1e-9)), t_read, t_reg)
+    store = ExpertStore((), parts, layer_group, layer_local, "registered", addr=addr,
+                        shapes=tuple(m.shape for m in mems))
+    return store, mems

@@ -158,3 +158,19 @@ extern "C" void* strata_device_pointer(void* host) {
   }
   return dev;
 }
+
+// Host memory of the engine's own (an expert store it allocated: offload/store.py HostMemory) page-locked
+// and mapped for every device, so the kernels above can read it; 0 or the CUDA error's number.
+extern "C" int strata_host_register(void* host, size_t bytes) {
+  cudaError_t e = cudaHostRegister(host, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  if (e != cudaSuccess) cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+extern "C" int strata_host_unregister(void* host) {
+  cudaError_t e = cudaHostUnregister(host);
+  if (e != cudaSuccess) cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+extern "C" const char* strata_error_string(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }
