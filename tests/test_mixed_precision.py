@@ -6,6 +6,7 @@ its logits to float32 rounding: the low-bit product, weighted zero, still change
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,12 +44,15 @@ def _run(model, ids, n=12):
 
 
 @pytest.mark.parametrize("scan,fetch,qmatvec", [("on", "loop", ""), ("off", "loop", ""), ("on", "kernel", ""),
-                                                ("on", "loop", "1")])
+                                                ("on", "loop", "1"), ("on", "registered", "")])
 def test_never_promoted_is_the_low_bit_model(files, prompt, scan, fetch, qmatvec, monkeypatch):
     """qmatvec 1: the experts through the fused kernel (its interpreter here), each pool skipping the pairs
     the other serves; its decode sums the two pools' products in one fusion, so logprobs agree to float32
-    rounding there."""
+    rounding there. registered: the kernel, the store in host memory of our own (STRATA_JAX_STORE)."""
     monkeypatch.setenv("STRATA_JAX_QMATVEC", qmatvec)
+    if fetch == "registered":
+        monkeypatch.setenv("STRATA_JAX_STORE", "registered")
+        fetch = "kernel"
     hot, cold = files
     ref = _run(strata_jax.load(cold, ctx=64), prompt)
     m = strata_jax.load(hot, ctx=64, expert_slots=SLOTS, cold_experts=cold, promote_after=NEVER, layer_scan=scan,
@@ -61,6 +65,7 @@ def test_never_promoted_is_the_low_bit_model(files, prompt, scan, fetch, qmatvec
     else:
         assert got[2] == ref[2]
     st = m.stats()
+    assert (st["store_memory"] == "registered") == bool(os.environ.get("STRATA_JAX_STORE"))
     assert st["hits"] == 0 and st["misses"] == st["cold_experts"] == st["lookups"] > 0 and st["cold_share"] == 1.0
     # what crossed PCIe is the low-bit rows only
     per_cold = m.experts.cold_spec.bytes_per_expert(0)
