@@ -68,8 +68,9 @@ def test_two_cards_equal_one(probe, case):
         assert (m["split_traces"] > 0) == (case in SPLIT)
     if "resident" in case:
         assert st["resident"] and st["misses"] == 0
-    else:  # each card fetched some of the misses into its own slots
+    else:  # each card fetched some of the misses into its own slots, from the store in memory of our own
         assert not st["resident"] and all(c["misses"] > 0 for c in per_card)
+        assert st["store_memory"] == "registered"
 
 
 def test_metrics_and_the_monitor_report_each_card(probe):

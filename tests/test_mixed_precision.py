@@ -44,14 +44,15 @@ def _run(model, ids, n=12):
 
 
 @pytest.mark.parametrize("scan,fetch,qmatvec", [("on", "loop", ""), ("off", "loop", ""), ("on", "kernel", ""),
-                                                ("on", "loop", "1"), ("on", "registered", "")])
+                                                ("on", "loop", "1"), ("on", "pinned", "")])
 def test_never_promoted_is_the_low_bit_model(files, prompt, scan, fetch, qmatvec, monkeypatch):
     """qmatvec 1: the experts through the fused kernel (its interpreter here), each pool skipping the pairs
     the other serves; its decode sums the two pools' products in one fusion, so logprobs agree to float32
-    rounding there. registered: the kernel, the store in host memory of our own (STRATA_JAX_STORE)."""
+    rounding there. The kernel reads both stores in host memory of our own (store.HostMemory); pinned: the
+    kernel, both stores in JAX's pinned memory (STRATA_JAX_STORE=pinned)."""
     monkeypatch.setenv("STRATA_JAX_QMATVEC", qmatvec)
-    if fetch == "registered":
-        monkeypatch.setenv("STRATA_JAX_STORE", "registered")
+    if fetch == "pinned":
+        monkeypatch.setenv("STRATA_JAX_STORE", "pinned")
         fetch = "kernel"
     hot, cold = files
     ref = _run(strata_jax.load(cold, ctx=64), prompt)
@@ -65,7 +66,7 @@ def test_never_promoted_is_the_low_bit_model(files, prompt, scan, fetch, qmatvec
     else:
         assert got[2] == ref[2]
     st = m.stats()
-    assert (st["store_memory"] == "registered") == bool(os.environ.get("STRATA_JAX_STORE"))
+    assert (st["store_memory"] == "registered") == (fetch == "kernel" and os.environ.get("STRATA_JAX_STORE") is None)
     assert st["hits"] == 0 and st["misses"] == st["cold_experts"] == st["lookups"] > 0 and st["cold_share"] == 1.0
     # what crossed PCIe is the low-bit rows only
     per_cold = m.experts.cold_spec.bytes_per_expert(0)

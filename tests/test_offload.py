@@ -424,7 +424,7 @@ def test_step_arguments_do_not_grow_with_layers(tmp_path, pools):
 
 
 @pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 8, "on"), ("per-layer", 12, "off")])
-def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
+def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan, monkeypatch):
     """The misses copied by one call of the fetch kernel per layer (core/hostrows.py; on CPU its
     memcpy build, the same call and addresses as the CUDA one) decode the resident tokens, fetching the
     same experts as the loop of copies does."""
@@ -435,10 +435,12 @@ def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
     ids, ref_logits, ref_tokens = reference
     got = {}
     for fetch in ("kernel", "loop"):
+        # the kernel reading JAX's pinned memory (our own memory, the default, is the test below)
+        monkeypatch.setenv("STRATA_JAX_STORE", "pinned")
         m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, expert_pools=pools, layer_scan=scan,
                             expert_fetch=fetch)
         assert m.experts.fetch_kernel == (fetch == "kernel")
-        assert bool(m.experts.store.addr) == (fetch == "kernel")
+        assert bool(m.experts.store.addr) == (fetch == "kernel") and m.experts.store.memory_kind != "registered"
         np.testing.assert_array_equal(m.logits(ids), ref_logits)
         assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
         st = m.stats()
@@ -450,14 +452,14 @@ def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan):
 
 @pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 12, "off")])
 def test_registered_store_equals_resident(moe_path, reference, pools, slots, scan, monkeypatch):
-    """STRATA_JAX_STORE=registered: the store in host memory of our own (store.HostMemory), read by address
-    only, holds the file's rows, and decodes (prefill streamed from it too) the resident logits and tokens."""
+    """Where the kernel fetches, the store is in host memory of our own (store.HostMemory), read by address
+    only: it holds the file's rows, and decodes (prefill streamed from it too) the resident logits and tokens."""
     from strata_jax.core import hostrows
     from strata_jax.offload.store import HostMemory
 
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
-    monkeypatch.setenv("STRATA_JAX_STORE", "registered")
+    monkeypatch.delenv("STRATA_JAX_STORE", raising=False)
     ids, ref_logits, ref_tokens = reference
     m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, expert_pools=pools, layer_scan=scan,
                         expert_fetch="kernel")
@@ -481,7 +483,6 @@ def test_registered_store_falls_back_by_name(moe_path, reference, monkeypatch, c
 
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
-    monkeypatch.setenv("STRATA_JAX_STORE", "registered")
     monkeypatch.setattr(hostrows, "register", lambda ptr, n, device: "out of memory")
     ids, ref_logits, _ = reference
     with caplog.at_level(logging.WARNING, logger="strata_jax"):
@@ -489,6 +490,16 @@ def test_registered_store_falls_back_by_name(moe_path, reference, monkeypatch, c
         np.testing.assert_array_equal(m.logits(ids), ref_logits)
     assert m.experts.store.memory_kind in ("pinned_host", "unpinned_host")
     assert "could not page-lock" in caplog.text and "out of memory" in caplog.text
+
+
+def test_store_memory_setting_is_checked(moe_path, monkeypatch):
+    from strata_jax.core import hostrows
+
+    if not hostrows.available(jax.devices()[0]):
+        pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
+    monkeypatch.setenv("STRATA_JAX_STORE", "pinnned")
+    with pytest.raises(ConfigError, match="STRATA_JAX_STORE='pinnned': choose registered"):
+        strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_fetch="kernel")
 
 
 def test_fetch_kernel_skips_what_it_must(tmp_path):

@@ -162,10 +162,10 @@ class OffloadManager:
         else:
             # the store loads in the background (most of a cold start: allocating pinned memory and reading
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
-            # STRATA_JAX_STORE=registered: the store in host memory of our own, page-locked after the reads
-            # (store.HostMemory; the kernels read it by address); being measured against JAX's pinned memory
-            self._registered = (self.fetch_kernel and cards is None
-                                and os.environ.get("STRATA_JAX_STORE", "") == "registered")
+            # where the kernels fetch, the store goes into host memory of our own, page-locked after the reads
+            # (store.HostMemory, read by address): qseed's 46 GiB load at 11 GiB/s on an H100 against 1.2 in
+            # JAX's pinned memory (docs/benchmarks.md); STRATA_JAX_STORE=pinned keeps JAX's
+            self._registered = self.fetch_kernel and _store_memory() == "registered"
             self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None,
                                            self._registered)
             store = store_shapes(spec, self.device)
@@ -392,15 +392,28 @@ def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | 
                  registered: bool = False) -> tuple[ExpertStore, tuple]:
     """The expert store, with its low-bit twin when mixed precision is on, and the host memory of our own
     it lives in (registered: store.HostMemory; else JAX's arrays hold it and this is ())."""
-    mems: tuple = ()
-    if registered:
-        try:
-            store, mems = load_registered_store(gguf, spec, device)
-        except MemoryError as e:
-            log.warning("%s: the store goes into JAX's pinned memory instead", e)
-    if not mems:
-        store = load_expert_store(gguf, spec, device)
-    return (store if cold is None else store.replace(cold=load_expert_store(cold[0], cold[1], device))), mems
+    def one(gguf, spec):
+        if registered:
+            try:
+                return load_registered_store(gguf, spec, device)
+            except MemoryError as e:
+                log.warning("%s: the store goes into JAX's pinned memory instead", e)
+        return load_expert_store(gguf, spec, device), ()
+
+    store, mems = one(gguf, spec)
+    if cold is not None:
+        cold_store, cold_mems = one(*cold)
+        store, mems = store.replace(cold=cold_store), mems + cold_mems
+    return store, mems
+
+
+def _store_memory() -> str:
+    """STRATA_JAX_STORE: "registered" (the default) or "pinned" (JAX's pinned host memory)."""
+    value = os.environ.get("STRATA_JAX_STORE", "registered") or "registered"
+    if value not in ("registered", "pinned"):
+        raise ConfigError(f"STRATA_JAX_STORE={value!r}: choose registered (the default: host memory of the engine's "
+                          "own, page-locked after the reads) or pinned (JAX's pinned host memory).")
+    return value
 
 
 def _with_addr(store: ExpertStore, addr) -> ExpertStore:
