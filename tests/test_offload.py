@@ -450,30 +450,40 @@ def test_fetch_kernel_equals_resident(moe_path, reference, pools, slots, scan, m
     np.testing.assert_array_equal(got["kernel"][2], got["loop"][2])  # the same bytes in the same slots
 
 
+@pytest.mark.parametrize("mode", ["registered", "mapped"])
 @pytest.mark.parametrize("pools,slots,scan", [("shared", 6, "on"), ("per-layer", 12, "off")])
-def test_registered_store_equals_resident(moe_path, reference, pools, slots, scan, monkeypatch):
-    """Where the kernel fetches, the store is in host memory of our own (store.HostMemory), read by address
-    only: it holds the file's rows, and decodes (prefill streamed from it too) the resident logits and tokens."""
+def test_own_store_equals_resident(moe_path, reference, pools, slots, scan, mode, monkeypatch):
+    """Where the kernel fetches, the store is in host memory of our own (store.HostMemory, the default), or the
+    model file itself mapped (STRATA_JAX_STORE=mapped: each expert's row three pieces of the file), read by
+    address only: it holds the file's rows, and decodes (prefill streamed from it too) the resident logits and
+    tokens."""
     from strata_jax.core import hostrows
-    from strata_jax.offload.store import HostMemory
+    from strata_jax.offload.store import FileMapping, HostMemory
 
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
-    monkeypatch.delenv("STRATA_JAX_STORE", raising=False)
+    if mode == "mapped":
+        monkeypatch.setenv("STRATA_JAX_STORE", "mapped")
+    else:
+        monkeypatch.delenv("STRATA_JAX_STORE", raising=False)
     ids, ref_logits, ref_tokens = reference
     m = strata_jax.load(moe_path, ctx=128, expert_slots=slots, expert_pools=pools, layer_scan=scan,
                         expert_fetch="kernel")
     store = m.experts.store
-    assert store.memory_kind == "registered" and store.groups == () and len(store.addr) == 2
+    assert store.memory_kind == mode and store.groups == () and len(store.addr) == 2
     mems = m.experts._host_memory
-    assert len(mems) == 2 and all(isinstance(x, HostMemory) for x in mems)
-    for i, block in enumerate(m.config.moe_layers):  # the file's rows, where the kernel reads them
-        view = mems[store.layer_group[i]].view()
-        np.testing.assert_array_equal(view[store.layer_local[i]], _file_rows(moe_path, block))
+    if mode == "registered":
+        assert len(mems) == 2 and all(isinstance(x, HostMemory) for x in mems)
+        for i, block in enumerate(m.config.moe_layers):  # the file's rows, where the kernel reads them
+            view = mems[store.layer_group[i]].view()
+            np.testing.assert_array_equal(view[store.layer_local[i]], _file_rows(moe_path, block))
+    else:
+        assert [type(x) for x in mems] == [FileMapping] and [len(w) for w in store.widths] == [3, 3]
+        assert all(a.shape == (2, 3, 2) for a in store.addr)  # per group: 2 layers x 3 tensors
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     assert m.generate(ids, max_tokens=24, temperature=0).token_ids == ref_tokens
     st = m.stats()
-    assert st["misses"] > 0 and st["store_memory"] == "registered"
+    assert st["misses"] > 0 and st["store_memory"] == mode
 
 
 def test_registered_store_falls_back_by_name(moe_path, reference, monkeypatch, caplog):
@@ -498,7 +508,7 @@ def test_store_memory_setting_is_checked(moe_path, monkeypatch):
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
     monkeypatch.setenv("STRATA_JAX_STORE", "pinnned")
-    with pytest.raises(ConfigError, match="STRATA_JAX_STORE='pinnned': choose registered"):
+    with pytest.raises(ConfigError, match="STRATA_JAX_STORE=.pinnned.: choose registered"):
         strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_fetch="kernel")
 
 

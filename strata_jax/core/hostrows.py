@@ -42,6 +42,7 @@ SRC = Path(__file__).with_name("csrc")
 TARGET = "strata_host_rows"
 ROW_GET, ROW_PUT = "strata_row_get", "strata_row_put"
 HOST_PUT = "strata_host_put"
+FILE_ROWS = "strata_file_rows"
 _SOURCES = {"cpu": "host_rows.cc", "cuda": "host_rows.cu"}
 _HANDLERS = {"cpu": "StrataHostRowsCpu", "cuda": "StrataHostRowsCuda"}
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -112,12 +113,13 @@ def available(device) -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build(platform)))
             suffix = "Cuda" if platform == "cuda" else "Cpu"
             for target, handler in ((TARGET, _HANDLERS[platform]), (ROW_GET, "StrataRowGet" + suffix),
-                                    (ROW_PUT, "StrataRowPut" + suffix), (HOST_PUT, "StrataHostPut" + suffix)):
+                                    (ROW_PUT, "StrataRowPut" + suffix), (HOST_PUT, "StrataHostPut" + suffix),
+                                    (FILE_ROWS, "StrataFileRows" + suffix)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)),
                                             platform="CUDA" if platform == "cuda" else "cpu")
             lib.strata_device_pointer.restype = ctypes.c_void_p
             lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
-            lib.strata_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.strata_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             lib.strata_host_unregister.argtypes = [ctypes.c_void_p]
             lib.strata_error_string.restype = ctypes.c_char_p
             _loaded[platform] = lib
@@ -162,13 +164,13 @@ def address_of(ptr: int, device) -> jax.Array | None:
     return jax.device_put(np.array([dev & 0xFFFFFFFF, dev >> 32], np.uint32), device)
 
 
-def register(ptr: int, nbytes: int, device) -> str | None:
-    """Page-lock and map host memory of our own (ptr, nbytes) for the device's kernels (`available` first);
-    None, or why it failed."""
+def register(ptr: int, nbytes: int, device, read_only: bool = False) -> str | None:
+    """Page-lock and map host memory (ptr, nbytes: of our own, or a file's read-only mapping) for the device's
+    kernels (`available` first); None, or why it failed."""
     lib = _loaded.get(_platform(device))
     if lib is None:
         return why_not(device) or "the fetch kernel is not available"
-    e = lib.strata_host_register(ptr, nbytes)
+    e = lib.strata_host_register(ptr, nbytes, int(read_only))
     return None if e == 0 else lib.strata_error_string(e).decode()
 
 
@@ -198,6 +200,18 @@ def host_rows(addr_2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: ja
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(pool_XP.shape, pool_XP.dtype), input_output_aliases={1: 0})
     return call(addr_2, pool_XP, row_U.astype(jnp.int32), dst_U.astype(jnp.int32), miss_U.astype(jnp.int32),
                 rows=np.int64(n_rows))
+
+
+def file_rows(table_LT2: jax.Array, pool_XP: jax.Array, row_U: jax.Array, dst_U: jax.Array, miss_U: jax.Array,
+              n_rows: int, n_experts: int, widths: tuple[int, ...]) -> jax.Array:
+    """host_rows for a store that is the model file (offload/store.py, mapped): store row r (layer r // E,
+    expert r % E) is len(widths) pieces, piece t of widths[t] bytes at table_LT2[layer, t] + expert * widths[t],
+    back to back in pool row dst_U[j]."""
+    w = tuple(widths) + (0,) * (3 - len(widths))
+    call = jax.ffi.ffi_call(FILE_ROWS, jax.ShapeDtypeStruct(pool_XP.shape, pool_XP.dtype), input_output_aliases={1: 0})
+    return call(table_LT2, pool_XP, row_U.astype(jnp.int32), dst_U.astype(jnp.int32), miss_U.astype(jnp.int32),
+                rows=np.int64(n_rows), experts=np.int64(n_experts), w0=np.int64(w[0]), w1=np.int64(w[1]),
+                w2=np.int64(w[2]))
 
 
 def host_put(addr_2: jax.Array, token_1: jax.Array, src_UP: jax.Array, row_U: jax.Array, put_U: jax.Array,

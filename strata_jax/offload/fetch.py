@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from strata_jax.core import cards, layer_ref
 from strata_jax.core.experts import ExpertRows
-from strata_jax.core.hostrows import host_rows
 from strata_jax.offload.policies import Plan
 from strata_jax.offload.store import ExpertStore
 
@@ -40,13 +39,13 @@ def fetch_misses(pool: ExpertRows, store: ExpertStore, moe_idx, plan: Plan, base
     split over cards (core/cards.py): each card copies the misses whose slots it holds."""
     if store.addr:
         g = store.group(moe_idx)
-        L, E, _ = store.shape(g)
+        _, E, _ = store.shape(g)
         at = layer_ref.value(layer_ref.mapped(moe_idx, store.layer_local))
         if pool.cards is None:
-            data = host_rows(store.addr[g], pool.data, at * E + plan.ids_U, base + plan.slot_U, plan.miss_U, L * E)
+            data = store.kernel_rows(g, pool.data, at * E + plan.ids_U, base + plan.slot_U, plan.miss_U)
         else:
             def copy(data_XP, slot_U, miss_U, addr_2, row_U):
-                return host_rows(addr_2, data_XP, row_U, slot_U, miss_U, L * E)
+                return store.kernel_rows(g, data_XP, row_U, slot_U, miss_U, addr=addr_2)
 
             data = cards.fetch_rows(pool.cards, pool.data, copy, base + plan.slot_U, plan.miss_U, store.addr[g],
                                     at * E + plan.ids_U)
@@ -77,8 +76,7 @@ def stream_group(store: ExpertStore, moe_idx, first, n: int) -> ExpertRows:
     L, E, P = store.shape(g)
     at = layer_ref.value(layer_ref.mapped(moe_idx, store.layer_local))
     i_n = jnp.arange(n, dtype=jnp.int32)
-    data = host_rows(store.addr[g], jnp.zeros((n, P), jnp.uint8), at * E + first + i_n, i_n,
-                     jnp.ones((n,), bool), L * E)
+    data = store.kernel_rows(g, jnp.zeros((n, P), jnp.uint8), at * E + first + i_n, i_n, jnp.ones((n,), bool))
     return ExpertRows(data, store.parts[g])
 
 

@@ -33,7 +33,8 @@ from strata_jax.offload.sizing import (DEFAULT_RESERVE, CachePlan, describe, dev
 from strata_jax.offload.slot_table import (SlotTable, empty_slot_table, expert_bytes, expert_layout, resident_layout,
                                           resident_slot_table)
 from strata_jax.core import hostrows
-from strata_jax.offload.store import ExpertStore, load_expert_store, load_registered_store, store_shapes
+from strata_jax.offload.store import (ExpertStore, file_widths, load_expert_store, load_file_store,
+                                      load_registered_store, store_shapes)
 from strata_jax.offload.warm import cache_identity, load_cache_state, restore_slot_table, save_cache_state
 
 log = logging.getLogger("strata_jax")
@@ -164,16 +165,17 @@ class OffloadManager:
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
             # where the kernels fetch, the store goes into host memory of our own, page-locked after the reads
             # (store.HostMemory, read by address): qseed's 46 GiB load at 11 GiB/s on an H100 against 1.2 in
-            # JAX's pinned memory (docs/benchmarks.md); STRATA_JAX_STORE=pinned keeps JAX's
-            self._registered = self.fetch_kernel and _store_memory() == "registered"
+            # JAX's pinned memory (docs/benchmarks.md); STRATA_JAX_STORE=pinned keeps JAX's, =mapped reads the
+            # model file itself in place (store.FileMapping: no copy; not yet measured on a GPU)
+            mode = _store_memory() if self.fetch_kernel else "pinned"
+            self._registered = mode != "pinned"
             self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None,
-                                           self._registered)
-            store = store_shapes(spec, self.device)
+                                           mode)
+            at = self.device if cards is None else cards_.replicated(cards)
+            store = _ahead_store(gguf, spec, self.device, at, mode, self.fetch_kernel)
             if self.cold_spec is not None:
-                store = store.replace(cold=store_shapes(self.cold_spec, self.device))
-            if self.fetch_kernel:
-                at = self.device if cards is None else cards_.replicated(cards)
-                store = _with_addr(store, lambda s: hostrows.address_shapes(len(s.groups), at))
+                store = store.replace(cold=_ahead_store(cold[0], self.cold_spec, self.device, at, mode,
+                                                        self.fetch_kernel))
             if cards is not None or self._registered:
                 store = store.addressed()
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout,
@@ -388,16 +390,31 @@ class OffloadManager:
         return int(sum(int(st[i, 6]) * self.cold_spec.bytes_per_expert(i) for i in range(self._n_layers)))
 
 
+def _ahead_store(gguf, spec: ExpertSpec, device, at, mode: str, kernel: bool) -> ExpertStore:
+    """The store's shapes as the load will give it (mode: _store_memory's), to compile a first step against
+    while it loads; at: where its addresses go (the device, or replicated over the cards)."""
+    store = store_shapes(spec, device)
+    if not kernel:
+        return store
+    if mode != "mapped":
+        return store.replace(addr=hostrows.address_shapes(len(store.groups), at))
+    widths = file_widths(gguf, spec)
+    sharding = at if isinstance(at, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(at)
+    return store.replace(widths=widths, addr=tuple(
+        jax.ShapeDtypeStruct((store.shape(g)[0], len(w), 2), np.uint32, sharding=sharding) for g, w in enumerate(widths)))
+
+
 def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | None,
-                 registered: bool = False) -> tuple[ExpertStore, tuple]:
+                 mode: str = "pinned") -> tuple[ExpertStore, tuple]:
     """The expert store, with its low-bit twin when mixed precision is on, and the host memory of our own
-    it lives in (registered: store.HostMemory; else JAX's arrays hold it and this is ())."""
+    it lives in (store.HostMemory, or the file's store.FileMapping; with JAX's arrays, ())."""
     def one(gguf, spec):
-        if registered:
-            try:
-                return load_registered_store(gguf, spec, device)
-            except MemoryError as e:
-                log.warning("%s: the store goes into JAX's pinned memory instead", e)
+        for way, load in (("mapped", load_file_store), ("registered", load_registered_store)):
+            if mode == way:
+                try:
+                    return load(gguf, spec, device)
+                except MemoryError as e:
+                    log.warning("%s: the store goes into JAX's pinned memory instead", e)
         return load_expert_store(gguf, spec, device), ()
 
     store, mems = one(gguf, spec)
@@ -408,11 +425,13 @@ def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | 
 
 
 def _store_memory() -> str:
-    """STRATA_JAX_STORE: "registered" (the default) or "pinned" (JAX's pinned host memory)."""
+    """STRATA_JAX_STORE: "registered" (the default), "pinned" (JAX's pinned host memory) or "mapped" (the
+    model file itself)."""
     value = os.environ.get("STRATA_JAX_STORE", "registered") or "registered"
-    if value not in ("registered", "pinned"):
+    if value not in ("registered", "pinned", "mapped"):
         raise ConfigError(f"STRATA_JAX_STORE={value!r}: choose registered (the default: host memory of the engine's "
-                          "own, page-locked after the reads) or pinned (JAX's pinned host memory).")
+                          "own, page-locked after the reads), pinned (JAX's pinned host memory) or mapped (the model "
+                          "file itself, read in place).")
     return value
 
 

@@ -55,6 +55,10 @@ class ExpertStore:
     cold: "ExpertStore | None" = None
     # the groups' shapes where the arrays are not carried (`addressed`: read by their addresses only)
     shapes: tuple[tuple[int, int, int], ...] = struct.field(pytree_node=False, default=())
+    # the store as the model file itself (STRATA_JAX_STORE=mapped): per group, the bytes per expert of each of
+    # its layers' expert tensors, and addr[g] is then a table of where each layer's tensors are mapped
+    # (uint32 [L, T, 2]); () = rows back to back in one array per group
+    widths: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False, default=())
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +76,16 @@ class ExpertStore:
             raise ValueError("an addressed store needs the fetch kernel's addresses")
         return self.replace(groups=(), shapes=tuple(self.shape(g) for g in range(len(self.parts))),
                             cold=None if self.cold is None else self.cold.addressed())
+
+    def kernel_rows(self, g: int, pool_XP: jax.Array, row_U: jax.Array, dst_U: jax.Array, miss_U: jax.Array,
+                    addr: jax.Array | None = None) -> jax.Array:
+        """pool_XP with store rows row_U of group g (layer * E + expert) copied into its rows dst_U where miss_U,
+        by one call of the fetch kernel (core/hostrows.py); addr: the group's address as a card holds it."""
+        L, E, _ = self.shape(g)
+        a = self.addr[g] if addr is None else addr
+        if self.widths:
+            return hostrows.file_rows(a, pool_XP, row_U, dst_U, miss_U, L * E, E, self.widths[g])
+        return hostrows.host_rows(a, pool_XP, row_U, dst_U, miss_U, L * E)
 
     def group(self, moe_idx) -> int:
         """The group of MoE layer moe_idx (an int, or a LayerRef whose candidates share one group)."""
@@ -332,3 +346,80 @@ def load_registered_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, 
     store = ExpertStore((), parts, layer_group, layer_local, "registered", addr=addr,
                         shapes=tuple(m.shape for m in mems))
     return store, mems
+
+
+class FileMapping:
+    """A model file mapped read-only and page-locked for the device (STRATA_JAX_STORE=mapped): the expert store
+    is then the file itself, read by the kernels in place from the page cache. No copy and no second copy in
+    RAM: registering the mapping of a cached 8 GiB file took 28.8 GB/s on an H100 (docs/benchmarks.md).
+    `close` (or the last reference going) unregisters and unmaps."""
+
+    def __init__(self, path: str):
+        self.path, self.nbytes = path, os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.address = _libc.mmap(None, max(self.nbytes, 1), mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if self.address in (None, ctypes.c_void_p(-1).value):
+            raise MemoryError(f"could not map {path} ({fmt_bytes(self.nbytes)})")
+        self.device = None
+
+    def register(self, device) -> None:
+        why = hostrows.register(self.address, self.nbytes, device, read_only=True)
+        if why is not None:
+            raise MemoryError(f"could not page-lock the mapping of {os.path.basename(self.path)} "
+                              f"({fmt_bytes(self.nbytes)}: {why})")
+        self.device = device
+
+    close = HostMemory.close
+    __del__ = HostMemory.__del__
+
+
+def file_widths(gguf, spec: ExpertSpec) -> tuple[tuple[int, ...], ...]:
+    """Per store group, the bytes per expert of each expert tensor of its layers (a mapped store's row pieces)."""
+    _, layer_group, _ = store_groups(spec)
+    out: dict[int, tuple[int, ...]] = {}
+    for i, g in enumerate(layer_group):
+        w = tuple(gguf.tensor(n).nbytes // spec.n_experts for n in spec.tensor_names(i))
+        if out.setdefault(g, w) != w:
+            raise ValueError(f"MoE layer {i}'s expert tensors split their rows otherwise than its group's")
+    return tuple(out[g] for g in range(len(out)))
+
+
+def load_file_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, tuple[FileMapping, ...]]:
+    """The store as the model file itself: each shard mapped read-only and page-locked, and per group a table of
+    where each layer's expert tensors are (ExpertStore.widths). Raises MemoryError where that cannot be had."""
+    parts, layer_group, layer_local = store_groups(spec)
+    t0 = time.perf_counter()
+    maps = {path: FileMapping(path) for path in gguf.shard_paths}
+    try:
+        for m in maps.values():
+            m.register(device)
+    except BaseException:
+        for m in maps.values():
+            m.close()
+        raise
+    widths = file_widths(gguf, spec)
+    tables = []
+    for g in range(len(parts)):
+        layers = [i for i, q in enumerate(layer_group) if q == g]
+        t = np.zeros((len(layers), len(widths[g]), 2), np.uint32)
+        for j, i in enumerate(layers):
+            for k, name in enumerate(spec.tensor_names(i)):
+                path, offset = gguf.file_span(name)
+                ptr = maps[path].address + offset
+                t[j, k] = (ptr & 0xFFFFFFFF, ptr >> 32)
+        tables.append(t)
+    base = hostrows.address_of(next(iter(maps.values())).address, device)
+    if base is None or int(np.asarray(base)[0]) | (int(np.asarray(base)[1]) << 32) != next(iter(maps.values())).address:
+        for m in maps.values():
+            m.close()  # the kernels take host addresses as they are: unified addressing
+        raise MemoryError("the device reads mapped host memory at another address than the host's")
+    shapes = tuple((len(t), spec.n_experts, sum(x.nbytes for x in parts[g])) for g, t in enumerate(tables))
+    total = sum(int(np.prod(x)) for x in shapes)
+    log.info("experts: the model file itself, %s mapped and page-locked in %.2f s (%s of experts; no copy)",
+             fmt_bytes(sum(m.nbytes for m in maps.values())), time.perf_counter() - t0, fmt_bytes(total))
+    store = ExpertStore((), parts, layer_group, layer_local, "mapped", shapes=shapes, widths=widths,
+                        addr=tuple(jax.device_put(t, device) for t in tables))
+    return store, tuple(maps.values())

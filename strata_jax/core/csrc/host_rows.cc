@@ -39,6 +39,31 @@ static ffi::Error HostPutCpu(ffi::Buffer<ffi::U32> addr, ffi::Buffer<ffi::U8> to
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataHostPutCpu, HostPutCpu, STRATA_HOST_PUT_BIND(ffi::Ffi::Bind()));
 
+static ffi::Error FileRowsCpu(ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::U8> pool, ffi::Buffer<ffi::S32> row,
+                              ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> miss, int64_t rows, int64_t E,
+                              int64_t w0, int64_t w1, int64_t w2, ffi::ResultBuffer<ffi::U8> out) {
+  int64_t X = 0, P = 0;
+  if (auto e = strata_dims(pool, "strata_file_rows", X, P); e.failure()) return e;
+  if (P != w0 + w1 + w2) return ffi::Error::InvalidArgument("strata_file_rows: the pieces do not make a slot row");
+  const int64_t U = row.element_count(), T = w2 ? 3 : (w1 ? 2 : 1);
+  uint8_t* o = out->typed_data();
+  if (o != pool.typed_data()) std::memcpy(o, pool.typed_data(), X * P);
+  for (int64_t j = 0; j < U; ++j) {
+    const int64_t r = row.typed_data()[j], d = dst.typed_data()[j];
+    if (!miss.typed_data()[j] || r < 0 || r >= rows || d < 0 || d >= X) continue;
+    const int64_t l = r / E, e = r % E;
+    int64_t at = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t w = strata_piece(t, w0, w1, w2);
+      std::memcpy(o + d * P + at, strata_base(table.typed_data() + 2 * (l * T + t)) + e * w, w);
+      at += w;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFileRowsCpu, FileRowsCpu, STRATA_FILE_ROWS_BIND(ffi::Ffi::Bind()));
+
 extern "C" void* strata_device_pointer(void* host) { return host; }
 
 static ffi::Error RowGetCpu(ffi::Buffer<ffi::U8> src, ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::U8> out) {
@@ -64,6 +89,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCpu, RowGetCpu, STRATA_ROW_GET_BIND(ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCpu, RowPutCpu, STRATA_ROW_PUT_BIND(ffi::Ffi::Bind()));
 
 // host memory needs no registering for the CPU's own kernels
-extern "C" int strata_host_register(void*, size_t) { return 0; }
+extern "C" int strata_host_register(void*, size_t, int) { return 0; }
 extern "C" int strata_host_unregister(void*) { return 0; }
 extern "C" const char* strata_error_string(int) { return "no error"; }

@@ -148,6 +148,51 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowGetCuda, RowGetCuda, STRATA_ROW_GET_BIND(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRowPutCuda, RowPutCuda, STRATA_ROW_PUT_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// a store that is the model file (host_rows.h, strata_file_rows): block (x, j) writes chunk x of request j's
+// slot row, taking each piece of the expert's bytes that falls in it from its tensor in the mapped file
+__global__ void file_rows_kernel(const uint32_t* table, uint8_t* pool, const int32_t* row, const int32_t* dst,
+                                 const int32_t* miss, int64_t rows, int64_t E, int64_t X, int64_t P, int64_t w0,
+                                 int64_t w1, int64_t w2, int64_t U) {
+  const int64_t T = w2 ? 3 : (w1 ? 2 : 1);
+  for (int64_t j = blockIdx.y; j < U; j += gridDim.y) {
+    if (!miss[j]) continue;
+    const int64_t r = row[j], d = dst[j];
+    if (r < 0 || r >= rows || d < 0 || d >= X) continue;
+    const int64_t l = r / E, e = r % E;
+    const int64_t begin = blockIdx.x * kChunk, end = min(begin + kChunk, P);
+    int64_t at = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t w = strata_piece(t, w0, w1, w2), lo = max(begin, at), hi = min(end, at + w);
+      if (lo < hi) copy_span(strata_base(table + 2 * (l * T + t)) + e * w - at, pool + d * P, lo, hi);
+      at += w;
+    }
+  }
+}
+
+static ffi::Error FileRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::U8> pool,
+                               ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> miss,
+                               int64_t rows, int64_t experts, int64_t w0, int64_t w1, int64_t w2,
+                               ffi::ResultBuffer<ffi::U8> out) {
+  int64_t X = 0, P = 0;
+  if (auto e = strata_dims(pool, "strata_file_rows", X, P); e.failure()) return e;
+  if (P != w0 + w1 + w2) return ffi::Error::InvalidArgument("strata_file_rows: the pieces do not make a slot row");
+  const int64_t U = row.element_count();
+  uint8_t* o = out->typed_data();
+  if (o != pool.typed_data()) {
+    cudaError_t e = cudaMemcpyAsync(o, pool.typed_data(), X * P, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  }
+  if (U == 0 || P == 0) return ffi::Error::Success();
+  dim3 grid(static_cast<unsigned>((P + kChunk - 1) / kChunk), static_cast<unsigned>(U < kMaxGridY ? U : kMaxGridY));
+  file_rows_kernel<<<grid, kThreads, 0, stream>>>(table.typed_data(), o, row.typed_data(), dst.typed_data(),
+                                                  miss.typed_data(), rows, experts, X, P, w0, w1, w2, U);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataFileRowsCuda, FileRowsCuda, STRATA_FILE_ROWS_BIND(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // The address a kernel reads host memory `host` at (the same under UVA; 0 if it is not pinned memory
 // the device can reach, then the engine keeps the fetch loop).
 extern "C" void* strata_device_pointer(void* host) {
@@ -159,10 +204,12 @@ extern "C" void* strata_device_pointer(void* host) {
   return dev;
 }
 
-// Host memory of the engine's own (an expert store it allocated: offload/store.py HostMemory) page-locked
-// and mapped for every device, so the kernels above can read it; 0 or the CUDA error's number.
-extern "C" int strata_host_register(void* host, size_t bytes) {
-  cudaError_t e = cudaHostRegister(host, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+// Host memory of the engine's own (an expert store it allocated: offload/store.py HostMemory), or a model file's
+// read-only mapping, page-locked and mapped for every device, so the kernels above can read it; 0 or the CUDA
+// error's number.
+extern "C" int strata_host_register(void* host, size_t bytes, int read_only) {
+  cudaError_t e = cudaHostRegister(host, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped |
+                                                    (read_only ? cudaHostRegisterReadOnly : 0));
   if (e != cudaSuccess) cudaGetLastError();
   return static_cast<int>(e);
 }

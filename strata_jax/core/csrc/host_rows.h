@@ -52,3 +52,16 @@ inline ffi::Error strata_dims(const ffi::Buffer<ffi::U8>& b, const char* call, i
 #define STRATA_ROW_GET_BIND(b) b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()
 #define STRATA_ROW_PUT_BIND(b) \
   b.Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::U8>>()
+// strata_file_rows: strata_host_rows for a store that is the model file itself (offload/store.py, mapped):
+// row r is layer r / E's expert r % E, whose bytes are `parts` pieces, piece t of width w_t at
+// table[l][t] + (r % E) * w_t (an expert tensor of the layer, wherever its file is mapped), back to back in the
+// slot's row. table u32[L, parts, 2] (lo, hi); the other operands as strata_host_rows'.
+#define STRATA_FILE_ROWS_BIND(b)                                                                     \
+  b.Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("rows")               \
+      .Attr<int64_t>("experts").Attr<int64_t>("w0").Attr<int64_t>("w1").Attr<int64_t>("w2")          \
+      .Ret<ffi::Buffer<ffi::U8>>()
+
+STRATA_HD inline int64_t strata_piece(int64_t t, int64_t w0, int64_t w1, int64_t w2) {
+  return t == 0 ? w0 : (t == 1 ? w1 : w2);
+}
