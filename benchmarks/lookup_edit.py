@@ -53,7 +53,7 @@ def read_rows(path, sep=","):
 
 
 def run(model, messages, tokens: int) -> dict:
-    model.generate(messages, max_tokens=8, temperature=0)  # compiles this request's programs
+    model.generate(messages, max_tokens=tokens, temperature=0)  # compiles every program this request takes
     t0 = time.perf_counter()
     g = model.generate(messages, max_tokens=tokens, temperature=0)
     wall = time.perf_counter() - t0
