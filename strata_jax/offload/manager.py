@@ -146,7 +146,10 @@ class OffloadManager:
         # seconds per expert of an in-step miss fetch and of a whole-layer stream, timed at load (0: resident)
         self.fetch_s = self.stream_s = 0.0
         self._loading: Future | None = None  # the store's load, until `wait` takes it
-        self._registered = False  # the store in host memory of our own (STRATA_JAX_STORE=registered)
+        # the store in host memory of our own or the file mapped (STRATA_JAX_STORE), read by address only; what
+        # holds that memory (store.HostMemory / FileMapping) while the store is in use
+        self._registered = False
+        self._host_memory: tuple = ()
         # mixed precision: (the low-bit GGUF, its experts' layout), used only when offloading
         self.cold_spec = cold[1] if cold is not None and not self.plan.resident else None
         self.promote_after = promote_after
