@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,11 +70,22 @@ def test_split_loads_like_unsplit_resident(files, reference):
     assert m.generate(ids, max_tokens=16, temperature=0).token_ids == ref_tokens
 
 
-@pytest.mark.parametrize("pools,slots", [("per-layer", 8), ("shared", 6)])
-def test_split_loads_like_unsplit_offloaded(files, reference, pools, slots):
+@pytest.mark.parametrize("pools,slots,store", [("per-layer", 8, None), ("shared", 6, None), ("per-layer", 8, "mapped"),
+                                               ("shared", 6, "registered")])
+def test_split_loads_like_unsplit_offloaded(files, reference, pools, slots, store, monkeypatch):
+    """store: where the fetch kernel reads the experts (core/hostrows.py): in memory of our own, or the shards
+    themselves mapped (a layer's expert tensors in two shards: one table row per tensor)."""
     ids, ref_logits, ref_tokens = reference
-    m = strata_jax.load(files[1], ctx=128, expert_slots=slots, expert_pools=pools)
+    if store is not None:
+        from strata_jax.core import hostrows
+
+        if not hostrows.available(jax.devices()[0]):
+            pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
+        monkeypatch.setenv("STRATA_JAX_STORE", store)
+    m = strata_jax.load(files[1], ctx=128, expert_slots=slots, expert_pools=pools,
+                        expert_fetch="auto" if store is None else "kernel")
     assert not m.cache_plan.resident and m.experts.store is not None
+    assert store is None or m.stats()["store_memory"] == store
     np.testing.assert_array_equal(m.logits(ids), ref_logits)
     assert m.generate(ids, max_tokens=16, temperature=0).token_ids == ref_tokens
     st = m.stats()
