@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..21 are later sittings (each described above its pipeline), PART=21 the newest.
+# PART=2..22 are later sittings (each described above its pipeline), PART=22 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -598,5 +598,22 @@ pipeline21() {
 }
 [ "${PART:-1}" = 21 ] && { pipeline() { pipeline21; }; RETURNED="progress phases.tsv"  # a call returns at most 8 files
   collect_more() { (cd "$S" && ls data-*.json > /dev/null 2>&1 && tar -czf "$OUT/data.tar.gz" data-*.json); }; }
+
+# PART=22 (issue 30), one GPU, ~12 min: qseed under 32 GiB with the store in memory of our own (the default since
+# PART=21) from process start to first token (benchmarks/cold_start.py: no allocation through JAX to stall the
+# compiles now), then the store as the model file itself (STRATA_JAX_STORE=mapped: load, fetch, decode) beside the
+# default in the same run
+pipeline22() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  cold_qseed ""
+  local q=(--shape qseed --tokens 128 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
+           --no-resident)
+  phase store-registered 200 "$PY" -m strata_jax.cli bench "${q[@]}" --label registered --out "$S/data-store-registered.json"
+  phase store-mapped 200 env STRATA_JAX_STORE=mapped "$PY" -m strata_jax.cli bench "${q[@]}" --label mapped \
+    --out "$S/data-store-mapped.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 22 ] && { pipeline() { pipeline22; }; RETURNED="progress phases.tsv data-*.json"; }
 
 sitting_main "$@"
