@@ -195,12 +195,13 @@ def _read_rows(fd: int, offset: int, dst_RB: np.ndarray, src_RB: np.ndarray) -> 
 
 class HostMemory:
     """Host memory of the engine's own for a store group (the default where the fetch kernel reads the store;
-    STRATA_JAX_STORE=pinned keeps JAX's pinned memory instead): an anonymous mapping,
-    huge pages asked for, filled in place by the readers, then page-locked and mapped for the device
-    (core/hostrows.register) so that the fetch kernel reads it. JAX's pinned allocation page-locks fresh
-    memory at ~2.3 GB/s and writes zeros through it before the reads; here the reads are the first touch and
-    page-locking after them runs at ~40 GB/s (qseed's store: 1.20 -> 11.06 GiB/s on an H100, docs/benchmarks.md). The store is then addressed (ExpertStore.addressed): the kernels read it by its
-    address, never as a program operand. `close` (or the last reference going) unregisters and unmaps."""
+    STRATA_JAX_STORE=pinned keeps JAX's pinned memory instead): an anonymous mapping, huge pages asked for,
+    filled in place by the readers, then page-locked and mapped for the device (core/hostrows.register) so
+    that the fetch kernel reads it. JAX's pinned allocation page-locks fresh memory at ~2.3 GB/s and writes
+    zeros through it before the reads; here the reads are the first touch and page-locking after them runs at
+    ~40 GB/s (qseed's store: 1.20 -> 11.06 GiB/s on an H100, docs/benchmarks.md). The store is then addressed
+    (ExpertStore.addressed): the kernels read it by its address, never as a program operand. `close` (or the
+    last reference going) unregisters and unmaps."""
 
     def __init__(self, shape: tuple[int, ...]):
         self.shape, self.nbytes = shape, int(np.prod(shape, dtype=np.int64))
