@@ -493,7 +493,7 @@ def test_registered_store_falls_back_by_name(moe_path, reference, monkeypatch, c
 
     if not hostrows.available(jax.devices()[0]):
         pytest.skip(f"no C++ compiler to build the fetch kernel: {hostrows.why_not(jax.devices()[0])}")
-    monkeypatch.setattr(hostrows, "register", lambda ptr, n, device: "out of memory")
+    monkeypatch.setattr(hostrows, "register", lambda ptr, n, device, read_only=False: "out of memory")
     ids, ref_logits, _ = reference
     with caplog.at_level(logging.WARNING, logger="strata_jax"):
         m = strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_fetch="kernel")

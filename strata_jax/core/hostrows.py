@@ -138,30 +138,29 @@ def why_not(device) -> str:
 def addresses(groups, device) -> tuple[jax.Array, ...] | None:
     """Per store group, the address the kernel reads it at, as uint32 [2] (lo, hi) on `device`; None if a
     group is not memory the device can read (pageable memory on a GPU)."""
-    lib = _loaded.get(_platform(device))
-    if lib is None:
-        return None
     out = []
     for g in groups:
         try:
-            ptr = lib.strata_device_pointer(g.unsafe_buffer_pointer())
+            a = address_of(g.unsafe_buffer_pointer(), device)
         except (RuntimeError, ValueError) as e:  # a runtime that does not expose host buffers
             log.warning("cannot read the store's address (%s)", e)
             return None
-        if not ptr:
+        if a is None:
             return None
-        out.append(jax.device_put(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32), device))
+        out.append(a)
     return tuple(out)
 
 
-def address_of(ptr: int, device) -> jax.Array | None:
-    """The address a kernel reads host memory at `ptr` (registered, or any on CPU), as `addresses` gives it;
-    None where the device cannot reach it."""
+def device_pointer(ptr: int, device) -> int | None:
+    """Where the device's kernels read host memory `ptr` (page-locked, or any on CPU); None if they cannot."""
     lib = _loaded.get(_platform(device))
-    dev = lib.strata_device_pointer(ptr) if lib is not None else None
-    if not dev:
-        return None
-    return jax.device_put(np.array([dev & 0xFFFFFFFF, dev >> 32], np.uint32), device)
+    return (lib.strata_device_pointer(ptr) or None) if lib is not None else None
+
+
+def address_of(ptr: int, device) -> jax.Array | None:
+    """device_pointer as the kernels take it: uint32 [2] (lo, hi) on `device`."""
+    dev = device_pointer(ptr, device)
+    return None if dev is None else jax.device_put(np.array([dev & 0xFFFFFFFF, dev >> 32], np.uint32), device)
 
 
 def register(ptr: int, nbytes: int, device, read_only: bool = False) -> str | None:

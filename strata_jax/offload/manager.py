@@ -148,7 +148,7 @@ class OffloadManager:
         self._loading: Future | None = None  # the store's load, until `wait` takes it
         # the store in host memory of our own or the file mapped (STRATA_JAX_STORE), read by address only; what
         # holds that memory (store.HostMemory / FileMapping) while the store is in use
-        self._registered = False
+        self._own_store = False
         self._host_memory: tuple = ()
         # mixed precision: (the low-bit GGUF, its experts' layout), used only when offloading
         self.cold_spec = cold[1] if cold is not None and not self.plan.resident else None
@@ -167,11 +167,11 @@ class OffloadManager:
             # the store loads in the background (most of a cold start: allocating pinned memory and reading
             # the file); until it is in, the provider holds its shapes, so a first step can compile meanwhile
             # where the kernels fetch, the store goes into host memory of our own, page-locked after the reads
-            # (store.HostMemory, read by address): qseed's 46 GiB load at 11 GiB/s on an H100 against 1.2 in
-            # JAX's pinned memory (docs/benchmarks.md); STRATA_JAX_STORE=pinned keeps JAX's, =mapped reads the
-            # model file itself in place (store.FileMapping: no copy; not yet measured on a GPU)
+            # (store.HostMemory, read by address), which loads several times faster than JAX's pinned memory
+            # (docs/benchmarks.md); STRATA_JAX_STORE=pinned keeps JAX's, =mapped reads the model file itself
+            # in place (store.FileMapping: no copy)
             mode = _store_memory() if self.fetch_kernel else "pinned"
-            self._registered = mode != "pinned"
+            self._own_store = mode != "pinned"
             self._loading = _in_background(_load_stores, gguf, spec, self.device, cold if self.cold_spec else None,
                                            mode)
             at = self.device if cards is None else cards_.replicated(cards)
@@ -179,7 +179,7 @@ class OffloadManager:
             if self.cold_spec is not None:
                 store = store.replace(cold=_ahead_store(cold[0], self.cold_spec, self.device, at, mode,
                                                         self.fetch_kernel))
-            if cards is not None or self._registered:
+            if cards is not None or self._own_store:
                 store = store.addressed()
             slots = empty_slot_table(spec, list(self.plan.slots_per_pool), self.policy, layout,
                                      self.device if cards is None else cards_.split_rows(cards),  # built split
@@ -261,7 +261,7 @@ class OffloadManager:
         if self.cards is not None:  # the arrays stay here (the kernels read them); the steps take their addresses
             self._host_store = store
             store = _with_addr(store, lambda s: self._place(s.addr)).addressed()
-        elif self._registered:  # as the ahead-compiled steps took it (a cold twin's arrays stay here)
+        elif self._own_store:  # as the ahead-compiled steps took it (a cold twin's arrays stay here)
             self._host_store = store
             store = store.addressed()
         if self._saved is not None:  # each card fills its own slots (by the fetch kernel on several)

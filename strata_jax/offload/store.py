@@ -193,34 +193,19 @@ def _read_rows(fd: int, offset: int, dst_RB: np.ndarray, src_RB: np.ndarray) -> 
         np.copyto(dst_RB, src_RB)
 
 
-class HostMemory:
-    """Host memory of the engine's own for a store group (the default where the fetch kernel reads the store;
-    STRATA_JAX_STORE=pinned keeps JAX's pinned memory instead): an anonymous mapping, huge pages asked for,
-    filled in place by the readers, then page-locked and mapped for the device (core/hostrows.register) so
-    that the fetch kernel reads it. JAX's pinned allocation page-locks fresh memory at ~2.3 GB/s and writes
-    zeros through it before the reads; here the reads are the first touch and page-locking after them runs at
-    ~40 GB/s (qseed's store: 1.20 -> 11.06 GiB/s on an H100, docs/benchmarks.md). The store is then addressed
-    (ExpertStore.addressed): the kernels read it by its address, never as a program operand. `close` (or the
-    last reference going) unregisters and unmaps."""
+class _LockedMemory:
+    """Host memory page-locked and mapped for the device's kernels (core/hostrows.register) once `register`
+    runs; `close` (or the last reference going) unregisters and unmaps it. address, nbytes: set by a subclass."""
 
-    def __init__(self, shape: tuple[int, ...]):
-        self.shape, self.nbytes = shape, int(np.prod(shape, dtype=np.int64))
-        self.address = _libc.mmap(None, max(self.nbytes, 1), mmap.PROT_READ | mmap.PROT_WRITE,
-                                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if self.address in (None, ctypes.c_void_p(-1).value):
-            raise MemoryError(f"could not map {fmt_bytes(self.nbytes)} of host memory for the expert store")
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            _libc.madvise(self.address, self.nbytes, mmap.MADV_HUGEPAGE)
-        self.device = None  # the device it is registered with
-
-    def view(self) -> np.ndarray:
-        """Its bytes as a writable numpy array of its shape (valid until close)."""
-        return np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.address)).reshape(self.shape)
+    address: int | None
+    nbytes: int
+    device = None  # the device it is registered with
+    read_only = False
 
     def register(self, device) -> None:
-        why = hostrows.register(self.address, self.nbytes, device)
+        why = hostrows.register(self.address, self.nbytes, device, read_only=self.read_only)
         if why is not None:
-            raise MemoryError(f"could not page-lock {fmt_bytes(self.nbytes)} of host memory ({why})")
+            raise MemoryError(f"could not page-lock {self} ({why})")
         self.device = device
 
     def close(self) -> None:
@@ -236,6 +221,37 @@ class HostMemory:
 
     def __del__(self):
         self.close()
+
+
+def _close_all(mems) -> None:
+    for m in mems:
+        m.close()
+
+
+class HostMemory(_LockedMemory):
+    """Host memory of the engine's own for a store group (the default where the fetch kernel reads the store;
+    STRATA_JAX_STORE=pinned keeps JAX's pinned memory instead): an anonymous mapping, huge pages asked for,
+    filled in place by the readers, then page-locked. JAX's pinned allocation page-locks fresh memory and
+    writes zeros through it before the reads, which bounded the load (docs/benchmarks.md, "Loading the expert
+    store"); here the reads are the first touch. The store is then addressed (ExpertStore.addressed): the
+    kernels read it by its address, never as a program operand."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape, self.nbytes = shape, int(np.prod(shape, dtype=np.int64))
+        self.address = _libc.mmap(None, max(self.nbytes, 1), mmap.PROT_READ | mmap.PROT_WRITE,
+                                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if self.address in (None, ctypes.c_void_p(-1).value):
+            self.address = None
+            raise MemoryError(f"could not map {fmt_bytes(self.nbytes)} of host memory for the expert store")
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            _libc.madvise(self.address, self.nbytes, mmap.MADV_HUGEPAGE)
+
+    def __str__(self) -> str:
+        return f"{fmt_bytes(self.nbytes)} of host memory"
+
+    def view(self) -> np.ndarray:
+        """Its bytes as a writable numpy array of its shape (valid until close)."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.address)).reshape(self.shape)
 
 
 def _mapping_functions():
@@ -333,16 +349,13 @@ def load_registered_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, 
     try:
         for m in mems:
             m.register(device)
+        addr = tuple(hostrows.address_of(m.address, device) for m in mems)
+        if any(a is None for a in addr):
+            raise MemoryError("the device cannot read the registered store")
     except BaseException:
-        for m in mems:
-            m.close()
+        _close_all(mems)
         raise
     t_reg = time.perf_counter() - t0 - t_read
-    addr = tuple(hostrows.address_of(m.address, device) for m in mems)
-    if any(a is None for a in addr):
-        for m in mems:
-            m.close()
-        raise MemoryError("the device cannot read the registered store")
     log.info("experts loaded: %s in registered host memory at %s/s (read %.2f s, page-locked %.2f s)",
              fmt_bytes(total), fmt_bytes(total / max(t_read + t_reg, 1e-9)), t_read, t_reg)
     store = ExpertStore((), parts, layer_group, layer_local, "registered", addr=addr,
@@ -350,11 +363,11 @@ def load_registered_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, 
     return store, mems
 
 
-class FileMapping:
-    """A model file mapped read-only and page-locked for the device (STRATA_JAX_STORE=mapped): the expert store
-    is then the file itself, read by the kernels in place from the page cache. No copy and no second copy in
-    RAM: registering the mapping of a cached 8 GiB file took 28.8 GB/s on an H100 (docs/benchmarks.md).
-    `close` (or the last reference going) unregisters and unmaps."""
+class FileMapping(_LockedMemory):
+    """A model file mapped read-only, to be page-locked in place (STRATA_JAX_STORE=mapped): the expert store is
+    then the file itself, read by the kernels from the page cache, with no copy and no second copy in RAM."""
+
+    read_only = True
 
     def __init__(self, path: str):
         self.path, self.nbytes = path, os.path.getsize(path)
@@ -364,18 +377,11 @@ class FileMapping:
         finally:
             os.close(fd)
         if self.address in (None, ctypes.c_void_p(-1).value):
+            self.address = None
             raise MemoryError(f"could not map {path} ({fmt_bytes(self.nbytes)})")
-        self.device = None
 
-    def register(self, device) -> None:
-        why = hostrows.register(self.address, self.nbytes, device, read_only=True)
-        if why is not None:
-            raise MemoryError(f"could not page-lock the mapping of {os.path.basename(self.path)} "
-                              f"({fmt_bytes(self.nbytes)}: {why})")
-        self.device = device
-
-    close = HostMemory.close
-    __del__ = HostMemory.__del__
+    def __str__(self) -> str:
+        return f"the mapping of {os.path.basename(self.path)} ({fmt_bytes(self.nbytes)})"
 
 
 def file_widths(gguf, spec: ExpertSpec) -> tuple[tuple[int, ...], ...]:
@@ -398,9 +404,10 @@ def load_file_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, tuple[
     try:
         for m in maps.values():
             m.register(device)
+            if hostrows.device_pointer(m.address, device) != m.address:  # the tables hold host addresses as they are
+                raise MemoryError("the device reads mapped host memory at another address than the host's")
     except BaseException:
-        for m in maps.values():
-            m.close()
+        _close_all(maps.values())
         raise
     widths = file_widths(gguf, spec)
     tables = []
@@ -413,11 +420,6 @@ def load_file_store(gguf, spec: ExpertSpec, device) -> tuple[ExpertStore, tuple[
                 ptr = maps[path].address + offset
                 t[j, k] = (ptr & 0xFFFFFFFF, ptr >> 32)
         tables.append(t)
-    base = hostrows.address_of(next(iter(maps.values())).address, device)
-    if base is None or int(np.asarray(base)[0]) | (int(np.asarray(base)[1]) << 32) != next(iter(maps.values())).address:
-        for m in maps.values():
-            m.close()  # the kernels take host addresses as they are: unified addressing
-        raise MemoryError("the device reads mapped host memory at another address than the host's")
     shapes = tuple((len(t), spec.n_experts, sum(x.nbytes for x in parts[g])) for g, t in enumerate(tables))
     total = sum(int(np.prod(x)) for x in shapes)
     log.info("experts: the model file itself, %s mapped and page-locked in %.2f s (%s of experts; no copy)",
