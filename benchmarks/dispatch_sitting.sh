@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..22 are later sittings (each described above its pipeline), PART=22 the newest.
+# PART=2..23 are later sittings (each described above its pipeline), PART=23 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -615,5 +615,39 @@ pipeline22() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 22 ] && { pipeline() { pipeline22; }; RETURNED="progress phases.tsv data-*.json"; }
+
+# PART=23 (issue 30), one GPU, ~11 min: PART=22's rows (qseed's cold start with the store in memory of our own;
+# the store as the model file itself beside it), first which thunks keep qseed's scanned decode loops out of the
+# CUDA graphs: XLA's thunk sequence of the decode program (benchmarks/thunk_report.py: each dynamic-slice fusion
+# thunk, what it wraps and its JAX source), and the decode program with loops of a known trip count unrolled into
+# the graph (XLA converts a loop holding a loop-dependent dynamic-slice fusion only that way)
+thunk_bench() {  # thunk_bench NAME [ENV...]: qseed under 32 GiB, conversion log, decode dump -> thunk-NAME.txt
+  local name=$1
+  shift
+  phase "$name" 200 env "${VLOG[@]}" PYTHONPATH="$PYTHONPATH:." "$@" \
+    XLA_FLAGS="--xla_dump_to=$S/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+    "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --label "$name" --out "$S/data-$name.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/$name.log" | sed 's/^[^]]*] //' \
+    | sort | uniq -c | sort -rn | head -60 > "$S/thunk-$name.txt"
+  "$PY" benchmarks/thunk_report.py "$S/dump-$name" >> "$S/thunk-$name.txt" 2>&1
+  (cd "$S" && tar -czf "dump-$name.tar.gz" --wildcards "dump-$name/*thunk_sequence.txt" \
+    "dump-$name/*decode*after_optimizations.txt" 2>/dev/null)
+  rm -rf "$S/dump-$name"
+}
+pipeline23() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  thunk_bench thunks-default
+  thunk_bench thunks-unroll STRATA_JAX_XLA_DECODE=--xla_gpu_command_buffer_unroll_loops=true
+  cold_qseed ""
+  local q=(--shape qseed --tokens 128 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
+           --no-resident)
+  phase store-registered 200 "$PY" -m strata_jax.cli bench "${q[@]}" --label registered --out "$S/data-store-registered.json"
+  phase store-mapped 200 env STRATA_JAX_STORE=mapped "$PY" -m strata_jax.cli bench "${q[@]}" --label mapped \
+    --out "$S/data-store-mapped.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 23 ] && { pipeline() { pipeline23; }; RETURNED="progress phases.tsv thunk-*.txt"
+  collect_more() { (cd "$S" && tar -czf "$OUT/data.tar.gz" data-*.json dump-*.tar.gz 2>/dev/null); }; }
 
 sitting_main "$@"
