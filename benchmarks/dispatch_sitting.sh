@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..23 are later sittings (each described above its pipeline), PART=23 the newest.
+# PART=2..24 are later sittings (each described above its pipeline), PART=24 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -649,5 +649,33 @@ pipeline23() {
 }
 [ "${PART:-1}" = 23 ] && { pipeline() { pipeline23; }; RETURNED="progress phases.tsv thunk-*.txt"
   collect_more() { (cd "$S" && tar -czf "$OUT/data.tar.gz" data-*.json dump-*.tar.gz 2>/dev/null); }; }
+
+# PART=24 (issue 30), one GPU, ~9 min: PART=23's log says XLA converted nothing of qseed's decode into CUDA graphs:
+# every kernel is "not enabled by the user for type FUSION" (the set XLA_FLAGS' "+WHILE,+CONDITIONAL" edits has no
+# FUSION here), so the host launches each of its ~4,300 kernels per token. qseed with the whole set named, then
+# with loops of a known trip count unrolled into the graph, then with the dynamic-slice fusion kind added
+FULLCB=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
+cb_bench() {  # cb_bench NAME XLA_FLAGS [BENCH ARGS...]: a bench with the conversion log -> data-NAME.json, cb-NAME.txt
+  local name=$1 flags=$2
+  shift 2
+  phase "$name" 200 env "${VLOG[@]}" XLA_FLAGS="$flags" "$PY" -m strata_jax.cli bench "$@" --label "$name" \
+    --out "$S/data-$name.json"
+  grep -h "not convertible\|Unsupported thunk\|not enabled by the user\|Removed command buffer" "$S/$name.log" \
+    | sed 's/^[^]]*] //' | sort | uniq -c | sort -rn | head -40 > "$S/cb-$name.txt"
+}
+pipeline24() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  (qseed_file) &
+  cb_bench qtiny-full "$CB=$FULLCB" --shape qtiny "${COMMON[@]}" --resident-only
+  wait
+  qseed_file
+  cb_bench qseed-full "$CB=$FULLCB" "${QSEED32[@]}"
+  cb_bench qseed-full-unroll "$CB=$FULLCB --xla_gpu_command_buffer_unroll_loops=true" "${QSEED32[@]}"
+  cb_bench qseed-full-dsf-unroll "$CB=$FULLCB,DYNAMIC_SLICE_FUSION --xla_gpu_command_buffer_unroll_loops=true" \
+    "${QSEED32[@]}"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 24 ] && { pipeline() { pipeline24; }; RETURNED="progress phases.tsv cb-*.txt"
+  collect_more() { (cd "$S" && tar -czf "$OUT/data.tar.gz" data-*.json 2>/dev/null); }; }
 
 sitting_main "$@"
