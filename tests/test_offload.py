@@ -512,6 +512,27 @@ def test_store_memory_setting_is_checked(moe_path, monkeypatch):
         strata_jax.load(moe_path, ctx=128, expert_slots=8, expert_fetch="kernel")
 
 
+def test_cuda_kernels_are_registered_command_buffer_compatible(monkeypatch):
+    """On CUDA every handler of the extension is registered with XLA's command-buffer trait (a custom call XLA
+    does not know as compatible keeps its loop out of the CUDA graphs); the CPU handlers need none."""
+    from jaxlib import xla_client
+
+    from strata_jax.core import hostrows
+
+    calls = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda name, fn, **kw: calls.append((name, kw)))
+    monkeypatch.setattr(jax.ffi, "pycapsule", lambda f: f)
+    lib = type("Lib", (), {"__getattr__": lambda self, name: name})()
+    hostrows._register(lib, "cuda")
+    names = {hostrows.TARGET, hostrows.ROW_GET, hostrows.ROW_PUT, hostrows.HOST_PUT, hostrows.FILE_ROWS}
+    assert {n for n, _ in calls} == names
+    assert all(kw == {"platform": "CUDA", "traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
+               for _, kw in calls), calls
+    calls.clear()
+    hostrows._register(lib, "cpu")
+    assert {n for n, _ in calls} == names and all(kw == {"platform": "cpu"} for _, kw in calls)
+
+
 def test_fetch_kernel_skips_what_it_must(tmp_path):
     """The call copies exactly the rows marked as misses, into their slots, and leaves a request outside
     the store or the pool alone (a padded id, a slot of -1)."""

@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxlib import xla_client
 
 from strata_jax.core.paths import cache_dir, file_lock
 
@@ -102,6 +103,19 @@ def _build(platform: str) -> Path:
     return lib
 
 
+def _register(lib, platform: str) -> None:
+    """The extension's handlers as FFI targets. On CUDA each is declared command-buffer compatible at the
+    registration too (each only launches a kernel on XLA's stream): XLA leaves a loop holding a custom call it
+    does not know as compatible out of the CUDA graphs, without a line in its log (docs/benchmarks.md)."""
+    suffix = "Cuda" if platform == "cuda" else "Cpu"
+    extra = {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE} if platform == "cuda" else {}
+    for target, handler in ((TARGET, _HANDLERS[platform]), (ROW_GET, "StrataRowGet" + suffix),
+                            (ROW_PUT, "StrataRowPut" + suffix), (HOST_PUT, "StrataHostPut" + suffix),
+                            (FILE_ROWS, "StrataFileRows" + suffix)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)),
+                                    platform="CUDA" if platform == "cuda" else "cpu", **extra)
+
+
 def available(device) -> bool:
     """Whether the fetch kernel can run on `device`'s platform (built and registered once per process);
     the reason it cannot is logged once."""
@@ -111,12 +125,7 @@ def available(device) -> bool:
     if platform not in _loaded:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build(platform)))
-            suffix = "Cuda" if platform == "cuda" else "Cpu"
-            for target, handler in ((TARGET, _HANDLERS[platform]), (ROW_GET, "StrataRowGet" + suffix),
-                                    (ROW_PUT, "StrataRowPut" + suffix), (HOST_PUT, "StrataHostPut" + suffix),
-                                    (FILE_ROWS, "StrataFileRows" + suffix)):
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)),
-                                            platform="CUDA" if platform == "cuda" else "cpu")
+            _register(lib, platform)
             lib.strata_device_pointer.restype = ctypes.c_void_p
             lib.strata_device_pointer.argtypes = [ctypes.c_void_p]
             lib.strata_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
