@@ -42,6 +42,8 @@ PY
   "$PY" benchmarks/thunk_report.py "$d" > "$OUT/thunk-$name.txt" 2>&1
   grep "kCommandBuffer\|kWhile\|kCustomCall" "$OUT/thunk-$name.txt" | head -8
   gzip -f "$OUT/log-$name.txt"
+  # the decode program's thunks and optimized HLO (custom-call targets by name), for what the log does not say
+  (cd "$d" 2>/dev/null && tar -czf "$OUT/dump-$name.tar.gz" $(ls | grep -E "decode.*(thunk_sequence|after_optimizations)\.txt$"))
 }
 {
   variant resident "" --resident-only
