@@ -96,6 +96,53 @@ def test_acceptance_drafts_about_what_it_accepts():
         assert a.should_draft() and a.draft_count(6) == 6
 
 
+def test_acceptance_weighs_a_pass_against_plain_steps():
+    """worth(n): a pass of n drafts is taken when 1 + p + ... + p^n tokens (p: a draft's acceptance after an
+    accepted one, over the window) are worth its cost in plain tokens; the first timing of each kind (its
+    compile) is dropped; unknown costs, a short window or a forced acceptance always draft; a pause drafts
+    nothing for COOLDOWN steps, then tries afresh."""
+    a = Acceptance()
+    assert a.worth(4)  # nothing known yet
+    for _ in range(lookup.WINDOW):
+        a.record(4, 2)  # two accepted, then a rejection: p = 8 / 12, 2.605 tokens a pass of 4
+    assert a.worth(4)  # no timings yet
+    a.timed("pass", 9.0)  # compiles: dropped
+    a.timed("plain", 9.0, 16)
+    assert a.worth(4)
+    for _ in range(3):
+        a.timed("plain", 0.160, 16)  # 10 ms a token
+    a.timed("pass", 0.026)
+    assert a.pass_s[0] == 0.026 and a.token_s[0] == 0.010
+    assert a.worth(4)  # 2.605 x 10 ms >= 26 ms
+    a.timed("pass", 0.027)
+    a.timed("pass", 0.028)  # median 27 ms: a pass of 4 costs more than it emits ...
+    assert not a.worth(4) and a.worth(8)  # ... one of 8 (2.92 tokens) does not
+    a.pause()
+    assert [a.should_draft() for _ in range(lookup.COOLDOWN)] == [False] * lookup.COOLDOWN
+    assert a.should_draft() and a.worth(4)  # a fresh window: it tries again
+    for _ in range(lookup.WINDOW):
+        a.record(4, 4)  # every draft accepted: p = 1, 5 tokens a pass
+    assert a.worth(4)
+    forced = Acceptance(adaptive=False)
+    for _ in range(lookup.WINDOW):
+        forced.record(4, 0)
+        forced.timed("plain", 0.001, 1)
+        forced.timed("pass", 1.0)
+    assert forced.worth(4)
+
+
+def test_a_pass_that_does_not_pay_is_not_taken(moe_path, plain, monkeypatch):
+    """The session asks worth() before each pass: when it says no, the row decodes plainly (no drafts, the
+    same tokens) and pauses drafting."""
+    paused = []
+    monkeypatch.setattr(Acceptance, "worth", lambda self, n: False)
+    monkeypatch.setattr(Acceptance, "pause", lambda self: paused.append(1) or setattr(self, "cooldown", 1))
+    m = strata_jax.load(moe_path, ctx=256, spec="lookup")
+    out = m.generate(PROMPT, max_tokens=N, temperature=0)
+    assert out.token_ids == plain.token_ids
+    assert out.timings["draft_n"] == 0 and paused
+
+
 # -- identical greedy tokens ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("slots", [None, 8], ids=["resident", "offloaded"])

@@ -433,6 +433,9 @@ class Session:
         steps = int(n_B.max()) if len(n_B) else 0
         m.host.wait(now - t_w, steps)
         m.note_steps(now - self._t_last, steps)  # wall time between the calls' results: the device's pace
+        for q in p.owners:
+            if q is not None and q.spec is not None and not self._pending:  # alone in flight: its own pace
+                q.spec.timed("plain", now - self._t_last, steps)
         self._t_last = now
         if m.routing is not None and steps:
             routed = np.asarray(p.out.routed_NMBk)
@@ -622,6 +625,9 @@ class Session:
             drafts = lookup_draft(seq, n_max)
         if not drafts:
             return None
+        if not q.spec.worth(len(drafts)):  # this session's timings say plain steps emit faster now
+            q.spec.pause()
+            return None
         m = self.model
         toks = np.zeros((1, self.spec_max + 1), np.int32)  # one program for every draft count
         toks[0, 0], toks[0, 1: len(drafts) + 1] = q.last, drafts
@@ -641,6 +647,7 @@ class Session:
         now = time.perf_counter()
         m.host.wait(now - t_w, 1)
         m.note_steps(now - self._t_last, 1)  # one pass: the expert cache saw one step
+        q.spec.timed("pass", now - self._t_last)
         self._t_last = now
         if m.routing is not None:
             m.routing.append(np.asarray(routed).transpose(1, 0, 2)[:n_emit])
