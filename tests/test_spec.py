@@ -96,6 +96,7 @@ def test_acceptance_drafts_about_what_it_accepts():
         assert a.should_draft() and a.draft_count(6) == 6
 
 
+@pytest.mark.spec_cost
 def test_acceptance_weighs_a_pass_against_plain_steps():
     """worth(n): a pass of n drafts is taken when 1 + p + ... + p^n tokens (p: a draft's acceptance after an
     accepted one, over the window) are worth its cost in plain tokens; the first timing of each kind (its
@@ -131,6 +132,7 @@ def test_acceptance_weighs_a_pass_against_plain_steps():
     assert forced.worth(4)
 
 
+@pytest.mark.spec_cost
 def test_a_pass_that_does_not_pay_is_not_taken(moe_path, plain, monkeypatch):
     """The session asks worth() before each pass: when it says no, the row decodes plainly (no drafts, the
     same tokens) and pauses drafting."""
@@ -489,6 +491,31 @@ def test_hybrid_spec_rewinds_recurrent_state(slots):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
     for a, b in zip(jax.tree.leaves((kv_s.k_LBSKDh, kv_s.v_LBSKDh)), jax.tree.leaves((kv_b.k_LBSKDh, kv_b.v_LBSKDh))):
         np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_pass_that_keeps_every_draft_needs_no_rewind(monkeypatch):
+    """qtiny with an always-right oracle: every pass keeps all it fed, so the verify program takes the pass's
+    own recurrent state (lax.cond) instead of re-running forward.rewind; tokens, state and cached K/V stay
+    plain decode's. The rewind is counted by tracing: the cond traces both branches once per program."""
+    from strata_jax.engine import programs
+
+    path = synthetic_model_path("qtiny")
+    spec, base = (strata_jax.load(path, ctx=256) for _ in range(2))
+    ids = spec.tokenize(PROMPT)
+    ref = base.generate(ids, max_tokens=24, temperature=0)
+    spec.use_drafter(OracleDrafter(ref.token_ids, len(ids), 1.0, spec.config.vocab_size, seed=1, force=False),
+                     spec_max=3)
+    out = spec.generate(ids, max_tokens=24, temperature=0)
+    assert out.token_ids == ref.token_ids
+    assert out.timings["draft_n_accepted"] == out.timings["draft_n"] > 0
+    kv_s, kv_b = spec.session()._kv, base.session()._kv
+    for a, b in zip(jax.tree.leaves(kv_s.rec), jax.tree.leaves(kv_b.rec)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # the kept branch is the pass's own state: with the rewind made to return garbage, nothing changes
+    monkeypatch.setattr(programs, "rewind", lambda params, before, *a, **k: jax.tree.map(jnp.zeros_like, before))
+    programs.verify.clear_cache()
+    again = spec.generate(ids, max_tokens=24, temperature=0)
+    assert again.token_ids == ref.token_ids
 
 
 def test_draft_model_drafts_and_greedy_stays_plain_decode(moe_path, plain, tmp_path):
