@@ -603,15 +603,18 @@ pipeline21() {
 # PART=21) from process start to first token (benchmarks/cold_start.py: no allocation through JAX to stall the
 # compiles now), then the store as the model file itself (STRATA_JAX_STORE=mapped: load, fetch, decode) beside the
 # default in the same run
-pipeline22() {
-  note "pipeline: start in $PWD (deadline $(deadline) s)"
-  qseed_file
-  cold_qseed ""
+store_rows() {  # qseed under 32 GiB, the store in memory of our own, then the model file itself
   local q=(--shape qseed --tokens 128 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
            --no-resident)
   phase store-registered 200 "$PY" -m strata_jax.cli bench "${q[@]}" --label registered --out "$S/data-store-registered.json"
   phase store-mapped 200 env STRATA_JAX_STORE=mapped "$PY" -m strata_jax.cli bench "${q[@]}" --label mapped \
     --out "$S/data-store-mapped.json"
+}
+pipeline22() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  cold_qseed ""
+  store_rows
   note "pipeline: done"
 }
 [ "${PART:-1}" = 22 ] && { pipeline() { pipeline22; }; RETURNED="progress phases.tsv data-*.json"; }
@@ -630,8 +633,8 @@ thunk_bench() {  # thunk_bench NAME [ENV...]: qseed under 32 GiB, conversion log
   grep -h "not convertible\|Unsupported thunk\|not enabled by the user" "$S/$name.log" | sed 's/^[^]]*] //' \
     | sort | uniq -c | sort -rn | head -60 > "$S/thunk-$name.txt"
   "$PY" benchmarks/thunk_report.py "$S/dump-$name" >> "$S/thunk-$name.txt" 2>&1
-  (cd "$S" && tar -czf "dump-$name.tar.gz" --wildcards "dump-$name/*thunk_sequence.txt" \
-    "dump-$name/*decode*after_optimizations.txt" 2>/dev/null)
+  (cd "$S/dump-$name" 2>/dev/null && tar -czf "$S/dump-$name.tar.gz" \
+    $(ls | grep -E "decode.*(thunk_sequence|after_optimizations)\.txt$"))
   rm -rf "$S/dump-$name"
 }
 pipeline23() {
@@ -640,20 +643,16 @@ pipeline23() {
   thunk_bench thunks-default
   thunk_bench thunks-unroll STRATA_JAX_XLA_DECODE=--xla_gpu_command_buffer_unroll_loops=true
   cold_qseed ""
-  local q=(--shape qseed --tokens 128 --prompt-len 32 --routing realistic --prefill-len 4096 --vram-budget 32GiB
-           --no-resident)
-  phase store-registered 200 "$PY" -m strata_jax.cli bench "${q[@]}" --label registered --out "$S/data-store-registered.json"
-  phase store-mapped 200 env STRATA_JAX_STORE=mapped "$PY" -m strata_jax.cli bench "${q[@]}" --label mapped \
-    --out "$S/data-store-mapped.json"
+  store_rows
   note "pipeline: done"
 }
 [ "${PART:-1}" = 23 ] && { pipeline() { pipeline23; }; RETURNED="progress phases.tsv thunk-*.txt"
   collect_more() { (cd "$S" && tar -czf "$OUT/data.tar.gz" data-*.json dump-*.tar.gz 2>/dev/null); }; }
 
-# PART=24 (issue 30), one GPU, ~9 min: PART=23's log says XLA converted nothing of qseed's decode into CUDA graphs:
-# every kernel is "not enabled by the user for type FUSION" (the set XLA_FLAGS' "+WHILE,+CONDITIONAL" edits has no
-# FUSION here), so the host launches each of its ~4,300 kernels per token. qseed with the whole set named, then
-# with loops of a known trip count unrolled into the graph, then with the dynamic-slice fusion kind added
+# PART=24 (issue 30), one GPU, ~9 min: PART=23's log looked as if XLA converted none of qseed's decode ("not
+# enabled by the user for type FUSION" for every kernel; those lines turned out to be the autotuner's modules, whose
+# set is empty). qseed with the whole set named, then with loops of a known trip count unrolled into the graph,
+# then with the dynamic-slice fusion kind added: none moved its 23 ms of host time (docs/benchmarks.md)
 FULLCB=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 cb_bench() {  # cb_bench NAME XLA_FLAGS [BENCH ARGS...]: a bench with the conversion log -> data-NAME.json, cb-NAME.txt
   local name=$1 flags=$2
