@@ -41,6 +41,9 @@ except Exception as e:
 PY
   "$PY" benchmarks/thunk_report.py "$d" > "$OUT/thunk-$name.txt" 2>&1
   grep "kCommandBuffer\|kWhile\|kCustomCall" "$OUT/thunk-$name.txt" | head -8
+  # the loops the pass did capture: command buffers created with a while loop among their thunks
+  echo "while loops in command buffers: $(grep "Creating command buffer thunk" "$OUT/log-$name.txt" \
+    | grep -o "while[.0-9]*" | sort -u | tr '\n' ' ')"
   gzip -f "$OUT/log-$name.txt"
   # the decode program's thunks and optimized HLO (custom-call targets by name), for what the log does not say
   (cd "$d" 2>/dev/null && tar -czf "$OUT/dump-$name.tar.gz" $(ls | grep -E "decode.*(thunk_sequence|after_optimizations)\.txt$"))
