@@ -343,12 +343,11 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
                      cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block)
     if tape:  # the row's recurrent state after its last token and the accepted drafts only
         before, taped = taped[0]
-        after = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1), kv.rec)  # after all it fed
-        # a pass that kept every token it fed (all drafts accepted) is already there: no re-run
+        # a pass that kept every token it fed (all drafts accepted) is already there: its own state, no re-run
         rec = jax.lax.cond(n_emit < n_valid_1[0],
                            lambda: rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg,
                                           kernels=kernels, attn_len=attn_len),
-                           lambda: after)
+                           lambda: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1), kv.rec))
         kv = kv.replace(rec=_set_row(kv.rec, row, rec, axis=1))  # rec's leaves are [L, B, ...]
     stopped = jnp.any(jnp.isin(tokens_T, stop_St) & (jnp.arange(T) < n_emit))
     one = lambda a: a.reshape(1)  # noqa: E731

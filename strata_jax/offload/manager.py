@@ -411,13 +411,14 @@ def _load_stores(gguf, spec: ExpertSpec, device, cold: tuple[Any, ExpertSpec] | 
                  mode: str = "pinned") -> tuple[ExpertStore, tuple]:
     """The expert store, with its low-bit twin when mixed precision is on, and the host memory of our own
     it lives in (store.HostMemory, or the file's store.FileMapping; with JAX's arrays, ())."""
+    own = {"mapped": load_file_store, "registered": load_registered_store}.get(mode)
+
     def one(gguf, spec):
-        for way, load in (("mapped", load_file_store), ("registered", load_registered_store)):
-            if mode == way:
-                try:
-                    return load(gguf, spec, device)
-                except MemoryError as e:
-                    log.warning("%s: the store goes into JAX's pinned memory instead", e)
+        if own is not None:
+            try:
+                return own(gguf, spec, device)
+            except MemoryError as e:
+                log.warning("%s: the store goes into JAX's pinned memory instead", e)
         return load_expert_store(gguf, spec, device), ()
 
     store, mems = one(gguf, spec)
