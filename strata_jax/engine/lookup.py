@@ -8,7 +8,7 @@ the session takes a plain decode step.
 `Acceptance` is the adaptive part (every drafter's): a row drafts about as many tokens as its recent passes
 accepted in a run, plus one, and after a few passes that accepted little it drafts nothing for a while, so
 a prompt that does not repeat itself pays (almost) nothing for speculation. It also weighs what a pass costs
-against a plain step, as timed in this session: where misses cross PCIe a pass of 4 drafts costs ~2 steps
+against a plain step, as timed in this session: where misses cross PCIe a pass costs several steps
 (docs/benchmarks.md, "Speculative decoding"), and an acceptance that pays on a resident model loses there.
 """
 
