@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..25 are later sittings (each described above its pipeline), PART=25 the newest.
+# PART=2..26 are later sittings (each described above its pipeline), PART=26 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -696,5 +696,26 @@ pipeline25() {
 }
 [ "${PART:-1}" = 25 ] && { pipeline() { pipeline25; }; RETURNED="progress phases.tsv data-*.json results-*.json"
   collect_more() { (cd "$S" && tar -czf "$OUT/cb.tar.gz" cb 2>/dev/null); }; }
+
+# PART=26 (issue 30), one GPU, ~10 min: what the prefill program's 21.2 s compile is. A second prefill bucket
+# compiled in 0.87 s in the same process (PART=23), as if XLA's in-process autotuning results made the rest: qseed's
+# first prefill (4,096 tokens at the auto chunk) with the compilation cache off under the defaults, with the prefill
+# autotuned less (STRATA_JAX_XLA_PREFILL: level 0, no autotuning) and with cuBLAS in place of Triton's GEMMs;
+# each row's compile times (JAX_LOG_COMPILES) beside its prefill tok/s (what the faster compile costs).
+prefill_compile() {  # prefill_compile NAME PREFILL_XLA_FLAGS
+  phase "pc-$1" 200 env STRATA_JAX_XLA_PREFILL="$2" JAX_LOG_COMPILES=1 STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m \
+    strata_jax.cli bench --shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 \
+    --vram-budget 32GiB --no-resident --out "$S/data-pc-$1.json"
+  grep -o "Finished XLA compilation of .* sec" "$S/pc-$1.log" > "$S/compiles-$1.txt" 2>/dev/null || true
+}
+pipeline26() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  prefill_compile default ""
+  prefill_compile autotune0 "--xla_gpu_autotune_level=0"
+  prefill_compile cublas "--xla_gpu_enable_triton_gemm=false"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json compiles-*.txt"; }
 
 sitting_main "$@"
