@@ -701,7 +701,8 @@ pipeline25() {
 # compiled in 0.87 s in the same process (PART=23), as if XLA's in-process autotuning results made the rest: qseed's
 # first prefill (4,096 tokens at the auto chunk) with the compilation cache off under the defaults, with the prefill
 # autotuned less (STRATA_JAX_XLA_PREFILL: level 0, no autotuning) and with cuBLAS in place of Triton's GEMMs;
-# each row's compile times (JAX_LOG_COMPILES) beside its prefill tok/s (what the faster compile costs).
+# each row's compile times (JAX_LOG_COMPILES) beside its prefill tok/s (what the faster compile costs). Then qseed's
+# decode one token per call.
 prefill_compile() {  # prefill_compile NAME PREFILL_XLA_FLAGS
   phase "pc-$1" 200 env STRATA_JAX_XLA_PREFILL="$2" JAX_LOG_COMPILES=1 STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m \
     strata_jax.cli bench --shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 \
@@ -714,6 +715,9 @@ pipeline26() {
   prefill_compile default ""
   prefill_compile autotune0 "--xla_gpu_autotune_level=0"
   prefill_compile cublas "--xla_gpu_enable_triton_gemm=false"
+  # one token per call: no token loop (PART=24: with every layer loop unrolled into the graph, the token loop was
+  # the one left out, yet 23 ms of host time stayed)
+  phase dc1 150 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --decode-chunk 1 --out "$S/data-dc1.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json compiles-*.txt"; }
