@@ -387,3 +387,21 @@ def test_jit_traces_once_per_shape():
             _, st = call(tokens(2, 1, seed=12 + seed), st, [1, seed % 2])
     assert len(TRACES) == seen and not compiles
     assert TRACES.count((2, 8)) == 1 and TRACES.count((2, 1)) == 1
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_rewind_to_every_prefix_equals_running_only_it(T):
+    """A speculative pass's tape stops the state after any prefix of its tokens (deltanet.rewind, the
+    closed form: no weights, no re-run): equal to running only that prefix, per row, T = 1 (the
+    recurrent step) and T > 1 (the chunked form)."""
+    x = tokens(2, 37 + T, seed=5)
+    _, before = ours(x[:, :37])
+    p = params()
+    _, after, tape = deltanet.apply(p, jnp.asarray(x[:, 37:]), before, n_valid_B=jnp.full(2, T, jnp.int32), dims=DIMS,
+                                    kernels=KERNELS, tape=True)
+    states_close(deltanet.rewind(before, tape, jnp.full(2, T)), after)
+    for n in range(T + 1):
+        n_B = np.array([n, T - n])  # two rows stopped at different tokens
+        want = deltanet.apply(p, jnp.asarray(x[:, 37:]), before, n_valid_B=jnp.asarray(n_B, jnp.int32), dims=DIMS,
+                              kernels=KERNELS)[1]
+        states_close(deltanet.rewind(before, tape, jnp.asarray(n_B)), want)

@@ -405,3 +405,23 @@ def test_dims_and_params_from_converter_gguf(tmp_path, llama_cpp_converter):
     x, tokens = _inputs(6, cfg)
     np.testing.assert_array_equal(_run(from_file, step, dims, x, tokens, [8] * 3, 8)[0],
                                   _run(params, step, dims, x, tokens, [8] * 3, 8)[0])
+
+
+def test_rewind_to_every_prefix_equals_running_only_it():
+    """ple.rewind stops a pass's state after any prefix of its tokens from the state before it and the conv
+    inputs it taped (no weights): equal to running only that prefix (n-gram context and conv window)."""
+    cfg, _, dims, params, step = _setup()
+    x, tokens = _inputs(11, cfg)
+    _, before = _run(params, step, dims, x[:, :17], tokens[:, :17], [17])
+    xs, ts = jnp.asarray(x[:, 17:]), jnp.asarray(tokens[:, 17:])
+    P = T - 17
+    _, after, conv_in = ple.apply(params, xs, ts, before, n_valid_B=jnp.full((B,), P, jnp.int32), dims=dims,
+                                  kernels=KERNELS, tape=True)
+    for n in range(P + 1):
+        n_B = jnp.asarray([n, P - n, min(n + 1, P)], jnp.int32)
+        want = step(params, xs, ts, before, n_valid_B=n_B)[1]
+        got = ple.rewind(before, conv_in, ts, n_B, dims)
+        np.testing.assert_array_equal(np.asarray(got.ctx_BKc), np.asarray(want.ctx_BKc))
+        np.testing.assert_allclose(np.asarray(got.conv_BKcCc), np.asarray(want.conv_BKcCc), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ple.rewind(before, conv_in, ts, jnp.full((B,), P), dims).conv_BKcCc),
+                                  np.asarray(after.conv_BKcCc))

@@ -267,3 +267,24 @@ def test_names_and_keys_are_the_converters(llama_cpp_converter):
           keys.Attention.LAYERNORM_RMS_EPS: EPS}
     md = {k.format(arch=a): v for k, v in md.items()}
     assert QSADims.from_metadata(metadata_view(md, a), LAYER) == _dims()
+
+
+@pytest.mark.parametrize("start,T", [(9, 7), (12, 4), (30, 1)])
+def test_rewind_to_every_prefix_equals_running_only_it(ref, start, T):
+    """qsa.rewind stops a pass's state after any prefix of its tokens from the states before and after it
+    and the keys it taped (no weights): the ring and the blocks equal running only that prefix, for passes
+    that start inside a block, on a block boundary, and of one token."""
+    idx, x, _ = ref
+    p, dims = _params(idx), _dims()
+    _, before = prefill(p, x[:, :start], dims)
+    tok = jnp.asarray(x[:, start:start + T])
+    start_B = jnp.full((B,), start, jnp.int32)
+    _, after, k = qsa.apply(p, tok, before, start_B=start_B, n_valid_B=jnp.full((B,), T, jnp.int32), dims=dims,
+                            kernels=KERNELS, tape=True)
+    for n in range(T + 1):
+        n_B = jnp.asarray([n, T - n], jnp.int32)  # two rows stopped at different tokens
+        want = _apply(p, tok, before, start_B, n_B, dims)[1]
+        got = qsa.rewind(before, after, k, start_B, n_B)
+        # copies of the same keys (eager here, jitted there: rounding apart)
+        np.testing.assert_allclose(np.asarray(got.tail_BRcDi), np.asarray(want.tail_BRcDi), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.blocks_BSbDi), np.asarray(want.blocks_BSbDi), rtol=0, atol=1e-5)

@@ -471,8 +471,8 @@ def test_bad_spec_options_are_refused():
 @pytest.mark.parametrize("slots", [None, 40])
 def test_hybrid_spec_rewinds_recurrent_state(slots):
     """qtiny (the seed's architecture: gated DeltaNet, QSA, PLE): a verify pass advances every recurrent
-    state over all its drafts; forward.rewind re-runs each recurrent part from its state before the pass on
-    the inputs the pass taped, up to the accepted tokens. Greedy tokens equal plain decode's, resident and
+    state over all its drafts; hybrid.rewind stops each recurrent part after the accepted tokens, from its
+    state before the pass and what the pass taped. Greedy tokens equal plain decode's, resident and
     offloaded, with drafts both accepted and rejected; afterwards the row's recurrent state and its cached
     K/V equal plain decode's (to rounding: a pass computes several positions at once). Without the rewind
     the state would hold rejected drafts (the check below fails, and the tokens drift)."""
@@ -495,7 +495,7 @@ def test_hybrid_spec_rewinds_recurrent_state(slots):
 
 def test_hybrid_pass_that_keeps_every_draft_needs_no_rewind(monkeypatch):
     """qtiny with an always-right oracle: every pass keeps all it fed, so the verify program takes the pass's
-    own recurrent state (lax.cond) instead of re-running forward.rewind; tokens, state and cached K/V stay
+    own recurrent state (lax.cond) instead of hybrid.rewind's; tokens, state and cached K/V stay
     plain decode's. The rewind is counted by tracing: the cond traces both branches once per program."""
     from strata_jax.engine import programs
 
@@ -512,7 +512,7 @@ def test_hybrid_pass_that_keeps_every_draft_needs_no_rewind(monkeypatch):
     for a, b in zip(jax.tree.leaves(kv_s.rec), jax.tree.leaves(kv_b.rec)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
     # the kept branch is the pass's own state: with the rewind made to return garbage, nothing changes
-    monkeypatch.setattr(programs, "rewind", lambda params, before, *a, **k: jax.tree.map(jnp.zeros_like, before))
+    monkeypatch.setattr(programs, "rewind", lambda cfg, before, *a, **k: jax.tree.map(jnp.zeros_like, before))
     programs.verify.clear_cache()
     again = spec.generate(ids, max_tokens=24, temperature=0)
     assert again.token_ids == ref.token_ids

@@ -40,7 +40,8 @@ from flax import struct
 
 from strata_jax.core.experts import join_provider, split_provider
 from strata_jax.model import mtp
-from strata_jax.model.forward import KVCache, forward, rewind
+from strata_jax.model.forward import KVCache, forward
+from strata_jax.model.hybrid import rewind
 from strata_jax.model.runs import masked_put, masked_take
 from strata_jax.engine.sampling import (Logprobs, PenaltyState, SamplingMode, SamplingParams, accept_drafts,
                                        next_token, no_logprobs, token_logprobs)
@@ -317,7 +318,7 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
     (greedy: its very tokens). The row's state moves to the accepted position: the cache entries written
     for rejected drafts lie past it, where attention never reads (it masks by position) and the next
     steps overwrite them. A model's recurrent state (DeltaNet, QSA, PLE) cannot be left past the position:
-    the pass tapes its recurrent parts' inputs and forward.rewind re-runs them up to the accepted tokens.
+    the pass tapes what its recurrent parts wrote and hybrid.rewind stops them after the accepted tokens.
     No constrained rows (their mask needs the host). draft_next (static; an MTP state in the cache): also
     draft that many tokens after the pass's last one with the MTP block (as mtp_draft would, one call less
     per pass; attn_len must reach draft_next positions further). accept_n (int32, benchmarks only: bench/spec.py):
@@ -343,11 +344,11 @@ def verify(params, experts, fixed, kv: KVCache, rows: RowState, row, tokens_1T, 
                      cfg=cfg, dtype=dtype, kernels=kernels, attn_len=attn_len, attn_block=attn_block)
     if tape:  # the row's recurrent state after its last token and the accepted drafts only
         before, taped = taped[0]
-        # a pass that kept every token it fed (all drafts accepted) is already there: its own state, no re-run
+        after = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1), kv.rec)
+        # a pass that kept every token it fed (all drafts accepted) is already there: its own state, as computed
         rec = jax.lax.cond(n_emit < n_valid_1[0],
-                           lambda: rewind(params, before, taped, tokens_1T, start_1, n_emit.reshape(1), cfg=cfg,
-                                          kernels=kernels, attn_len=attn_len),
-                           lambda: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=1), kv.rec))
+                           lambda: rewind(cfg, before, after, taped, tokens_1T, start_1, n_emit.reshape(1)),
+                           lambda: after)
         kv = kv.replace(rec=_set_row(kv.rec, row, rec, axis=1))  # rec's leaves are [L, B, ...]
     stopped = jnp.any(jnp.isin(tokens_T, stop_St) & (jnp.arange(T) < n_emit))
     one = lambda a: a.reshape(1)  # noqa: E731

@@ -166,8 +166,9 @@ def forward(
     forced_MNk (int32 [M, B*T, k]): replay these routed experts instead of the routers' choice
     (benchmarks with a synthetic routing trace; prefetch predictions still come from the routers).
 
-    tape (static; models with recurrent state): also return, last, the input of every recurrent part
-    (DeltaNet, QSA indexer, PLE), stacked per kind as hybrid.HybridState stacks state: what `rewind` re-runs.
+    tape (static; models with recurrent state): also return, last, what every recurrent part (DeltaNet,
+    QSA indexer, PLE) wrote, stacked per kind as hybrid.HybridState stacks state (hybrid.tape_zeros): what
+    hybrid.rewind needs to stop the state after fewer tokens.
 
     x_BTD: the blocks' input in place of the tokens' embeddings (an MTP block's, model/mtp.py).
     hidden (static; no hyper-connections): also return, last, every position's hidden state after the
@@ -196,7 +197,7 @@ def forward(
 
     x = take_rows(params.embed, tokens_BT, dtype) if x_BTD is None else x_BTD.astype(dtype)  # [B, T, D]
     xs = hyper.streams(x, hd) if hc else x  # qwen4exp: [B, T, Hc, D]
-    taped = hybrid.tape_zeros(cfg, xs.shape, xs.dtype) if tape and cfg.has_recurrent_state else None
+    taped = hybrid.tape_zeros(cfg, B, T) if tape and cfg.has_recurrent_state else None
 
     def sub_input(xs, hyper_p, norm_D):
         """A sub-block's input and what puts its output back: the hyper-connection mix, or a pre-norm."""
@@ -220,11 +221,12 @@ def forward(
 
     def token_mixer(layer, h, k_all, v_all, rec, taped, i, at):
         if at not in kv_idx:
-            if taped is not None:
-                taped = hybrid.put_layer_state(cfg, taped, "linear", i, h, kernels)
             with jax.named_scope("linear"):
-                out, lin = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B, kernels),
-                                          n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels)
+                out, lin, *t = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B, kernels),
+                                              n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels,
+                                              tape=taped is not None)
+            if t:
+                taped = hybrid.put_layer_state(cfg, taped, "linear", i, t[0], kernels)
             return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin, kernels), taped
         with jax.named_scope("attn"):
             if cfg.mla is not None:
@@ -233,12 +235,12 @@ def forward(
             elif cfg.is_hybrid:
                 select = None
                 if at in qsa_idx:
-                    if taped is not None:
-                        taped = hybrid.put_layer_state(cfg, taped, "qsa", i, h, kernels)
-                    select, qsa_s = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B, kernels),
-                                              start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
-                                              kernels=kernels, attn_len=attn_len)
+                    select, qsa_s, *t = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B, kernels),
+                                                  start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
+                                                  kernels=kernels, attn_len=attn_len, tape=taped is not None)
                     rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s, kernels)
+                    if t:
+                        taped = hybrid.put_layer_state(cfg, taped, "qsa", i, t[0], kernels)
                 out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
                                                     layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                     attn_len, select, attn_block)
@@ -273,12 +275,13 @@ def forward(
         if i not in ple_idx:
             return carry
         xs, k_all, v_all, rec, taped, experts = carry
-        if taped is not None:
-            taped = hybrid.put_layer_state(cfg, taped, "ple", i, xs, kernels)
         with jax.named_scope(f"layer{i}/ple"):
-            out, ple_s = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT, hybrid.layer_state(cfg, rec, "ple", i, fresh_B, kernels),
-                                   n_valid_B=n_valid_B, dims=cfg.ple, kernels=kernels)
+            out, ple_s, *t = ple.apply(params.ple[ple_idx[i]], xs, tokens_BT,
+                                       hybrid.layer_state(cfg, rec, "ple", i, fresh_B, kernels), n_valid_B=n_valid_B,
+                                       dims=cfg.ple, kernels=kernels, tape=taped is not None)
             rec = hybrid.put_layer_state(cfg, rec, "ple", i, ple_s, kernels)
+            if t:
+                taped = hybrid.put_layer_state(cfg, taped, "ple", i, t[0], kernels)
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
         return xs, k_all, v_all, rec, taped, experts
 
@@ -322,42 +325,3 @@ def forward(
     routed_MNk, experts = finish_routing(routed, valid_N, cfg, experts)
     out = (logits, KVCache(k_all, v_all, rec, kv.mtp), experts, routed_MNk)
     return out + ((taped,) if tape else ()) + ((h_BTD,) if hidden else ())
-
-
-def rewind(params: Params, rec_before: Any, taped: Any, tokens_BT: jax.Array, start_B: jax.Array,
-           n_valid_B: jax.Array, *, cfg: ModelConfig, kernels: Kernels, attn_len: int | None = None) -> Any:
-    """The recurrent state (hybrid.HybridState) after only the first n_valid_B of the tokens a pass ran
-    over from rec_before (a speculative pass whose later drafts were rejected). Each recurrent part
-    re-runs from its state before the pass on the input that pass taped (forward's `tape`): causality
-    makes a token's input independent of the tokens after it, and each part's state stops at n_valid_B.
-    No MoE, attention or head runs again; attention needs no rewind (entries past a row's position are
-    never read, and are overwritten)."""
-    kv_idx = set(cfg.attention_layers)
-    qsa_idx = set(hybrid.qsa_layers(cfg))
-    ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
-    kept = jnp.zeros(start_B.shape, bool)  # no row restarts: a pass continues a sequence
-
-    def enter(rec, i):
-        if i not in ple_idx:
-            return rec
-        _, s = ple.apply(params.ple[ple_idx[i]], hybrid.layer_state(cfg, taped, "ple", i, kept, kernels), tokens_BT,
-                         hybrid.layer_state(cfg, rec_before, "ple", i, kept, kernels), n_valid_B=n_valid_B, dims=cfg.ple,
-                         kernels=kernels)
-        return hybrid.put_layer_state(cfg, rec, "ple", i, s, kernels)
-
-    def block(rec, layer, i):
-        at = layer_ref.first(i)
-        if at not in kv_idx:
-            _, s = deltanet.apply(layer.linear, hybrid.layer_state(cfg, taped, "linear", i, kept, kernels),
-                                  hybrid.layer_state(cfg, rec_before, "linear", i, kept, kernels), n_valid_B=n_valid_B,
-                                  dims=cfg.linear, kernels=kernels)
-            rec = hybrid.put_layer_state(cfg, rec, "linear", i, s, kernels)
-        elif at in qsa_idx:
-            _, s = qsa.apply(layer.attn.indexer, hybrid.layer_state(cfg, taped, "qsa", i, kept, kernels),
-                             hybrid.layer_state(cfg, rec_before, "qsa", i, kept, kernels), start_B=start_B, n_valid_B=n_valid_B,
-                             dims=cfg.qsa[at], kernels=kernels, attn_len=attn_len)
-            rec = hybrid.put_layer_state(cfg, rec, "qsa", i, s, kernels)
-        return rec, None
-
-    rec, _ = runs.run_layers(params.layers, rec_before, block, enter=enter)
-    return rec

@@ -116,16 +116,33 @@ def state_zeros(cfg: ModelConfig, batch: int, length: int) -> HybridState:
     )
 
 
-def tape_zeros(cfg: ModelConfig, xs_shape: tuple[int, ...], dtype) -> HybridState:
-    """An empty tape of a pass over residual streams shaped xs_shape ([B, T, D], or [B, T, Hc, D] with
-    hyper-connections): per kind, like state_zeros, each layer's recurrent part's input (DeltaNet and
-    QSA: the mixer input [B, T, D]; PLE: the streams)."""
-    B, T, D = xs_shape[0], xs_shape[1], cfg.d_model
-    mixer_in = lambda: jnp.zeros((B, T, D), dtype)  # noqa: E731
+def tape_zeros(cfg: ModelConfig, B: int, T: int) -> HybridState:
+    """An empty tape of a pass of T tokens over B rows, stacked per kind like state_zeros: per layer what its
+    recurrent part wrote (deltanet.DeltaNetTape, the QSA indexer's keys [B, T, Di], PLE's conv inputs
+    [B, T, Cc]), what each kind's `rewind` needs to stop its state after a prefix of the tokens."""
+    z = lambda *s: jnp.zeros((B, T, *s), jnp.float32)  # noqa: E731
     return HybridState(
-        linear=_stack(mixer_in, len(linear_layers(cfg))),
-        ple=_stack(lambda: jnp.zeros(xs_shape, dtype), len(cfg.ple.layers) if cfg.ple else 0),
-        qsa=tuple(_stack(mixer_in, len(_of_ratio(cfg, r))) for r in qsa_ratios(cfg)),
+        linear=_stack(lambda: deltanet.DeltaNetTape.zeros(B, T, cfg.linear), len(linear_layers(cfg))),
+        ple=_stack(lambda: z(cfg.ple.channels), len(cfg.ple.layers) if cfg.ple else 0),
+        qsa=tuple(_stack(lambda: z(cfg.qsa[_of_ratio(cfg, r)[0]].head_dim), len(_of_ratio(cfg, r)))
+                  for r in qsa_ratios(cfg)),
+    )
+
+
+def rewind(cfg: ModelConfig, before: HybridState, after: HybridState, taped: HybridState, tokens_BT: jax.Array,
+           start_B: jax.Array, n_B: jax.Array) -> HybridState:
+    """The recurrent state after only the first n_B of a pass's tokens (a speculative pass whose later
+    drafts were rejected), from the states before and after it and its tape: each kind's closed form,
+    over all its layers at once (no loop over the layers, no weights read). Attention needs none (entries
+    past a row's position are never read, and are overwritten)."""
+    layers = jax.vmap  # each leaf of a kind's state and tape is stacked over its layers: [L, B, ...]
+    return HybridState(
+        linear=None if before.linear is None else layers(lambda b, t: deltanet.rewind(b, t, n_B))(
+            before.linear, taped.linear),
+        ple=None if before.ple is None else layers(lambda b, t: ple.rewind(b, t, tokens_BT, n_B, cfg.ple))(
+            before.ple, taped.ple),
+        qsa=tuple(layers(lambda b, a, k: qsa.rewind(b, a, k, start_B, n_B))(b, a, k)
+                  for b, a, k in zip(before.qsa, after.qsa, taped.qsa)),
     )
 
 

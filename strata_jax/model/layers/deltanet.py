@@ -91,6 +91,42 @@ def reset_rows(state: DeltaNetState, fresh_B: jax.Array) -> DeltaNetState:
     return jax.tree.map(lambda a: jnp.where(fresh_B.reshape((-1,) + (1,) * (a.ndim - 1)), 0.0, a), state)
 
 
+@struct.dataclass
+class DeltaNetTape:
+    """What a pass of T tokens wrote into one layer's state, enough to stop it after any prefix of them
+    (`rewind`: a speculative pass whose later drafts were rejected), float32. The delta rule is linear in S:
+    S_n = exp(c_n) S_0 + sum_{t < n} exp(c_n - c_t) k_t delta_t^T, with delta_t the token's write."""
+
+    qkv_BTCc: jax.Array  # the short conv's inputs (x W_qkv)
+    k_BTHvDk: jax.Array  # the l2-normed keys, per value head
+    delta_BTHvDv: jax.Array  # each token's write: b (v - (exp(g) S)^T k)
+    decay_BTHv: jax.Array  # c_t: log decay from the pass's start through token t (cumsum of g)
+
+    @classmethod
+    def zeros(cls, B: int, T: int, dims: DeltaNetDims) -> "DeltaNetTape":
+        z = lambda *s: jnp.zeros((B, T, *s), jnp.float32)  # noqa: E731
+        return cls(z(dims.conv_channels), z(dims.n_v_heads, dims.k_head_dim), z(dims.n_v_heads, dims.v_head_dim),
+                   z(dims.n_v_heads))
+
+
+def rewind(before: DeltaNetState, tape: DeltaNetTape, n_B: jax.Array) -> DeltaNetState:
+    """The state after only the first n_B of the taped pass's tokens, from the state before the pass: the
+    closed form of DeltaNetTape, no weights read (equal to `apply` on those tokens up to float rounding)."""
+    B, T = tape.decay_BTHv.shape[:2]
+    n_B = jnp.clip(n_B.astype(jnp.int32), 0, T)
+    c_BTHv = jnp.concatenate([jnp.zeros_like(tape.decay_BTHv[:, :1]), tape.decay_BTHv], axis=1)  # c_0 = 0
+    c_BHv = jnp.take_along_axis(c_BTHv, n_B[:, None, None], axis=1)[:, 0]
+    kept_BT1 = (jnp.arange(T)[None, :] < n_B[:, None])[..., None]
+    # masked before exp: a token past n has c_t < c_n, whose difference could overflow
+    w_BTHv = jnp.where(kept_BT1, jnp.exp(jnp.where(kept_BT1, c_BHv[:, None] - tape.decay_BTHv, 0.0)), 0.0)
+    S = (before.ssm_BHvDkDv * jnp.exp(c_BHv)[:, :, None, None]
+         + jnp.einsum("bth,bthk,bthv->bhkv", w_BTHv, tape.k_BTHvDk, tape.delta_BTHvDv, precision=_HIGHEST))
+    Kc1 = before.conv_BKcCc.shape[1]
+    xin = jnp.concatenate([before.conv_BKcCc, tape.qkv_BTCc], axis=1)  # [B, Kc-1+T, Cc]
+    conv = jnp.take_along_axis(xin, (n_B[:, None] + jnp.arange(Kc1)[None, :])[:, :, None], axis=1)
+    return DeltaNetState(conv, S)
+
+
 def _short_conv(x_BTCc: jax.Array, conv_BKcCc: jax.Array, w_CcKc: jax.Array,
                 n_valid_B: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv of the state's Kc-1 inputs followed by x (no activation), and the new state:
@@ -112,11 +148,11 @@ def _step(q_BHvDk, k_BHvDk, v_BHvDv, g_BHv, b_BHv, S_BHvDkDv):
     pred_BHvDv = jnp.einsum("bhk,bhkv->bhv", k_BHvDk, S, precision=_HIGHEST)
     delta_BHvDv = (v_BHvDv - pred_BHvDv) * b_BHv[:, :, None]
     S = S + k_BHvDk[:, :, :, None] * delta_BHvDv[:, :, None, :]
-    return jnp.einsum("bhk,bhkv->bhv", q_BHvDk, S, precision=_HIGHEST), S
+    return jnp.einsum("bhk,bhkv->bhv", q_BHvDk, S, precision=_HIGHEST), S, delta_BHvDv
 
 
 def _chunked(q_BTHvDk, k_BTHvDk, v_BTHvDv, g_BTHv, b_BTHv, S_BHvDkDv, chunk: int):
-    """The gated delta rule over T tokens, C at a time: within a chunk the C rank-one updates collapse
+    """The gated delta rule over T tokens, C at a time (outputs, final state, each token's write): within a chunk the C rank-one updates collapse
     (UT transform) into a unit lower-triangular solve; a scan carries S from chunk to chunk. The pad at
     the end has b = g = 0 and k = v = 0: it neither decays nor writes S."""
     B, T, Hv, _ = q_BTHvDk.shape
@@ -150,21 +186,22 @@ def _chunked(q_BTHvDk, k_BTHvDk, v_BTHvDv, g_BTHv, b_BTHv, S_BHvDkDv, chunk: int
         o = (jnp.einsum("bhck,bhkv->bhcv", q_c, S, precision=_HIGHEST)
              + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new, precision=_HIGHEST))
         S = S * d_c + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new, precision=_HIGHEST)
-        return S, o
+        return S, (o, v_new)
 
-    S, o = jax.lax.scan(body, S_BHvDkDv, (u, w, q_in, k_out, attn, decay))
-    o_BTHvDv = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(B, n * C, Hv, -1)[:, :T]
-    return o_BTHvDv, S
+    S, (o, v_new) = jax.lax.scan(body, S_BHvDkDv, (u, w, q_in, k_out, attn, decay))
+    unchunk = lambda a: jnp.moveaxis(a, (0, 3), (1, 2)).reshape(B, n * C, Hv, -1)[:, :T]  # noqa: E731
+    return unchunk(o), S, unchunk(v_new)  # v_new: each token's write into S (DeltaNetTape.delta)
 
 
 def apply(p: DeltaNetParams, x_BTD: jax.Array, state: DeltaNetState, *, n_valid_B: jax.Array,
-          dims: DeltaNetDims, kernels: Kernels) -> tuple[jax.Array, DeltaNetState]:
+          dims: DeltaNetDims, kernels: Kernels, tape: bool = False):
     """The layer on T tokens of each of B rows, continuing from `state`. Tokens at t >= n_valid_B[b] are
     bucket padding: computed (their outputs are meaningless) but they leave the state as the row's last
     valid token left it (b = g = 0 makes their delta-rule updates no-ops; the conv state ends at the last
     valid input). n_valid_B = 0 leaves a row's state untouched. A row starting a new sequence must come
     in zeroed (reset_rows): nothing here knows where a sequence begins. Static: dims, kernels, and T
-    (T == 1 takes the recurrent step, T > 1 the chunked form)."""
+    (T == 1 takes the recurrent step, T > 1 the chunked form). Returns (y, state), and with `tape` (static)
+    the pass's DeltaNetTape last."""
     d = dims
     B, T, _ = x_BTD.shape
     Hk, Hv, Dk, Dv = d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim
@@ -193,12 +230,14 @@ def apply(p: DeltaNetParams, x_BTD: jax.Array, state: DeltaNetState, *, n_valid_
         q, k = jnp.tile(q, (1, 1, Hv // Hk, 1)), jnp.tile(k, (1, 1, Hv // Hk, 1))
 
     if T == 1:
-        o, S = _step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm_BHvDkDv)
-        o = o[:, None]
+        o, S, delta = _step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm_BHvDkDv)
+        o, delta = o[:, None], delta[:, None]
     else:
-        o, S = _chunked(q, k, v, g, beta, state.ssm_BHvDkDv, d.chunk_size)
+        o, S, delta = _chunked(q, k, v, g, beta, state.ssm_BHvDkDv, d.chunk_size)
 
     act = jax.nn.sigmoid if d.output_gate == "sigmoid" else jax.nn.silu
     o = rms_norm(o, p.ssm_norm_Dv, d.rms_eps) * act(z)
     y = linear(o.reshape(B, T, Hv * Dv).astype(x_BTD.dtype), p.ssm_out, kernels)
+    if tape:
+        return y, DeltaNetState(conv_state, S), DeltaNetTape(qkv, k, delta, jnp.cumsum(g, axis=1))
     return y, DeltaNetState(conv_state, S)

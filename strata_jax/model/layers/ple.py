@@ -311,11 +311,19 @@ class PLEState:
                    jnp.zeros((B, dims.conv_state_len, dims.channels), jnp.float32))
 
 
+def rewind(before: PLEState, conv_in_BTCc: jax.Array, tokens_BT: jax.Array, n_B: jax.Array, dims: PLEDims) -> PLEState:
+    """The state after only the first n_B of a pass's tokens, from the state before it and the conv inputs
+    it computed (apply's `tape`): no weights read."""
+    seq = jnp.concatenate([before.conv_BKcCc, conv_in_BTCc], axis=1)
+    return PLEState(next_ctx(tokens_BT, before.ctx_BKc, n_B), _window_at(seq, n_B, dims.conv_state_len))
+
+
 def apply(params: PLEParams, x: jax.Array, tokens_BT: jax.Array, state: PLEState, *, n_valid_B: jax.Array,
-          dims: PLEDims, kernels: Kernels) -> tuple[jax.Array, PLEState]:
+          dims: PLEDims, kernels: Kernels, tape: bool = False):
     """The PLE layer's output (what transformers' Qwen4ExpTextPLELayer returns: the caller adds it to
     the streams) for x [B, T, Hc * D] or [B, T, Hc, D] (returned in x's shape) and the chunk's token ids.
-    Tokens at index >= n_valid_B[b] are computed but leave the state as the last valid one left it."""
+    Tokens at index >= n_valid_B[b] are computed but leave the state as the last valid one left it. Returns
+    (out, state), and with `tape` (static) the conv's inputs [B, T, Cc] (float32) last, what `rewind` needs."""
     B, T = tokens_BT.shape
     D, Hc, eps = dims.d_model, dims.hc_count, dims.rms_eps
     x_BTHcD = x.reshape(B, T, Hc, D)
@@ -337,4 +345,6 @@ def apply(params: PLEParams, x: jax.Array, tokens_BT: jax.Array, state: PLEState
 
     new_state = PLEState(next_ctx(tokens_BT, state.ctx_BKc, n_valid_B),
                          _window_at(seq, n_valid_B, dims.conv_state_len))
+    if tape:
+        return out.reshape(x.shape), new_state, seq[:, seq.shape[1] - T:]
     return out.reshape(x.shape), new_state

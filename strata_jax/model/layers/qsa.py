@@ -105,13 +105,33 @@ def _update(state: QSAState, k_BTDi: jax.Array, start_B: jax.Array, end_B: jax.A
     slot, kb = scatter_updates(slot, kb, Sb)
     blocks = state.blocks_BSbDi.at[jnp.arange(B)[:, None], slot].set(kb, mode="drop")
 
-    # ring slot i: the latest position p < end with p % r == i; from this chunk when p >= start
+    return QSAState(blocks, _tail(state.tail_BRcDi, k_BTDi, start_B, end_B), state.length)
+
+
+def _tail(tail_BRcDi: jax.Array, k_BTDi: jax.Array, start_B: jax.Array, end_B: jax.Array) -> jax.Array:
+    """The ring after positions start .. end - 1 (keys k_BTDi from start): slot i holds the latest position
+    p < end with p % r == i, from k when p >= start, else as it was."""
+    r, T = tail_BRcDi.shape[1], k_BTDi.shape[1]
     i = jnp.arange(r)
     last_BRc = end_B[:, None] - 1 - (end_B[:, None] - 1 - i[None, :]) % r
     fresh = last_BRc >= start_B[:, None]
     li = jnp.clip(last_BRc - start_B[:, None], 0, T - 1)
-    tail = jnp.where(fresh[..., None], jnp.take_along_axis(k_BTDi, li[..., None], axis=1), state.tail_BRcDi)
-    return QSAState(blocks, tail, state.length)
+    return jnp.where(fresh[..., None], jnp.take_along_axis(k_BTDi, li[..., None], axis=1), tail_BRcDi)
+
+
+def rewind(before: QSAState, after: QSAState, k_BTDi: jax.Array, start_B: jax.Array, n_B: jax.Array) -> QSAState:
+    """The state after only the first n_B tokens of a pass from start_B, from the states before and after
+    it and the keys it computed (apply's `tape`), no weights read: the ring as those tokens leave it, and
+    the blocks the pass completed at or past start + n back to what they were."""
+    B, T, _ = k_BTDi.shape
+    r, Sb = before.tail_BRcDi.shape[1], before.blocks_BSbDi.shape[1]
+    end_B = start_B + jnp.clip(jnp.minimum(n_B, before.length - start_B), 0, T)
+    n_win = (T + r - 2) // r + 1  # the blocks a pass of T positions can complete (as _update)
+    b_BW = start_B[:, None] // r + jnp.arange(n_win)[None, :]
+    undo_BW = ((b_BW + 1) * r > end_B[:, None]) & (b_BW < Sb)  # completes past the kept tokens, if at all
+    old = jnp.take_along_axis(before.blocks_BSbDi, jnp.minimum(b_BW, Sb - 1)[..., None], axis=1)
+    blocks = after.blocks_BSbDi.at[jnp.arange(B)[:, None], jnp.where(undo_BW, b_BW, Sb)].set(old, mode="drop")
+    return QSAState(blocks, _tail(before.tail_BRcDi, k_BTDi, start_B, end_B), before.length)
 
 
 def _scores(q_BTHiDi: jax.Array, blocks_BSbDi: jax.Array, dims: QSADims) -> jax.Array:
@@ -131,13 +151,15 @@ def apply(
     dims: QSADims,
     kernels: Kernels,
     attn_len: int | None = None,
-) -> tuple[jax.Array, QSAState]:
+    tape: bool = False,
+):
     """The attention mask mask_BTS (bool, True = attend) for T tokens per row at positions
     start_B + 0 .. T-1, over the first attn_len (static) cache positions, and the updated state.
 
     x_BTD is the attention layer's input. Tokens at index >= n_valid_B, or at a position >= the
     state's length (a row that is not live), are padding: they leave the state as it is and get the
-    plain causal mask. The mask already includes causality."""
+    plain causal mask. The mask already includes causality. With `tape` (static), also the pass's keys
+    k_BTDi last (what `rewind` needs)."""
     B, T, _ = x_BTD.shape
     r, Hi, Di = dims.compress_ratio, dims.n_heads, dims.head_dim
     S = state.length
@@ -153,8 +175,9 @@ def apply(
     causal_BTS = s_S[None, None, :] <= pos_BT[:, :, None]
     n_blk = min(-(-S_att // r), state.blocks_BSbDi.shape[1])  # blocks that start below S_att
     k_top = min(dims.block_topk, n_blk)
+    taped = (k_BTDi,) if tape else ()
     if k_top == n_blk:  # the budget covers every complete block: dense causal attention
-        return causal_BTS, state
+        return (causal_BTS, state) + taped
 
     q = linear(x_BTD, p.q_proj, kernels).astype(jnp.float32).reshape(B, T, Hi, Di)
     q = rope(rms_norm(q, p.q_norm_Di, dims.rms_eps), pos_BT, dims)
@@ -171,4 +194,4 @@ def apply(
     in_blocks = jnp.take(chosen, jnp.minimum(blk_S, n_blk - 1), axis=2) & (blk_S < n_blk)[None, None, :]
     tail = (s_S[None, None, :] >= (n_done_BT * r)[:, :, None]) & causal_BTS
     mask_BTS = jnp.where(valid_BT[:, :, None], in_blocks | tail, causal_BTS)
-    return mask_BTS, state
+    return (mask_BTS, state) + taped
