@@ -677,21 +677,18 @@ pipeline24() {
 [ "${PART:-1}" = 24 ] && { pipeline() { pipeline24; }; RETURNED="progress phases.tsv cb-*.txt"
   collect_more() { (cd "$S" && tar -czf "$OUT/data.tar.gz" data-*.json 2>/dev/null); }; }
 
-# PART=25 (issues 30, 18), one GPU, ~15 min: benchmarks/cb_check.sh (which thunk keeps a scanned offloaded decode
-# loop out of the CUDA graphs: resident, fetch kernel, XLA's copies, unrolled), then qseed's verify passes again
-# (PART=21's spec rows: a fully accepted pass no longer re-runs the recurrent layers; before: 4 tokens 39.5 ms),
-# then B30 resident decode
+# PART=25 (issues 30, 18), one GPU, ~11 min: benchmarks/cb_check.sh (which thunk keeps a scanned offloaded decode
+# loop out of the CUDA graphs: resident, fetch kernel, XLA's copies, unrolled), then qseed's 4-token verify passes
+# again (PART=21's: 39.5 ms; a fully accepted pass no longer rewinds, and a rewind is the closed form from the tape)
 pipeline25() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   (qseed_file) &
   phase cb-check 420 env NO_WHEELS=1 OUT="$S/cb" PY="$PY" bash benchmarks/cb_check.sh
   wait
   qseed_file
-  spec_rows qseed 330
-  rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*
-  # issue 30's last row: B30 resident decode (target: not slower than 220 tok/s)
-  phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
-  bench_b30 b30-resident ""
+  # 4-token passes only (the budget of a session that lost minutes to failed starts): the closed-form rewind
+  phase spec-qseed 260 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+    --vram-budget 32GiB --no-resident --spec-pass 4 --spec-accept 1 --spec-accept 0.6 --out "$S/data-spec-qseed.json"
   note "pipeline: done"
 }
 [ "${PART:-1}" = 25 ] && { pipeline() { pipeline25; }; RETURNED="progress phases.tsv data-*.json results-*.json"
@@ -702,7 +699,7 @@ pipeline25() {
 # first prefill (4,096 tokens at the auto chunk) with the compilation cache off under the defaults, with the prefill
 # autotuned less (STRATA_JAX_XLA_PREFILL: level 0, no autotuning) and with cuBLAS in place of Triton's GEMMs;
 # each row's compile times (JAX_LOG_COMPILES) beside its prefill tok/s (what the faster compile costs). Then qseed's
-# decode one token per call.
+# decode one token per call; then B30 resident decode (issue 30's last row).
 prefill_compile() {  # prefill_compile NAME PREFILL_XLA_FLAGS
   phase "pc-$1" 200 env STRATA_JAX_XLA_PREFILL="$2" JAX_LOG_COMPILES=1 STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m \
     strata_jax.cli bench --shape qseed --tokens 32 --prompt-len 32 --routing realistic --prefill-len 4096 \
@@ -718,6 +715,10 @@ pipeline26() {
   # one token per call: no token loop (PART=24: with every layer loop unrolled into the graph, the token loop was
   # the one left out, yet 23 ms of host time stayed)
   phase dc1 150 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --decode-chunk 1 --out "$S/data-dc1.json"
+  rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*
+  # issue 30's last row: B30 resident decode (target: not slower than 220 tok/s)
+  phase write-b30 300 "$PY" "${WRITE[@]}" "$B30"
+  bench_b30 b30-resident ""
   note "pipeline: done"
 }
 [ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json compiles-*.txt"; }
