@@ -721,6 +721,6 @@ pipeline26() {
   bench_b30 b30-resident ""
   note "pipeline: done"
 }
-[ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json compiles-*.txt"; }
+[ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json results-*.json compiles-*.txt"; }
 
 sitting_main "$@"
