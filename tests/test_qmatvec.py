@@ -39,7 +39,9 @@ def _reference(x_MTD, stack_SFR, slot_M, qtype, n_cols):
     return np.stack(out)
 
 
-ALL_CASES = CASES + IQ_CASES + MX_CASES
+# float matrices (a scanned layer's F16 hyper-connection matrices): 32-value pseudo-blocks, G of them per unit
+FLOAT_CASES = [(Q.F16, 320), (Q.F16, 48), (Q.BF16, 96), (Q.F32, 512), (Q.F32, 40)]
+ALL_CASES = CASES + IQ_CASES + MX_CASES + FLOAT_CASES
 
 
 @pytest.mark.parametrize("qtype,n_cols", ALL_CASES, ids=[f"{t.name}-{d}" for t, d in ALL_CASES])
@@ -169,7 +171,7 @@ def test_modes():
     assert not qm.use_kernel(k4, 1, Kernels(qmatvec="off", platform="gpu"))
     on = Kernels(qmatvec="on")
     assert qm.use_kernel(k4, 1, on) and qm.use_kernel(q8, 1, on) and qm.use_kernel(small, 1, on)
-    assert not qm.use_kernel((qm.Part(Q.F16, 8, 512, 0, 256),), 1, on)  # no decoder for float types
+    assert not qm.use_kernel((qm.Part(Q.F16, 8, 512, 0, 256),), 1, on)  # floats: only by Kernels.float_stack
     with pytest.raises(ValueError, match="qmatvec='yes'"):
         Kernels(qmatvec="yes")
     assert not qm.use_kernel(k4, 1, Kernels(platform="cpu"))  # auto: GPU only
@@ -287,3 +289,40 @@ def test_iq_experts_decode_through_the_kernel(tmp_path, monkeypatch):
     kinds = {(p[0].qtype, p[0].n_rows, len(p)) for p in calls}
     assert (Q.IQ3_S, 256, 2) in kinds  # gate + up in one call
     assert (Q.IQ3_S, 256, 1) in kinds and (Q.IQ1_M, 256, 1) in kinds  # the down projections
+
+
+def test_scanned_float_matrices_read_in_their_stack(monkeypatch, tmp_path):
+    """STRATA_JAX_FLOAT_STACK=kernel: a scanned layer's float matrices (qtiny with qseed's F16 hyper-connection
+    up matrices: a rank of 48 that Q8_0's 32-value blocks do not tile, as qseed's 320 and Q4_K) go through
+    the kernel, read in their stack by slot (no slice of the stack), and greedy decode gives the tokens and
+    log-probabilities of the default copy."""
+    from strata_jax.bench.shapes import SHAPES
+
+    path = write_synthetic_gguf(tmp_path / "qtiny-f16.gguf", dataclasses.replace(SHAPES["qtiny"], hc_rank=48))
+    calls = []
+    real = qm.stacked_matvec
+
+    def counted(*a, **k):
+        calls.append(k["parts"][0].qtype)
+        return real(*a, **k)
+
+    def run(flag):
+        monkeypatch.setenv("STRATA_JAX_FLOAT_STACK", flag)
+        jax.clear_caches()
+        m = strata_jax.load(path, ctx=64, dequantize_dense=False)
+        gen = m.generate(list(range(5, 17)), max_tokens=5, temperature=0, logprobs=True)
+        return gen.token_ids, [lp.logprob for lp in gen.logprobs]
+
+    ref_tokens, ref_lp = run("copy")
+    monkeypatch.setattr(qm, "stacked_matvec", counted)
+    tokens, lp = run("kernel")
+    jax.clear_caches()
+    assert Q.F16 in calls
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
+    monkeypatch.setenv("STRATA_JAX_FLOAT_STACK", "views")
+    from strata_jax.core.errors import ConfigError
+    from strata_jax.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="STRATA_JAX_FLOAT_STACK='views'"):
+        EngineConfig.create()

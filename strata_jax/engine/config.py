@@ -20,7 +20,7 @@ from typing import Any
 from strata_jax.core.errors import ConfigError
 from strata_jax.engine.draft import check_spec
 from strata_jax.model.config import ROPE_SCALINGS
-from strata_jax.model.kernels import MOE_PREFILL, Kernels
+from strata_jax.model.kernels import FLOAT_STACK, MOE_PREFILL, Kernels
 from strata_jax.core.units import parse_size
 
 log = logging.getLogger("strata_jax")
@@ -233,7 +233,8 @@ def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
 
 def kernels_from_env() -> Kernels:
     """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL,
-    STRATA_JAX_STATE_ROWS (as QMATVEC) and STRATA_JAX_PREFILL_CACHED (1 on, else off)."""
+    STRATA_JAX_STATE_ROWS (as QMATVEC), STRATA_JAX_PREFILL_CACHED (1 on, else off) and STRATA_JAX_FLOAT_STACK
+    (copy | kernel)."""
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
@@ -251,9 +252,13 @@ def kernels_from_env() -> Kernels:
     if cached not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_PREFILL_CACHED={cached!r} is invalid: set 1 (a prefill reads the experts the "
                           "cache holds from their slots, copying only the others) or 0 / unset (it copies them all).")
+    fs = os.environ.get("STRATA_JAX_FLOAT_STACK", "") or "copy"
+    if fs not in FLOAT_STACK:
+        raise ConfigError(f"STRATA_JAX_FLOAT_STACK={fs!r} is invalid: set kernel (a scanned layer's float matrices "
+                          "read in their stack by the fused kernel), copy (the default) or leave it unset.")
     on_off = {"": "auto", "0": "off", "1": "on"}
     return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows],
-                   prefill_cached="on" if cached == "1" else "off")
+                   prefill_cached="on" if cached == "1" else "off", float_stack=fs)
 
 
 def compilation_cache_from_env() -> bool:

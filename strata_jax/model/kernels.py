@@ -11,6 +11,7 @@ import dataclasses
 QMATVEC = ("auto", "on", "off")
 MOE_PREFILL = ("dense", "blocked", "grouped")
 MLA_FORMS = ("auto", "absorbed", "naive")
+FLOAT_STACK = ("copy", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Kernels:
     # an offloaded model's many-token MoE step (dense/blocked prefill): "on" reads the experts the cache holds
     # from their slots and copies only the others from the host store; "off" copies every expert of a group
     prefill_cached: str = "off"
+    # a scanned layer's float matrix (qwen4exp's F16 hyper-connection matrices) in a few-token product: "copy"
+    # (its slice of the stack, a copy XLA runs as a loop-dependent dynamic-slice fusion, which keeps the layer
+    # loop out of the CUDA graphs) or "kernel" (the fused kernel reads it in the stack by slot); not measured yet
+    float_stack: str = "copy"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -46,5 +51,7 @@ class Kernels:
             raise ValueError(f"state_rows={self.state_rows!r}: choose one of {QMATVEC}")
         if self.prefill_cached not in ("on", "off"):
             raise ValueError(f"prefill_cached={self.prefill_cached!r}: choose 'on' or 'off'")
+        if self.float_stack not in FLOAT_STACK:
+            raise ValueError(f"float_stack={self.float_stack!r}: choose one of {FLOAT_STACK}")
         if self.mla not in MLA_FORMS:
             raise ValueError(f"mla={self.mla!r}: choose one of {MLA_FORMS}")

@@ -19,7 +19,8 @@ index arithmetic: Triton tensors need power-of-two shapes and cannot be sliced i
 codebooks (grids, IQ4 values) are small constant inputs of the call, gathered like the weight bytes.
 
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S, IQ4_NL, IQ4_XS, MXFP4 (`SUPPORTED`); not Q2_K, Q3_K or the ternary types.
+IQ3_S, IQ4_NL, IQ4_XS, MXFP4, and the float types F16, BF16, F32 (`SUPPORTED`); not Q2_K, Q3_K or the
+ternary types.
 
 Where the model uses it (`use_kernel`), by the static `Kernels.qmatvec` choice (model/kernels.py):
 "auto" (on a GPU, K-quant matrices with enough rows to fill the chip, and IQ3_S routed experts: where
@@ -353,6 +354,27 @@ def _terms_mxfp4(ld, G, tab):
             for half in (0, 1)]
 
 
+# Float matrices (F16, BF16, F32) are walked in pseudo-blocks of up to 32 values (a power of two dividing the
+# row), G at a time like the 32-value types: no scale, each value built from its bytes (a stack of float rows
+# is stored as bytes, as every QTensor is).
+def _float_block(n_cols: int) -> int | None:
+    return next((w for w in (32, 16, 8) if n_cols % w == 0), None)
+
+
+def _terms_float(ld, G, qtype, width):
+    g, l = _grid(G, width)
+    if qtype == Q.F32:
+        b = [_u(ld(4 * width * g + 4 * l + i)) for i in range(4)]
+        q = jax.lax.bitcast_convert_type(b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24), jnp.float32)
+    elif qtype == Q.BF16:  # the high half of a float32
+        at = 2 * width * g + 2 * l
+        q = jax.lax.bitcast_convert_type((_u(ld(at)) | (_u(ld(at + 1)) << 8)) << 16, jnp.float32)
+    else:
+        at = 2 * width * g + 2 * l
+        q = _f16(ld(at), ld(at + 1))
+    return [(q, jnp.ones(q.shape[:2], jnp.float32), None, width * g + l)]
+
+
 _TABLES = {  # name -> flat table; a part's table is _TABLES[_TABLE_OF[qtype]]
     "iq2xxs_grid": iqt.IQ2XXS_GRID.reshape(-1),
     "iq2xs_grid": iqt.IQ2XS_GRID.reshape(-1),
@@ -389,7 +411,11 @@ _TERMS = {
     Q.IQ4_XS: _terms_iq4_xs,
     Q.IQ4_NL: _terms_iq4_nl,
     Q.MXFP4: _terms_mxfp4,
+    Q.F16: functools.partial(_terms_float, qtype=Q.F16),
+    Q.BF16: functools.partial(_terms_float, qtype=Q.BF16),
+    Q.F32: functools.partial(_terms_float, qtype=Q.F32),
 }
+FLOATS = frozenset({Q.F16, Q.BF16, Q.F32})
 
 SUPPORTED = frozenset(_TERMS)
 
@@ -399,6 +425,10 @@ def _group(qtype, n_cols: int) -> tuple[int, int, int] | None:
     (K-quant, IQ), or G blocks of a 32-value type (G <= 8, a power of two dividing the block count); None
     if the row cannot be walked so."""
     block, size = layout(qtype).block_size, layout(qtype).type_size
+    if qtype in FLOATS:
+        if _float_block(n_cols) is None:
+            return None
+        block, size = _float_block(n_cols), _float_block(n_cols) * size
     if n_cols % block:
         return None
     if is_super_block(qtype):
@@ -430,6 +460,8 @@ def _row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, part: Part, T: int, 
 
     values, nbytes, G = _group(part.qtype, part.n_cols)
     kw = {} if is_super_block(part.qtype) else {"G": G}
+    if part.qtype in FLOATS:
+        kw["width"] = _float_block(part.n_cols)
     if part.qtype in _TABLE_OF:
         tab_ref = tab_refs[_TABLE_OF[part.qtype]]
         kw["tab"] = lambda idx: tab_ref[idx]  # indices in range by construction (masked fields)
@@ -584,8 +616,8 @@ def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels, routed: 
     rows) are slower on the kernel (docs/benchmarks.md, "Fused dequantize + mat-vec kernel").
     skipping: routed products where some pairs are served by another pool (mixed precision): every IQ
     type too, since only the kernel skips those pairs (the dequantize path would read them all)."""
-    if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) for p in parts):
-        return False
+    if kernels.qmatvec == "off" or not all(supported(p.qtype, p.n_cols) and p.qtype not in FLOATS for p in parts):
+        return False  # float matrices: only a scanned layer's, by Kernels.float_stack (linear_ok)
     if kernels.qmatvec == "on":
         return True
     auto = lambda q: is_k_quant(q) or (routed and (Q(q) in ROUTED_IQ or (skipping and Q(q).name.startswith("IQ"))))  # noqa: E731
@@ -651,6 +683,9 @@ def linear_ok(w, n_rows: int, kernels: Kernels) -> bool:
     ndim = w.data.ndim - (w.index is not None)
     if w.qtype is None or n_rows > MAX_T or ndim != 2 or not stack_ok(w.data):
         return False
+    if w.qtype in FLOATS:  # only a scanned layer's matrix, read in place where the slice would be copied
+        return (kernels.float_stack == "kernel" and w.index is not None and w.data.dtype == jnp.uint8
+                and supported(w.qtype, w.n_cols))
     return use_kernel((dense_part(w.qtype, w.data.shape[-2], w.n_cols),), 1, kernels)
 
 
