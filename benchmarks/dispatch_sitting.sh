@@ -694,7 +694,10 @@ pipeline25() {
 [ "${PART:-1}" = 25 ] && { pipeline() { pipeline25; }; RETURNED="progress phases.tsv data-*.json results-*.json"
   collect_more() { (cd "$S" && tar -czf "$OUT/cb.tar.gz" cb 2>/dev/null); }; }
 
-# PART=26 (issue 30), one GPU, ~10 min: what the prefill program's 21.2 s compile is. A second prefill bucket
+# PART=26 (issues 30, 33), one GPU, ~14 min: qseed's decode with the F16 hyper-connection matrices read in their
+# stack by the fused kernel (STRATA_JAX_FLOAT_STACK=kernel) beside the default copy, each with the conversion log's
+# verdicts (cb-*.txt) and the decode's dynamic-slice fusions (dsf-*.txt); then what the prefill program's 21.2 s
+# compile is. A second prefill bucket
 # compiled in 0.87 s in the same process (PART=23), as if XLA's in-process autotuning results made the rest: qseed's
 # first prefill (4,096 tokens at the auto chunk) with the compilation cache off under the defaults, with the prefill
 # autotuned less (STRATA_JAX_XLA_PREFILL: level 0, no autotuning) and with cuBLAS in place of Triton's GEMMs;
@@ -709,6 +712,9 @@ prefill_compile() {  # prefill_compile NAME PREFILL_XLA_FLAGS
 pipeline26() {
   note "pipeline: start in $PWD (deadline $(deadline) s)"
   qseed_file
+  # the F16 hyper-connection matrices read in their stack by the fused kernel (no loop-dependent slice copy)
+  logged_bench fs-copy "" "$PY" -m strata_jax.cli bench
+  logged_bench fs-kernel "" env STRATA_JAX_FLOAT_STACK=kernel "$PY" -m strata_jax.cli bench
   prefill_compile default ""
   prefill_compile autotune0 "--xla_gpu_autotune_level=0"
   prefill_compile cublas "--xla_gpu_enable_triton_gemm=false"
@@ -721,6 +727,6 @@ pipeline26() {
   bench_b30 b30-resident ""
   note "pipeline: done"
 }
-[ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json results-*.json compiles-*.txt"; }
+[ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json results-*.json compiles-*.txt cb-*.txt dsf-*.txt"; }
 
 sitting_main "$@"
