@@ -77,7 +77,8 @@ def test_iq_linear_matches_dequantize_then_matmul(qtype, n_cols):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL, Q.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ2_XS, Q.IQ1_M, Q.IQ4_NL, Q.MXFP4, Q.F16, Q.BF16, Q.F32],
+                         ids=lambda t: t.name)
 def test_iq_kernel_lowers_to_triton(qtype):
     """The Triton lowering (run here without a GPU: Pallas' lowering rules emit Triton IR on the host)
     takes the IQ decoders' ops, the codebook gathers included; the GPU compile itself is for
