@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..26 are later sittings (each described above its pipeline), PART=26 the newest.
+# PART=2..27 are later sittings (each described above its pipeline), PART=27 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -728,5 +728,27 @@ pipeline26() {
   note "pipeline: done"
 }
 [ "${PART:-1}" = 26 ] && { pipeline() { pipeline26; }; RETURNED="progress phases.tsv data-*.json results-*.json compiles-*.txt cb-*.txt dsf-*.txt"; }
+
+# PART=27 (issues 30, 33, 18), one GPU, ~12 min: the rows of PART=25 and PART=26 that matter most, for a session
+# whose device time went to failed starts: qseed's decode with the F16 hyper-connection matrices copied (the
+# default) and read in their stack (STRATA_JAX_FLOAT_STACK=kernel), each logged (conversion verdicts, dynamic-slice
+# fusions, compile times: the compilation cache is off); qseed's 4-token verify passes (closed-form rewind); the
+# default run once more with the prefill program compiled without autotuning (its compile against fs-copy's).
+pipeline27() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  logged_bench fs-copy "" env JAX_LOG_COMPILES=1 "$PY" -m strata_jax.cli bench
+  logged_bench fs-kernel "" env JAX_LOG_COMPILES=1 STRATA_JAX_FLOAT_STACK=kernel "$PY" -m strata_jax.cli bench
+  phase spec-qseed 240 "$PY" -m strata_jax.cli bench --shape qseed "${COMMON[@]}" --routing realistic \
+    --vram-budget 32GiB --no-resident --spec-pass 4 --spec-accept 1 --spec-accept 0.6 --out "$S/data-spec-qseed.json"
+  phase pc-autotune0 170 env STRATA_JAX_XLA_PREFILL=--xla_gpu_autotune_level=0 JAX_LOG_COMPILES=1 \
+    STRATA_JAX_COMPILATION_CACHE=0 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --out "$S/data-pc-autotune0.json"
+  for f in "$S"/fs-copy.log "$S"/fs-kernel.log "$S"/pc-autotune0.log; do
+    [ -f "$f" ] && grep -o "Finished XLA compilation of .* sec" "$f" > "$S/compiles-$(basename "$f" .log).txt"
+  done
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 27 ] && { pipeline() { pipeline27; }
+  RETURNED="progress phases.tsv data-*.json compiles-*.txt cb-*.txt dsf-*.txt"; }
 
 sitting_main "$@"
