@@ -7,6 +7,8 @@
 #   offloaded           the expert cache, misses fetched by the host-rows kernel (an FFI call per layer)
 #   offloaded-loop      the same with --expert-fetch loop (XLA's copies, no FFI fetch call)
 #   offloaded-unroll    loops of a known trip count unrolled into the graph, dynamic-slice fusions allowed in it
+#   float-stack, resident-float-stack (with CB_HC=320): offloaded / resident with STRATA_JAX_FLOAT_STACK=kernel
+# e.g. CB_HC=320 CB_VARIANTS="resident resident-float-stack offloaded float-stack" bash benchmarks/cb_check.sh
 # PART=24 (docs/benchmarks.md) found every named command-buffer setting leaves qseed at 23 ms; this names the thunk.
 set -u
 cd "$(dirname "$0")/.."
@@ -14,12 +16,16 @@ OUT=${OUT:-/tmp/cbcheck}
 mkdir -p "$OUT"
 source benchmarks/check_env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PY" - <<'PY'
-import dataclasses
+# CB_HC=320: Q4_K matrices and qseed's hyper-connection rank, which Q4_K's 256-value blocks do not tile, so the `up`
+# matrices are F16 as in qseed (the copies STRATA_JAX_FLOAT_STACK=kernel removes); CB_VARIANTS: the variants to run
+CB_HC=${CB_HC:-} "$PY" - <<'PY'
+import dataclasses, os
 from strata_jax.bench.shapes import SHAPES
 from strata_jax.dev.synthetic import write_synthetic_gguf
+hc = {"hc_rank": int(os.environ["CB_HC"]), "qtype": "Q4_K"} if os.environ["CB_HC"] else {}
 write_synthetic_gguf("/tmp/cbcheck-q16.gguf", dataclasses.replace(
-    SHAPES["qtiny"], n_layers=16, n_heads=16, n_kv_heads=2, head_dim=256, rope_dim=64, rope_sections=(11, 11, 10), indexer_head_dim=128))
+    SHAPES["qtiny"], n_layers=16, n_heads=16, n_kv_heads=2, head_dim=256, rope_dim=64, rope_sections=(11, 11, 10),
+    indexer_head_dim=128, **hc))
 PY
 FULL=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION
 variant() {  # variant NAME XLA_FLAGS [BENCH ARGS...]
@@ -48,9 +54,17 @@ PY
   # the decode program's thunks and optimized HLO (custom-call targets by name), for what the log does not say
   (cd "$d" 2>/dev/null && tar -czf "$OUT/dump-$name.tar.gz" $(ls | grep -E "decode.*(thunk_sequence|after_optimizations)\.txt$"))
 }
-{
-  variant resident "" --resident-only
-  variant offloaded "" --cache-fraction 0.5 --no-resident
-  variant offloaded-loop "" --cache-fraction 0.5 --no-resident --expert-fetch loop
-  variant offloaded-unroll "$FULL --xla_gpu_command_buffer_unroll_loops=true" --cache-fraction 0.5 --no-resident
-} 2>&1 | tee "$OUT/summary.txt"
+run_variant() {
+  case $1 in
+    resident) variant resident "" --resident-only ;;
+    offloaded) variant offloaded "" --cache-fraction 0.5 --no-resident ;;
+    offloaded-loop) variant offloaded-loop "" --cache-fraction 0.5 --no-resident --expert-fetch loop ;;
+    offloaded-unroll) variant offloaded-unroll "$FULL --xla_gpu_command_buffer_unroll_loops=true" --cache-fraction 0.5 \
+      --no-resident ;;
+    float-stack) STRATA_JAX_FLOAT_STACK=kernel variant float-stack "" --cache-fraction 0.5 --no-resident ;;
+    resident-float-stack) STRATA_JAX_FLOAT_STACK=kernel variant resident-float-stack "" --resident-only ;;
+  esac
+}
+for v in ${CB_VARIANTS:-resident offloaded offloaded-loop offloaded-unroll}; do
+  run_variant "$v"
+done 2>&1 | tee "$OUT/summary.txt"
