@@ -433,8 +433,8 @@ class Session:
         steps = int(n_B.max()) if len(n_B) else 0
         m.host.wait(now - t_w, steps)
         m.note_steps(now - self._t_last, steps)  # wall time between the calls' results: the device's pace
-        for q in p.owners:
-            if q is not None and q.spec is not None and not self._pending:  # alone in flight: its own pace
+        for q in p.owners if not self._pending else ():  # alone in flight: the call's time is its own pace
+            if q is not None and q.spec is not None:
                 q.spec.timed("plain", now - self._t_last, steps)
         self._t_last = now
         if m.routing is not None and steps:

@@ -363,14 +363,14 @@ def _float_block(n_cols: int) -> int | None:
 
 def _terms_float(ld, G, qtype, width):
     g, l = _grid(G, width)
+    size = 4 if qtype == Q.F32 else 2
+    at = size * (width * g + l)
     if qtype == Q.F32:
-        b = [_u(ld(4 * width * g + 4 * l + i)) for i in range(4)]
+        b = [_u(ld(at + i)) for i in range(4)]
         q = jax.lax.bitcast_convert_type(b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24), jnp.float32)
     elif qtype == Q.BF16:  # the high half of a float32
-        at = 2 * width * g + 2 * l
         q = jax.lax.bitcast_convert_type((_u(ld(at)) | (_u(ld(at + 1)) << 8)) << 16, jnp.float32)
     else:
-        at = 2 * width * g + 2 * l
         q = _f16(ld(at), ld(at + 1))
     return [(q, jnp.ones(q.shape[:2], jnp.float32), None, width * g + l)]
 
@@ -426,9 +426,10 @@ def _group(qtype, n_cols: int) -> tuple[int, int, int] | None:
     if the row cannot be walked so."""
     block, size = layout(qtype).block_size, layout(qtype).type_size
     if qtype in FLOATS:
-        if _float_block(n_cols) is None:
+        block = _float_block(n_cols)
+        if block is None:
             return None
-        block, size = _float_block(n_cols), _float_block(n_cols) * size
+        size *= block
     if n_cols % block:
         return None
     if is_super_block(qtype):

@@ -152,8 +152,8 @@ def _step(q_BHvDk, k_BHvDk, v_BHvDv, g_BHv, b_BHv, S_BHvDkDv):
 
 
 def _chunked(q_BTHvDk, k_BTHvDk, v_BTHvDv, g_BTHv, b_BTHv, S_BHvDkDv, chunk: int):
-    """The gated delta rule over T tokens, C at a time (outputs, final state, each token's write): within a chunk the C rank-one updates collapse
-    (UT transform) into a unit lower-triangular solve; a scan carries S from chunk to chunk. The pad at
+    """The gated delta rule over T tokens, C at a time (outputs, final state, each token's write): within a
+    chunk the C rank-one updates collapse (UT transform) into a unit lower-triangular solve; a scan carries S from chunk to chunk. The pad at
     the end has b = g = 0 and k = v = 0: it neither decays nor writes S."""
     B, T, Hv, _ = q_BTHvDk.shape
     C = min(chunk, T)
