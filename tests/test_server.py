@@ -113,6 +113,48 @@ def test_health_while_loading_then_ready(model):
                             "queue_depth": 0}
 
 
+def test_token_endpoints_wait_for_the_model(model):
+    gate = threading.Event()
+
+    def slow_loader():
+        gate.wait(30)
+        return model
+
+    with serving(slow_loader, wait=False) as c:
+        for path, body in (("/tokenize", {"content": "hi"}), ("/detokenize", {"tokens": [1]}),
+                           ("/apply-template", {"messages": MSGS}), ("/v1/responses/input_tokens", {"input": "hi"})):
+            assert assert_error(c.post(path, json=body), 503)["code"] == "model_loading"
+        assert assert_error(c.get("/props"), 503)["code"] == "model_loading"
+        gate.set()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "content"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": ["a", True]}, "content"),
+    ("/tokenize", {"content": "a", "with_pieces": "yes"}, "with_pieces"),
+    ("/tokenize", {"content": "a", "parse_special": 1}, "parse_special"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/apply-template", {}, "messages"),
+    ("/v1/chat/completions/input_tokens", {"messages": "hi"}, "messages"),
+    ("/tokenize", [1, 2], None),
+])
+def test_token_endpoints_name_bad_input(client, path, body, param):
+    err = assert_error(client.post(path, json=body), 400, param)
+    assert err["message"]
+
+
+def test_token_endpoints_round_trip(client, model):
+    ids = client.post("/tokenize", json={"content": "hello there", "add_special": True}).json()["tokens"]
+    assert ids == model.tokenize("hello there", add_special=True)
+    assert client.post("/detokenize", json={"tokens": ids}).json()["content"].endswith("hello there")
+    prompt = client.post("/apply-template", json={"messages": MSGS}).json()["prompt"]
+    n = client.post("/v1/chat/completions/input_tokens", json={"messages": MSGS}).json()["input_tokens"]
+    assert n == len(model.prompt_tokens(MSGS)) and model.tokenize(prompt, add_special=False)[-3:] == \
+        model.prompt_tokens(MSGS)[-3:]
+
+
 def test_models(client):
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and len(body["data"]) == 1

@@ -231,6 +231,9 @@ class Scripted:
     def prompt_tokens(self, prompt, **kw):
         return Model.prompt_tokens(self, prompt, **kw)
 
+    def chat_text(self, messages, **kw):
+        return Model.chat_text(self, messages, **kw)
+
     def session(self):
         outer = self
 

@@ -1,5 +1,7 @@
-"""Tool calls and the Responses API on the real default model (Qwen2.5-Coder-0.5B-Instruct, its chat
-template from the GGUF), driven by the official openai SDK against one `strata-jax serve` process.
+"""Tool calls, the Responses API and the token endpoints (llama.cpp's /tokenize, /detokenize, /apply-template,
+/props; OpenAI's input token count) on the real default model (Qwen2.5-Coder-0.5B-Instruct, its chat template
+from the GGUF), driven by the official openai SDK (and httpx where no SDK has the call) against one
+`strata-jax serve` process, with transformers' tokenizer of the same file as the reference.
 
 The reported bug: the 0.5B model answers a get_weather request with a bare JSON object (no
 <tool_call> tags), which came back as plain content. Every request is greedy, so the outputs are
@@ -8,7 +10,9 @@ the model's deterministic ones."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -179,3 +183,82 @@ def test_responses_tool_choice_required_and_named_force_calls(client):
         [call] = [o for o in r.output if o.type == "function_call"]
         assert call.name == (name or call.name) and call.name in ("get_weather", "get_time")
         assert isinstance(json.loads(call.arguments).get("city"), str), call.arguments
+
+
+# -- the token endpoints ----------------------------------------------------------------------------------
+
+TEXT = "Hi <|im_start|>user wörld 𝔘 🙂<|im_end|>\n"  # special tokens, a split character, an emoji
+
+
+@pytest.fixture(scope="module")
+def ref_tokenizer(qwen_gguf_path):
+    transformers = pytest.importorskip("transformers")
+    path = Path(qwen_gguf_path)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, tokenizer_type="qwen2")
+
+
+def post(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_tokenize_matches_transformers(server, ref_tokenizer):
+    ids = post(server, "/tokenize", {"content": TEXT}).json()["tokens"]
+    assert ids == ref_tokenizer(TEXT, add_special_tokens=False).input_ids  # special tokens parsed (the default)
+    plain = post(server, "/tokenize", {"content": TEXT, "parse_special": False}).json()["tokens"]
+    assert plain == ref_tokenizer(TEXT, add_special_tokens=False, split_special_tokens=True).input_ids
+    assert len(plain) > len(ids)
+    mixed = post(server, "/tokenize", {"content": ["Hi", 151644, " there"]}).json()["tokens"]
+    assert mixed == ref_tokenizer("Hi", add_special_tokens=False).input_ids + [151644] + \
+        ref_tokenizer(" there", add_special_tokens=False).input_ids
+
+
+def test_tokenize_with_pieces(server):
+    """Each piece is the token's text, or its bytes where the token holds part of a character (𝔘 is four
+    bytes over three tokens here); the pieces join to the text."""
+    tokens = post(server, "/tokenize", {"content": TEXT, "with_pieces": True}).json()["tokens"]
+    ids = post(server, "/tokenize", {"content": TEXT}).json()["tokens"]
+    assert [t["id"] for t in tokens] == ids
+    raw = [t["piece"].encode() if isinstance(t["piece"], str) else bytes(t["piece"]) for t in tokens]
+    assert b"".join(raw) == TEXT.encode()
+    split = [t["piece"] for t in tokens if isinstance(t["piece"], list)]
+    assert split and all(isinstance(b, int) and 0 <= b < 256 for p in split for b in p)
+    assert {"id": 151644, "piece": "<|im_start|>"} in tokens
+
+
+def test_detokenize_round_trips_and_names_bad_ids(server, ref_tokenizer):
+    ids = ref_tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert post(server, "/detokenize", {"tokens": ids}).json() == {"content": TEXT}  # special tokens kept
+    r = post(server, "/detokenize", {"tokens": [1, 10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "1000000000" in r.text
+
+
+def test_apply_template_matches_transformers(server, ref_tokenizer):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
+    got = post(server, "/apply-template", {"messages": msgs, "tools": TOOLS}).json()["prompt"]
+    assert got == ref_tokenizer.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in got and got.endswith("<|im_start|>assistant\n")
+
+
+def test_input_tokens_count_what_usage_counts(server, client):
+    """OpenAI's count (official SDK) and llama.cpp's chat form equal the prompt_tokens a generation reports,
+    and a prompt longer than the context (1,024 here) is counted, not refused."""
+    n = client.responses.input_tokens.count(model="m", input="Write a haiku about the sea.",
+                                            instructions="Be brief.").input_tokens
+    used = client.responses.create(model="m", input="Write a haiku about the sea.", instructions="Be brief.",
+                                   max_output_tokens=16, temperature=0).usage.input_tokens
+    assert n == used
+    body = {"messages": ASK, "tools": TOOLS}
+    r = post(server, "/v1/chat/completions/input_tokens", body).json()
+    prompt = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    assert r == {"object": "response.input_tokens", "input_tokens": prompt}
+    long = post(server, "/v1/chat/completions/input_tokens", {"messages": [{"role": "user", "content": "sea " * 2000}]})
+    assert long.json()["input_tokens"] > 2000
+
+
+def test_props(server, qwen_gguf_path):
+    from strata_jax.gguf.reader import GGUFFile
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    assert props["default_generation_settings"]["n_ctx"] == 1024 and props["total_slots"] == 1
+    assert props["chat_template"] == GGUFFile(qwen_gguf_path).metadata["tokenizer.chat_template"]
+    assert Path(props["model_path"]).resolve() == Path(qwen_gguf_path).resolve()
+    assert props["default_generation_settings"]["params"]["temperature"] == 1.0

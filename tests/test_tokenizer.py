@@ -72,6 +72,25 @@ def test_ids_match_transformers(pair):
     assert ours.encode_batch(CORPUS) == [ref.encode(t) for t in CORPUS]
 
 
+def test_special_tokens_as_plain_text_match_transformers(pair):
+    """parse_special=False (llama.cpp's /tokenize option) spells special tokens out as text, as transformers'
+    split_special_tokens does; the default makes them their ids."""
+    ours, ref, _ = pair
+    text = "a <|im_start|>b<|im_end|> <start_of_turn>c<eos> d"
+    assert ours.encode(text, add_special=False) == ref(text, add_special_tokens=False).input_ids
+    plain = ours.encode(text, add_special=False, parse_special=False)
+    assert plain == ref(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    assert len(plain) > len(ours.encode(text, add_special=False))
+
+
+def test_pieces_join_to_the_text(pair):
+    ours, _, _ = pair
+    for text in CORPUS:
+        ids = ours.encode(text, add_special=False)
+        assert b"".join(ours.piece(i) for i in ids) == text.encode(), text
+    assert ours.piece(-1) == ours.piece(10 ** 9) == b""
+
+
 def test_decode_round_trips(pair):
     ours, ref, _ = pair
     for text in CORPUS:

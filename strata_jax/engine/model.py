@@ -538,11 +538,17 @@ class Model:
         return self._session
 
     # -- tokens ---------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
+
+    def chat_text(self, messages: Sequence[dict], *, response_prefix: str = "", **template_kwargs) -> str:
+        """The prompt a message list makes: the GGUF's chat template with its generation prompt, then
+        response_prefix (what prompt_tokens tokenizes)."""
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  **template_kwargs) + response_prefix
 
     def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], *, response_prefix: str = "",
                       **template_kwargs) -> list[int]:
@@ -562,8 +568,7 @@ class Model:
         if not all(isinstance(m, dict) for m in prompt_or_messages):
             raise ConfigError("a prompt list must hold either token ids or message dicts "
                               "({'role': ..., 'content': ...}), not a mix.")
-        text = self.tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
-                                                  **template_kwargs) + response_prefix
+        text = self.chat_text(prompt_or_messages, response_prefix=response_prefix, **template_kwargs)
         bos = self.tokenizer.bos_id
         has_bos = bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
         return self.tokenize(text, add_special=not has_bos)

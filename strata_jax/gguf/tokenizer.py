@@ -198,6 +198,7 @@ class GGUFTokenizer:
         self._id_to_key = id_to_key
         self._strip_first_space = strip_first_space
         self._pieces: list[bytes] | None = None
+        self._plain_tok: Tokenizer | None = None
         self.chat_template = chat_template
         self.named_templates = named_templates
         self._compiled: dict[str, Any] = {}
@@ -346,18 +347,28 @@ class GGUFTokenizer:
 
     # --- encode / decode ------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text ("<|im_start|>") become their ids.
-        `add_special` adds BOS (and EOS) when the file asks for them."""
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text ("<|im_start|>") become their ids, or, with
+        parse_special=False, are tokenized as the plain text they are spelled with (llama.cpp's
+        parse_special). `add_special` adds BOS (and EOS) when the file asks for them."""
         if not isinstance(text, str):
             raise ConfigError(f"encode() takes a str, got {type(text).__name__}.")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = (self._tok if parse_special else self._plain()).encode(text, add_special_tokens=False).ids
         if add_special:
             if self.add_bos:
                 ids.insert(0, self.bos_id)
             if self.add_eos and self.eos_id is not None:
                 ids.append(self.eos_id)
         return ids
+
+    def _plain(self) -> Tokenizer:
+        """A copy of the tokenizer that splits special tokens' text like any other (its own object: the
+        switch is the tokenizer's state, and requests tokenize on several threads)."""
+        if self._plain_tok is None:
+            plain = Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain_tok = plain
+        return self._plain_tok
 
     def encode_batch(self, texts: list[str], add_special: bool = True) -> list[list[int]]:
         out = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -397,6 +408,12 @@ class GGUFTokenizer:
                     pieces[i] = bytes([int(m.group(1), 16)]) if m else k.replace("▁", " ").encode("utf-8")
             self._pieces = pieces
         return self._pieces
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes token_id contributes to decoded text, special tokens spelled out (b"" past the
+        vocabulary): llama.cpp's token piece."""
+        pieces = self._piece_bytes()
+        return pieces[token_id] if 0 <= token_id < len(pieces) else b""
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

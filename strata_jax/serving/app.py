@@ -33,8 +33,9 @@ from strata_jax.core.units import fmt_bytes
 from strata_jax.serving import anthropic
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, bad, parse_chat, parse_completion, timings,
-                                         usage)
+from strata_jax import __version__
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, parse_chat, parse_completion,
+                                         timings, usage)
 from strata_jax.serving.responses import ResponseBuilder, parse_responses
 from strata_jax.serving.responses import usage as responses_usage
 from strata_jax.serving.tools import ToolCallStream, ToolParser
@@ -144,6 +145,19 @@ def _query_number(request: Request, name: str, default: Any, lo: float, hi: floa
     return value
 
 
+def _token_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _piece_json(piece: bytes) -> str | list[int]:
+    """A token's piece as llama.cpp's /tokenize gives it: the text, or its byte values where it is not whole
+    UTF-8 (one byte of a character split across tokens)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
 def _too_large(size: str, limit: int) -> APIError:
     return APIError(413, f"the request body is {size} bytes; the limit is {limit} ({fmt_bytes(limit)}): send a "
                     "smaller request, or restart the server with a larger --max-body.", code="request_too_large")
@@ -234,6 +248,102 @@ class Routes:
         if request.query_params.get("format") == "json" or request.url.path.endswith(".json"):
             return JSON(self.metrics.as_json())
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    async def props(self, request: Request) -> Response:
+        """GET /props: llama.cpp's server properties, the fields a client reads (context, slots, the chat
+        template, the defaults a request gets), without llama.cpp's per-slot internals."""
+        try:
+            self.engine.check_accepting()
+        except APIError as e:
+            return error_response(e, request.url.path)
+        m, d = self.engine.model, GenRequest(endpoint="chat", prompt=[])
+        params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                  "min_p": d.min_p, "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n,
+                  "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty, "stop": [],
+                  "speculative.n_max": m.spec_max if m.spec else 0}
+        return JSON({"default_generation_settings": {"n_ctx": m.ctx, "speculative": bool(m.spec), "params": params},
+                     "total_slots": self.engine.parallel, "model_alias": self.model_id,
+                     "model_path": getattr(m.gguf, "path", None), "chat_template": m.tokenizer.chat_template or "",
+                     "modalities": {"vision": False, "audio": False}, "build_info": f"strata-jax {__version__}",
+                     "is_sleeping": False})
+
+    # -- tokens (llama.cpp's /tokenize, /detokenize, /apply-template; OpenAI's input token counts) ----------
+    async def _tokens_call(self, request: Request, work) -> Response:
+        """Read the body, check that the model is ready and answer work(body) (run on a worker thread: it
+        uses only the tokenizer) as JSON; bad input is a 400 naming the field."""
+        try:
+            body = await read_json(request, self.max_body)
+            if not isinstance(body, dict):
+                raise bad("the request body must be a JSON object.")
+            self.engine.check_accepting()
+            return JSON(await run_in_threadpool(work, body))
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize {content, add_special=false, parse_special=true, with_pieces=false}: {"tokens": ids},
+        or [{"id", "piece"}] with pieces (a piece that is not whole UTF-8 comes as its byte values). content
+        may mix strings and token ids, as llama.cpp's does."""
+        def work(body: dict) -> dict:
+            content = body.get("content")
+            parts = content if isinstance(content, list) else [content]
+            if not isinstance(content, (str, list)) or not all(isinstance(p, str) or _token_id(p) for p in parts):
+                raise bad("'content' must be the text to tokenize: a string, or an array of strings and token ids.",
+                          "content")
+            add, parse, pieces = (_bool(body, k, v) for k, v in (("add_special", False), ("parse_special", True),
+                                                                 ("with_pieces", False)))
+            m = self.engine.model
+            ids: list[int] = []
+            for i, p in enumerate(parts):  # special tokens (BOS) only before the first piece of text
+                ids += [p] if not isinstance(p, str) else m.tokenize(p, add_special=add and i == 0,
+                                                                     parse_special=parse)
+            if not pieces:
+                return {"tokens": ids}
+            return {"tokens": [{"id": t, "piece": _piece_json(m.tokenizer.piece(t))} for t in ids]}
+
+        return await self._tokens_call(request, work)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize {tokens}: {"content": the tokens' pieces joined, special tokens spelled out}."""
+        def work(body: dict) -> dict:
+            tokens, n = body.get("tokens", []), self.engine.model.config.vocab_size
+            if not isinstance(tokens, list) or not all(_token_id(t) for t in tokens):
+                raise bad("'tokens' must be an array of token ids (integers).", "tokens")
+            if outside := [t for t in tokens if not 0 <= t < n]:
+                raise bad(f"token ids {outside[:5]} are outside the vocabulary [0, {n}).", "tokens")
+            tok = self.engine.model.tokenizer
+            return {"content": b"".join(tok.piece(t) for t in tokens).decode("utf-8", errors="replace")}
+
+        return await self._tokens_call(request, work)
+
+    async def apply_template(self, request: Request) -> Response:
+        """POST /apply-template (a chat completions body): {"prompt": the text the chat template makes of it,
+        as a chat request would be prompted, tools and a forced call's opening included}."""
+        def work(body: dict) -> dict:
+            req = parse_chat(body)
+            parser, _ = self.engine.plan_tools(req)
+            return {"prompt": self.engine.render(req, parser.prefix if parser else "")}
+
+        return await self._tokens_call(request, work)
+
+    async def chat_input_tokens(self, request: Request) -> Response:
+        return await self._input_tokens(request, parse_chat)
+
+    async def responses_input_tokens(self, request: Request) -> Response:
+        return await self._input_tokens(request, lambda body: parse_responses(body)[0])
+
+    async def _input_tokens(self, request: Request, parse) -> Response:
+        """OpenAI's input token count (POST /v1/responses/input_tokens; llama.cpp's chat completions form too):
+        the prompt's tokens as a generation would count them in usage, whether or not they fit the context."""
+        def work(body: dict) -> dict:
+            req = parse(body)
+            parser, _ = self.engine.plan_tools(req)
+            return {"object": "response.input_tokens",
+                    "input_tokens": len(self.engine.tokenize(req, parser.prefix if parser else "", fit=False))}
+
+        return await self._tokens_call(request, work)
 
     # -- the web UI and its monitor ------------------------------------------------------------------------
     async def ui(self, request: Request) -> Response:
@@ -616,7 +726,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
-               "/v1/messages, /v1/models, /v1/monitor/events, /health, /metrics or the web UI at /.")
+               "/v1/messages, /v1/models, /v1/monitor/events, /health, /metrics, llama.cpp's /props, /tokenize, "
+               "/detokenize, /apply-template, or the web UI at /.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
@@ -647,12 +758,16 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
 
     routes = [Route("/health", r.health), Route("/metrics", r.metrics_text), Route("/metrics.json", r.metrics_text),
               Route("/", r.ui), Mount(UI_PREFIX.rstrip("/"), StaticFiles(directory=UI_DIR)),
-              Route(MONITOR_PATH, r.monitor)]
+              Route(MONITOR_PATH, r.monitor), Route("/props", r.props),
+              Route("/tokenize", r.tokenize, methods=["POST"]), Route("/detokenize", r.detokenize, methods=["POST"]),
+              Route("/apply-template", r.apply_template, methods=["POST"])]
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),
                    Route(prefix + "/completions", r.completions, methods=["POST"]),
                    Route(prefix + "/responses", r.responses, methods=["POST"]),
+                   Route(prefix + "/responses/input_tokens", r.responses_input_tokens, methods=["POST"]),
+                   Route(prefix + "/chat/completions/input_tokens", r.chat_input_tokens, methods=["POST"]),
                    Route(prefix + "/messages", a.messages, methods=["POST"]),
                    Route(prefix + "/messages/count_tokens", a.count_tokens, methods=["POST"])]
     open_requests = OpenRequests()

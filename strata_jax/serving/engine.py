@@ -207,9 +207,9 @@ class Engine:
             prefix = family.forced_prefix(req.tool_choice)
         return ToolParser(family, req.tools, parallel=req.parallel_tool_calls, prefix=prefix), constraint
 
-    def tokenize(self, req: GenRequest, response_prefix: str = "") -> list[int]:
-        """The prompt's token ids (chat template applied, then response_prefix: the start of the reply),
-        checked against the context. Runs on a worker thread: it uses only the tokenizer."""
+    def _template_kwargs(self, req: GenRequest, response_prefix: str) -> dict[str, Any]:
+        """What the chat template is rendered with for `req`: its own arguments, its tools, the reply's start,
+        and thinking off where the request asks for no reasoning and the template knows the switch."""
         m = self.model
         kwargs = dict(req.template_kwargs)
         if req.tools:
@@ -220,15 +220,29 @@ class Engine:
             templates = [m.tokenizer.chat_template or "", *getattr(m.tokenizer, "named_templates", {}).values()]
             if any("enable_thinking" in t for t in templates):
                 kwargs.setdefault("enable_thinking", False)
+        return kwargs
+
+    def render(self, req: GenRequest, response_prefix: str = "") -> str:
+        """The prompt text of a chat request (llama.cpp's /apply-template): what tokenize tokenizes."""
         try:
-            ids = m.prompt_tokens(req.prompt, **kwargs)
+            return self.model.chat_text(req.prompt, **self._template_kwargs(req, response_prefix))
+        except StrataError as e:
+            raise bad(str(e), req.prompt_param) from None
+
+    def tokenize(self, req: GenRequest, response_prefix: str = "", *, fit: bool = True) -> list[int]:
+        """The prompt's token ids (chat template applied, then response_prefix: the start of the reply),
+        checked against the context unless `fit` is False (a count). Runs on a worker thread: it uses only
+        the tokenizer."""
+        m = self.model
+        try:
+            ids = m.prompt_tokens(req.prompt, **self._template_kwargs(req, response_prefix))
             if req.prefill:  # after the generation prompt, so the reply continues it
                 ids += m.tokenize(req.prefill, add_special=False)
         except StrataError as e:
             raise bad(str(e), req.prompt_param) from None
         if not ids:
             raise bad(f"the {req.prompt_param} tokenize to nothing; give some text.", req.prompt_param)
-        if len(ids) + 1 > m.ctx:
+        if fit and len(ids) + 1 > m.ctx:
             raise bad(f"the prompt is {len(ids)} tokens, but the context is {m.ctx} tokens and must also hold at "
                       f"least one generated token: shorten the {req.prompt_param} or restart the server with a "
                       f"larger --ctx (the model was trained for {m.config.context_length}).", req.prompt_param,
