@@ -128,8 +128,11 @@ def test_health_while_loading_then_ready(model):
     ("/apply-template", {}, "messages"),
     ("/v1/chat/completions/input_tokens", {"messages": "hi"}, "messages"),
     ("/tokenize", [1, 2], None),
+    ("/v1/completions", {"prompt": "def f():", "suffix": "\n", "max_tokens": 2}, "suffix"),  # no FIM tokens
+    ("/v1/completions", {"prompt": [1, 2], "suffix": "\n", "max_tokens": 2}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "suffix": 3, "max_tokens": 2}, "suffix"),
 ])
-def test_token_endpoints_name_bad_input(client, path, body, param):
+def test_token_and_infill_requests_name_bad_input(client, path, body, param):
     err = assert_error(client.post(path, json=body), 400, param)
     assert err["message"]
 

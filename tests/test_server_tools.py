@@ -262,3 +262,19 @@ def test_props(server, qwen_gguf_path):
     assert props["chat_template"] == GGUFFile(qwen_gguf_path).metadata["tokenizer.chat_template"]
     assert Path(props["model_path"]).resolve() == Path(qwen_gguf_path).resolve()
     assert props["default_generation_settings"]["params"]["temperature"] == 1.0
+
+
+def test_completions_suffix_fills_the_middle(client, ref_tokenizer):
+    """OpenAI's `suffix` (official SDK): the model writes the code between prompt and suffix, from the FIM
+    prompt llama.cpp's /infill would give it (usage counts exactly that prompt)."""
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(2, 3))\n"
+    r = client.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0)
+    assert r.choices[0].text.startswith("a + b"), r.choices[0].text
+    enc = lambda s: ref_tokenizer(s, add_special_tokens=False, split_special_tokens=True).input_ids  # noqa: E731
+    fim = ["<|repo_name|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    rep, sep, pre, suf, mid = ref_tokenizer.convert_tokens_to_ids(fim)
+    layout = [rep, *enc("myproject\n"), sep, *enc("filename\n"), pre, *enc(prefix), suf, *enc(suffix), mid]
+    assert r.usage.prompt_tokens == len(layout)
+    streamed = client.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text

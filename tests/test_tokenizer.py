@@ -268,3 +268,49 @@ def test_chat_template_helpers_and_errors():
     with pytest.raises(ConfigError, match="does not parse"):
         broken.apply_chat_template([{"role": "user", "content": "hi"}])
 
+
+
+# -- fill in the middle -------------------------------------------------------------------------------------
+
+def _infill(tok, ctx=8192, **kw):
+    """Model.infill_tokens over a tokenizer alone (it reads only the tokenizer and the context)."""
+    from types import SimpleNamespace
+
+    from strata_jax.engine.model import Model
+    return Model.infill_tokens(SimpleNamespace(tokenizer=tok, ctx=ctx), **kw)
+
+
+def test_infill_layout_is_llama_cpps(qwen):
+    """Qwen2.5-Coder names no FIM tokens in its GGUF: they are found by spelling, as llama.cpp does, and the
+    prompt is llama.cpp's /infill layout (tools/server/README.md): the repository pattern, then
+    [PRE]prefix[SUF]suffix[MID], the code tokenized with special tokens as plain text."""
+    assert qwen.fim_ids == {"pre": 151659, "suf": 151661, "mid": 151660, "rep": 151663, "sep": 151664}
+    text = lambda s: qwen.encode(s, add_special=False, parse_special=False)  # noqa: E731
+    pre, suf = "def f(x):\n    return <|im_end|>", "\n\nprint(f(2))\n"
+    got = _infill(qwen, prefix=pre, suffix=suf, extra=[{"filename": "util.py", "text": "X = 1\n"}], prompt="x")
+    assert got == ([151663, *text("myproject\n"), 151664, *text("util.py\n"), *text("X = 1\n"), 151664,
+                    *text("filename\n"), 151659, *text(pre), *text("x"), 151661, *text(suf), 151660])
+    assert qwen.token_to_id("<|im_end|>") not in got  # code is text, whatever it spells
+
+
+def test_infill_keeps_the_prefix_end_and_the_suffix_start(qwen):
+    """A 3:1 window: the prefix's last 3/4 of FIM_WINDOW tokens next to the gap, the suffix's first quarter
+    (less 2); a small context halves the window, and extra files fill what the context leaves."""
+    from strata_jax.engine.model import FIM_WINDOW
+    text = lambda s: qwen.encode(s, add_special=False, parse_special=False)  # noqa: E731
+    pre, suf = "".join(f"a{i} = {i}\n" for i in range(2000)), "".join(f"b{i} = {i}\n" for i in range(2000))
+    got = _infill(qwen, prefix=pre, suffix=suf)
+    i_pre, i_suf, i_mid = got.index(151659), got.index(151661), got.index(151660)
+    assert got[i_pre + 1:i_suf] == text(pre)[-(3 * FIM_WINDOW // 4):]
+    assert got[i_suf + 1:i_mid] == text(suf)[:FIM_WINDOW // 4 - 2] and i_mid == len(got) - 1
+    small = _infill(qwen, ctx=1024, prefix=pre, suffix=suf, n_predict=64)
+    assert small.index(151661) - small.index(151659) - 1 == 3 * 512 // 4 and len(small) < 1024 - 64
+    big = [{"filename": f"f{i}.py", "text": "y = 2\n" * 400} for i in range(8)]
+    cut = _infill(qwen, ctx=4096, prefix="a", suffix="b", extra=big, n_predict=100)
+    files = cut[:cut.index(151659)]  # the latest files' tokens, as many as 4096 - 2048 - 2 * 100 leaves
+    assert len(files) == 4096 - 2048 - 200 and files[-1 - len(text("filename\n")):] == [151664, *text("filename\n")]
+
+
+def test_infill_without_fim_tokens_is_refused(gemma):
+    with pytest.raises(ConfigError, match="no fill-in-the-middle tokens"):
+        _infill(gemma, prefix="a", suffix="b")

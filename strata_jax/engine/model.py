@@ -48,6 +48,7 @@ from strata_jax.offload.sizing import ContextPlan, describe_context, device_free
 log = logging.getLogger("strata_jax")
 
 
+FIM_WINDOW = 2048  # tokens of prefix and suffix an infill prompt keeps at most: llama.cpp's default batch (n_batch)
 PLE_TABLE_NAME = "per_layer_token_embd.weight"  # model/layers/ple.py's TABLE_NAME (imported only for qwen4exp)
 
 
@@ -549,6 +550,39 @@ class Model:
         response_prefix (what prompt_tokens tokenizes)."""
         return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                                   **template_kwargs) + response_prefix
+
+    def infill_tokens(self, prefix: str, suffix: str, *, extra: Sequence[dict] = (), prompt: str = "",
+                      n_predict: int = -1) -> list[int]:
+        """The fill-in-the-middle prompt of code between `prefix` and `suffix`, laid out as llama.cpp's /infill
+        lays it out: the repository pattern where the vocabulary has its tokens ([REPO]myproject, then each
+        `extra` file {"filename", "text"} after [FILE_SEP]), then [PRE]prefix[SUF]suffix[MID]prompt. As there,
+        the prefix keeps its last 3/4 of a FIM_WINDOW-token window and the suffix its first quarter (less the
+        prompt), and the extra files what the context leaves after the window and twice n_predict."""
+        tok = self.tokenizer
+        fim = tok.fim_ids
+        if not {"pre", "suf", "mid"} <= fim.keys():
+            raise ConfigError("this model's vocabulary has no fill-in-the-middle tokens (such as <|fim_prefix|>, "
+                              "<|fim_suffix|>, <|fim_middle|>): it was not trained to infill; send the text before "
+                              "the gap as a plain prompt instead.")
+        text = lambda s: tok.encode(s, add_special=False, parse_special=False)  # noqa: E731
+        extra_ids = [fim["rep"], *text("myproject\n")] if "rep" in fim else []
+        for chunk in extra:
+            if "sep" in fim:
+                extra_ids += [fim["sep"], *text(chunk.get("filename", "tmp") + "\n")]
+            else:
+                extra_ids += text("\n\n--- snippet ---\n\n")
+            extra_ids += text(chunk["text"])
+        if "sep" in fim:
+            extra_ids += [fim["sep"], *text("filename\n")]
+        window = min(FIM_WINDOW, self.ctx // 2)  # half a small context: the rest for the files and the reply
+        prompt_ids = text(prompt) if prompt else []
+        pre_ids, suf_ids = text(prefix), text(suffix)
+        pre_ids = pre_ids[len(pre_ids) - min(len(pre_ids), 3 * (window // 4)):]
+        suf_ids = suf_ids[:max(0, window // 4 - (2 + len(prompt_ids)))]
+        n_extra = min(max(0, self.ctx - window - 2 * n_predict), len(extra_ids))
+        bos = [tok.bos_id] if tok.add_bos else []
+        return (extra_ids[len(extra_ids) - n_extra:] + bos + [fim["pre"], *pre_ids, *prompt_ids, fim["suf"], *suf_ids,
+                                                             fim["mid"]])
 
     def prompt_tokens(self, prompt_or_messages: str | Sequence[dict] | Sequence[int], *, response_prefix: str = "",
                       **template_kwargs) -> list[int]:

@@ -153,6 +153,33 @@ def _token_id(md: Mapping[str, Any], key: str, n: int, default: int | None = Non
     return int(v)
 
 
+# fill-in-the-middle tokens by role: the GGUF's tokenizer.ggml.fim_*_token_id, else the first token spelled as
+# one of these (llama.cpp's llama-vocab.cpp, which finds Qwen2.5-Coder's this way: its GGUF names none)
+FIM_SPELLINGS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
+
+def _fim_ids(md: Mapping[str, Any], tokens: list[str]) -> dict[str, int]:
+    """The vocabulary's fill-in-the-middle tokens by role (pre, suf, mid, rep, sep), those it has."""
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}  # the first of duplicates
+    out = {}
+    for role, spellings in FIM_SPELLINGS.items():
+        i = _token_id(md, f"fim_{role}_token_id", len(tokens))
+        if i is None:
+            i = next((index[t] for t in spellings if t in index), None)
+        if i is not None:
+            out[role] = i
+    return out
+
+
 class StreamDecoder:
     """Incremental detokenization: `push(id)` returns the text that became printable, holding back an
     incomplete UTF-8 sequence (an emoji split across byte tokens) until its last byte arrives."""
@@ -185,7 +212,7 @@ class GGUFTokenizer:
                  bos_id: int | None, eos_id: int | None, pad_id: int | None, unk_id: int | None,
                  mask_id: int | None, stop_ids: frozenset[int], add_bos: bool, add_eos: bool,
                  special_ids: frozenset[int], id_to_key: dict[int, str], strip_first_space: bool,
-                 chat_template: str | None, named_templates: dict[str, str]):
+                 chat_template: str | None, named_templates: dict[str, str], fim_ids: dict[str, int] | None = None):
         self._tok = tokenizer
         self.tokens = tokens  # the vocabulary as the file spells it
         self.model, self.pre = model, pre
@@ -201,6 +228,7 @@ class GGUFTokenizer:
         self._plain_tok: Tokenizer | None = None
         self.chat_template = chat_template
         self.named_templates = named_templates
+        self.fim_ids = fim_ids or {}  # fill-in-the-middle tokens by role: pre, suf, mid, rep, sep (those it has)
         self._compiled: dict[str, Any] = {}
 
     # --- construction ---------------------------------------------------------------------------------
@@ -263,7 +291,7 @@ class GGUFTokenizer:
                    unk_id=unk_id, mask_id=mask_id, stop_ids=_stop_ids(md, tokens, types, eos_id),
                    add_bos=add_bos, add_eos=add_eos, special_ids=special_ids, id_to_key=id_to_key,
                    strip_first_space=strip_first, chat_template=md.get("tokenizer.chat_template"),
-                   named_templates=templates)
+                   named_templates=templates, fim_ids=_fim_ids(md, tokens))
 
     @staticmethod
     def _build_byte_level(md, tokens: list[str], types: np.ndarray, pre: str):

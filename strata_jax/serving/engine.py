@@ -235,7 +235,13 @@ class Engine:
         the tokenizer."""
         m = self.model
         try:
-            ids = m.prompt_tokens(req.prompt, **self._template_kwargs(req, response_prefix))
+            if req.suffix is not None:
+                try:
+                    ids = m.infill_tokens(req.prompt, req.suffix, n_predict=req.max_tokens or -1)
+                except StrataError as e:
+                    raise bad(str(e), "suffix") from None
+            else:
+                ids = m.prompt_tokens(req.prompt, **self._template_kwargs(req, response_prefix))
             if req.prefill:  # after the generation prompt, so the reply continues it
                 ids += m.tokenize(req.prefill, add_special=False)
         except StrataError as e:

@@ -83,6 +83,7 @@ class GenRequest:
     n: int = 1  # choices, each sampled from the same prompt
     constraint: str | None = None  # llguidance grammar (response_format, grammar or json_schema)
     spec_max: int | None = None  # drafted tokens per verify pass at most (llama.cpp's speculative.n_max)
+    suffix: str | None = None  # fill in the middle (completion): the text after the gap; prompt is the text before
 
     @property
     def prompt_param(self) -> str:
@@ -327,8 +328,14 @@ def parse_completion(body: Any) -> GenRequest:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
+    suffix = body.get("suffix")
+    if suffix not in (None, ""):  # fill in the middle: the prompt is the text before the gap, suffix after it
+        if not isinstance(suffix, str) or not isinstance(p, str):
+            raise bad("'suffix' (fill-in-the-middle) needs 'prompt' and 'suffix' as text: the code before and after "
+                      "the gap.", "suffix")
+        req.suffix = suffix
     if isinstance(p, str):
-        if not p:
+        if not p and req.suffix is None:  # an infill may start at the very beginning
             raise bad("'prompt' is empty; give some text or token ids.", "prompt")
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         pass
@@ -341,8 +348,6 @@ def parse_completion(body: Any) -> GenRequest:
     req.prompt = p
     if _bool(body, "echo", False):
         raise bad("'echo' is not supported yet; omit it.", "echo")
-    if body.get("suffix") not in (None, ""):
-        raise bad("'suffix' (fill-in-the-middle) is not supported yet; omit it.", "suffix")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' must be 1 (or omitted).", "best_of")
     lp = body.get("logprobs")
