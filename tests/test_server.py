@@ -147,6 +147,56 @@ def test_token_endpoints_round_trip(client, model):
         model.prompt_tokens(MSGS)[-3:]
 
 
+# -- llama.cpp's /completion and /infill ------------------------------------------------------------------
+
+def test_llamacpp_completion_is_the_openai_completion_in_llamacpps_format(client, model):
+    greedy = {"temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0}
+    ref = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 6, **greedy}).json()
+    r = client.post("/completion", json={"prompt": "hello there", "n_predict": 6, "return_tokens": True, **greedy})
+    out = r.json()
+    assert out["content"] == ref["choices"][0]["text"] and out["stop"] is True and out["model"] == "moe"
+    assert out["tokens_predicted"] == len(out["tokens"]) == ref["usage"]["completion_tokens"]
+    assert out["tokens_evaluated"] == ref["usage"]["prompt_tokens"] == len(model.tokenize("hello there"))
+    assert out["stop_type"] == {"length": "limit", "stop": "eos"}[ref["choices"][0]["finish_reason"]]
+    assert out["prompt"] == model.tokenizer.decode(model.tokenize("hello there"), skip_special=False)
+    assert out["generation_settings"]["n_predict"] == 6 and out["timings"]["predicted_n"] == out["tokens_predicted"]
+    assert client.post("/completion", json={"prompt": "hello there", "n_predict": 6, **greedy}).json()["tokens"] == []
+    # streamed: the same text and ids in pieces, then a last event with stop and the whole request's figures
+    events = [json.loads(e[len("data: "):]) for e in client.post(
+        "/completion", json={"prompt": "hello there", "n_predict": 6, "stream": True, **greedy}).text.split("\n\n")
+        if e]
+    *pieces, last = events
+    assert "".join(e["content"] for e in pieces) == out["content"] and not any(e["stop"] for e in pieces)
+    assert [t for e in pieces for t in e["tokens"]] == out["tokens"]
+    assert last["stop"] is True and last["content"] == "" and last["tokens_predicted"] == out["tokens_predicted"]
+
+
+def test_llamacpp_completion_stops_on_a_word_and_takes_llamacpps_defaults(client):
+    greedy = {"temperature": 0, "n_predict": 8}
+    text = client.post("/completion", json={"prompt": [1, 2, 3], **greedy}).json()["content"]
+    word = text[2:5]
+    out = client.post("/completion", json={"prompt": [1, 2, 3], "stop": [word], **greedy}).json()
+    assert out["stop_type"] == "word" and out["stopping_word"] == word and out["content"] == text[:text.index(word)]
+    settings = client.post("/completion", json={"prompt": "hi", "n_predict": 1}).json()["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["top_p"], settings["min_p"]) == (0.8, 40, 0.95, 0.05)
+    only = client.post("/completion", json={"prompt": "hello", "n_predict": 0}).json()  # the prompt only
+    assert only["tokens_predicted"] == 0 and only["tokens_evaluated"] > 0 and only["content"] == ""
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
+    ("/completion", {"prompt": "a", "dry_multiplier": 0.8}, "dry_multiplier"),
+    ("/completion", {"prompt": "a", "n_predict": "ten"}, "n_predict"),
+    ("/completion", {"prompt": ["a", 3]}, "prompt"),
+    ("/completion", {}, "prompt"),
+    ("/infill", {"input_suffix": "b"}, "input_prefix"),
+    ("/infill", {"input_prefix": "a", "input_suffix": "b", "input_extra": [{"filename": "x"}]}, "input_extra"),
+    ("/infill", {"input_prefix": "a", "input_suffix": "b"}, "input_suffix"),  # this model has no FIM tokens
+])
+def test_llamacpp_requests_name_bad_input(client, path, body, param):
+    assert_error(client.post(path, json=body), 400, param)
+
+
 def test_models(client):
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and len(body["data"]) == 1

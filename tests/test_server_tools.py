@@ -261,7 +261,7 @@ def test_props(server, qwen_gguf_path):
     assert props["default_generation_settings"]["n_ctx"] == 1024 and props["total_slots"] == 1
     assert props["chat_template"] == GGUFFile(qwen_gguf_path).metadata["tokenizer.chat_template"]
     assert Path(props["model_path"]).resolve() == Path(qwen_gguf_path).resolve()
-    assert props["default_generation_settings"]["params"]["temperature"] == 1.0
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8  # llama.cpp's, as /completion's
 
 
 def test_completions_suffix_fills_the_middle(client, ref_tokenizer):
@@ -278,3 +278,20 @@ def test_completions_suffix_fills_the_middle(client, ref_tokenizer):
     streamed = client.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_llamacpp_infill(server, ref_tokenizer):
+    """llama.cpp's /infill (what llama.vscode calls): the same middle and prompt as `suffix`, other files in the
+    repository pattern before it, and n_predict 0 (the plugin's cache warm-up) answered without generating."""
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(2, 3))\n"
+    body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 6, "temperature": 0}
+    out = post(server, "/infill", body).json()
+    assert out["content"].startswith("a + b") and out["stop"] is True and out["tokens_predicted"] <= 6
+    assert out["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>def add")
+    files = post(server, "/infill", {**body, "input_extra": [{"filename": "util.py", "text": "Z = 3\n"}]}).json()
+    assert "<|file_sep|>util.py\nZ = 3\n<|file_sep|>filename\n" in files["prompt"]
+    assert files["tokens_evaluated"] == out["tokens_evaluated"] + 1 + len(
+        ref_tokenizer("util.py\nZ = 3\n", add_special_tokens=False).input_ids)
+    warm = post(server, "/infill", {**body, "n_predict": 0}).json()
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0
+    assert warm["tokens_evaluated"] == out["tokens_evaluated"]

@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata_jax.core.units import fmt_bytes
-from strata_jax.serving import anthropic
+from strata_jax.serving import anthropic, llamacpp
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax import __version__
@@ -251,16 +251,13 @@ class Routes:
 
     async def props(self, request: Request) -> Response:
         """GET /props: llama.cpp's server properties, the fields a client reads (context, slots, the chat
-        template, the defaults a request gets), without llama.cpp's per-slot internals."""
+        template, the defaults a /completion or /infill request gets), without llama.cpp's per-slot internals."""
         try:
             self.engine.check_accepting()
         except APIError as e:
             return error_response(e, request.url.path)
-        m, d = self.engine.model, GenRequest(endpoint="chat", prompt=[])
-        params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                  "min_p": d.min_p, "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n,
-                  "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty, "stop": [],
-                  "speculative.n_max": m.spec_max if m.spec else 0}
+        m = self.engine.model
+        params = llamacpp.default_settings(m.ctx) | {"speculative.n_max": m.spec_max if m.spec else 0}
         return JSON({"default_generation_settings": {"n_ctx": m.ctx, "speculative": bool(m.spec), "params": params},
                      "total_slots": self.engine.parallel, "model_alias": self.model_id,
                      "model_path": getattr(m.gguf, "path", None), "chat_template": m.tokenizer.chat_template or "",
@@ -396,11 +393,13 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
-    async def _start(self, request: Request, parse) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
-        """Validate, tokenize and queue a request, and wait for its first event: (request, job, its
-        tool-call parser, event), or the response when it ends before any output (an error, a disconnect)."""
+    async def _start(self, request: Request, parse, body: Any = None
+                     ) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
+        """Validate, tokenize and queue a request (its body, read here unless given), and wait for its first
+        event: (request, job, its tool-call parser, event), or the response when it ends before any output (an
+        error, a disconnect)."""
         try:
-            req = parse(await read_json(request, self.max_body))
+            req = parse(await read_json(request, self.max_body) if body is None else body)
             self.engine.check_accepting()
             parser, req.constraint = self.engine.plan_tools(req)
             ids = await run_in_threadpool(self.engine.tokenize, req, parser.prefix if parser else "")
@@ -722,12 +721,93 @@ class AnthropicRoutes:
             job.cancel()
 
 
+class LlamaCppRoutes:
+    """llama.cpp's /completion and /infill over the same engine (wire format: llamacpp.py)."""
+
+    def __init__(self, routes: Routes):
+        self.r = routes
+
+    async def completion(self, request: Request) -> Response:
+        return await self._run(request, infill=False)
+
+    async def infill(self, request: Request) -> Response:
+        return await self._run(request, infill=True)
+
+    async def _run(self, request: Request, infill: bool) -> Response:
+        t0 = time.perf_counter()
+        r = self.r
+        parse = lambda body: llamacpp.parse(body, infill=infill)  # noqa: E731
+        try:
+            body = await read_json(request, r.max_body)
+            req = parse(body)
+            if req.max_tokens == 0:  # n_predict 0: llama.cpp evaluates the prompt only; nothing comes back from it
+                r.engine.check_accepting()
+                ids = await run_in_threadpool(r.engine.tokenize, req)
+                return JSON(self._final(req, body, ids, "", [], None, {}, {}))
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        started = await r._start(request, parse, body)
+        if isinstance(started, Response):
+            return started
+        req, job, _, first = started
+        if req.stream:
+            return StreamingResponse(self._stream(job, req, body, first, t0), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        ids, parts, ev, ttft = [], [], first, None
+        while True:
+            if ev is None:
+                return Response(status_code=499)
+            if ev.kind == "error":
+                return error_response(ev.error, request.url.path)
+            ttft = ev.t - t0 if ttft is None else ttft
+            ids += ev.chunk.token_ids
+            parts.append(ev.chunk.text)
+            if ev.kind == "final":
+                break
+            ev = await r._next(job, request)
+        _, extra = r._account(job, "llamacpp", ev, len(ids), ttft)
+        return JSON(self._final(req, body, job.prompt_ids, "".join(parts), ids, ev, extra.pop("timings"), extra))
+
+    def _final(self, req: GenRequest, body: Any, prompt_ids: list[int], text: str, ids: list[int], ev: Event | None,
+               timings: dict, extra: dict, streamed: bool = False) -> dict:
+        m = self.r.engine.model
+        return llamacpp.final(model=self.r.model_id, text=text, ids=ids, show_ids=llamacpp.return_tokens(body),
+                              prompt=m.tokenizer.decode(prompt_ids, skip_special=False), evaluated=len(prompt_ids),
+                              cached=int(timings.get("cache_n", 0) or 0), n_ctx=m.ctx, req=req,
+                              finish_reason=ev.chunk.finish_reason if ev else "length",
+                              stop_string=ev.chunk.stop_string if ev else None, timings=timings, streamed=streamed,
+                              extra=extra)
+
+    async def _stream(self, job: Job, req: GenRequest, body: Any, ev: Event, t0: float):
+        ids: list[int] = []
+        text, ttft = "", None
+        try:
+            while True:
+                if ev.kind == "error":  # after the headers: an error event ends the stream, as llama.cpp's does
+                    yield sse(ev.error.body())
+                    return
+                ttft = ev.t - t0 if ttft is None else ttft
+                ids += ev.chunk.token_ids
+                text += ev.chunk.text
+                if ev.chunk.text or ev.chunk.token_ids:
+                    yield sse(llamacpp.chunk(ev.chunk.text, list(ev.chunk.token_ids), len(ids), len(job.prompt_ids)))
+                if ev.kind == "final":
+                    break
+                ev = await job.events.get()
+            _, extra = self.r._account(job, "llamacpp", ev, len(ids), ttft)
+            yield sse(self._final(req, body, job.prompt_ids, text, ids, ev, extra.pop("timings"), extra, streamed=True))
+        finally:
+            job.cancel()
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         msg = (f"no endpoint {request.url.path}: use /v1/chat/completions, /v1/completions, /v1/responses, "
-               "/v1/messages, /v1/models, /v1/monitor/events, /health, /metrics, llama.cpp's /props, /tokenize, "
-               "/detokenize, /apply-template, or the web UI at /.")
+               "/v1/messages, /v1/models, /v1/monitor/events, /health, /metrics, llama.cpp's /completion, /infill, "
+               "/props, /tokenize, /detokenize, /apply-template, or the web UI at /.")
     elif exc.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}."
     else:
@@ -747,6 +827,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
     metrics = metrics or Metrics()
     r = Routes(engine, metrics, model_id, api_key=bool(api_key), max_body=max_body)
     a = AnthropicRoutes(r)
+    n = LlamaCppRoutes(r)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -760,7 +841,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
               Route("/", r.ui), Mount(UI_PREFIX.rstrip("/"), StaticFiles(directory=UI_DIR)),
               Route(MONITOR_PATH, r.monitor), Route("/props", r.props),
               Route("/tokenize", r.tokenize, methods=["POST"]), Route("/detokenize", r.detokenize, methods=["POST"]),
-              Route("/apply-template", r.apply_template, methods=["POST"])]
+              Route("/apply-template", r.apply_template, methods=["POST"]),
+              Route("/completion", n.completion, methods=["POST"]), Route("/infill", n.infill, methods=["POST"])]
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),
                    Route(prefix + "/chat/completions", r.chat, methods=["POST"]),

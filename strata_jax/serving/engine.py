@@ -237,9 +237,10 @@ class Engine:
         try:
             if req.suffix is not None:
                 try:
-                    ids = m.infill_tokens(req.prompt, req.suffix, n_predict=req.max_tokens or -1)
+                    ids = m.infill_tokens(req.prompt, req.suffix, extra=req.infill_extra, prompt=req.infill_prompt,
+                                          n_predict=req.max_tokens or -1)
                 except StrataError as e:
-                    raise bad(str(e), "suffix") from None
+                    raise bad(str(e), req.suffix_param) from None
             else:
                 ids = m.prompt_tokens(req.prompt, **self._template_kwargs(req, response_prefix))
             if req.prefill:  # after the generation prompt, so the reply continues it

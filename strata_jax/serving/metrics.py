@@ -18,7 +18,7 @@ ENDPOINTS = {"/health": "health", "/v1/models": "models", "/models": "models",
              "/v1/responses/input_tokens": "input_tokens", "/responses/input_tokens": "input_tokens",
              "/v1/chat/completions/input_tokens": "input_tokens", "/chat/completions/input_tokens": "input_tokens",
              "/props": "props", "/tokenize": "tokenize", "/detokenize": "detokenize",
-             "/apply-template": "apply_template",
+             "/apply-template": "apply_template", "/completion": "llamacpp", "/infill": "llamacpp",
              "/metrics": "metrics", "/metrics.json": "metrics", "/v1/monitor/events": "monitor", "/": "ui"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -56,6 +56,7 @@ class GenRequest:
     """A validated generation request, endpoint-independent."""
 
     endpoint: str  # "chat" | "completion" | "messages" (Anthropic's) | "responses" (the Responses API's input)
+    #                | "infill" (llama.cpp's: prompt is input_prefix, suffix input_suffix)
     prompt: str | list[int] | list[dict]  # text or token ids (completion), messages (chat)
     model: str | None = None
     max_tokens: int | None = None  # None: until the context is full, as llama.cpp
@@ -84,10 +85,16 @@ class GenRequest:
     constraint: str | None = None  # llguidance grammar (response_format, grammar or json_schema)
     spec_max: int | None = None  # drafted tokens per verify pass at most (llama.cpp's speculative.n_max)
     suffix: str | None = None  # fill in the middle (completion): the text after the gap; prompt is the text before
+    infill_extra: list[dict] = dataclasses.field(default_factory=list)  # other files ({"filename", "text"})
+    infill_prompt: str = ""  # text the infill continues after the prefix (llama.cpp's /infill prompt)
 
     @property
     def prompt_param(self) -> str:
-        return {"completion": "prompt", "responses": "input"}.get(self.endpoint, "messages")
+        return {"completion": "prompt", "responses": "input", "infill": "input_prefix"}.get(self.endpoint, "messages")
+
+    @property
+    def suffix_param(self) -> str:
+        return "input_suffix" if self.endpoint == "infill" else "suffix"
 
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
