@@ -183,6 +183,26 @@ def test_llamacpp_completion_stops_on_a_word_and_takes_llamacpps_defaults(client
     assert only["tokens_predicted"] == 0 and only["tokens_evaluated"] > 0 and only["content"] == ""
 
 
+def test_llamacpp_n_probs(client):
+    """n_probs: each generated token with the most likely n at its step, the log-probabilities the OpenAI route
+    reports for the same greedy completion; streamed, each piece carries its own."""
+    greedy = {"prompt": "hello there", "temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0}
+    out = client.post("/completion", json={**greedy, "n_predict": 5, "n_probs": 3, "return_tokens": True}).json()
+    ref = client.post("/v1/completions", json={**greedy, "max_tokens": 5, "logprobs": 3}).json()["choices"][0]
+    probs = out["completion_probabilities"]
+    assert [p["id"] for p in probs] == out["tokens"] and len(probs) == out["tokens_predicted"]
+    assert [p["logprob"] for p in probs] == pytest.approx(ref["logprobs"]["token_logprobs"], abs=1e-6)
+    for p in probs:
+        top = [t["logprob"] for t in p["top_logprobs"]]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and p["top_logprobs"][0]["id"] == p["id"]
+        assert bytes(p["bytes"]).decode("utf-8", errors="ignore") == p["token"]
+    events = [json.loads(e[len("data: "):]) for e in client.post(
+        "/completion", json={**greedy, "n_predict": 5, "n_probs": 3, "stream": True}).text.split("\n\n") if e]
+    assert [p for e in events[:-1] for p in e["completion_probabilities"]] == probs
+    assert_error(client.post("/completion", json={**greedy, "n_probs": 3, "post_sampling_probs": True}), 400,
+                 "post_sampling_probs")
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "a", "dry_multiplier": 0.8}, "dry_multiplier"),

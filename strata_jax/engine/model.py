@@ -695,8 +695,7 @@ class Model:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token contributes to decoded text (a byte token's single byte, which may be part of
         a UTF-8 sequence): the `bytes` of OpenAI's logprobs."""
-        pieces = self.tokenizer._piece_bytes()
-        return pieces[token_id] if 0 <= token_id < len(pieces) else b""
+        return self.tokenizer.piece(token_id)
 
 
 def enable_compilation_cache() -> None:

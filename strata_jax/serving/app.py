@@ -755,7 +755,7 @@ class LlamaCppRoutes:
         if req.stream:
             return StreamingResponse(self._stream(job, req, body, first, t0), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        ids, parts, ev, ttft = [], [], first, None
+        ids, parts, lps, ev, ttft = [], [], [], first, None
         while True:
             if ev is None:
                 return Response(status_code=499)
@@ -764,10 +764,13 @@ class LlamaCppRoutes:
             ttft = ev.t - t0 if ttft is None else ttft
             ids += ev.chunk.token_ids
             parts.append(ev.chunk.text)
+            lps += ev.chunk.logprobs or []
             if ev.kind == "final":
                 break
             ev = await r._next(job, request)
         _, extra = r._account(job, "llamacpp", ev, len(ids), ttft)
+        if req.logprobs:
+            extra["completion_probabilities"] = llamacpp.probs(lps, r.engine.model.token_bytes)
         return JSON(self._final(req, body, job.prompt_ids, "".join(parts), ids, ev, extra.pop("timings"), extra))
 
     def _final(self, req: GenRequest, body: Any, prompt_ids: list[int], text: str, ids: list[int], ev: Event | None,
@@ -792,7 +795,9 @@ class LlamaCppRoutes:
                 ids += ev.chunk.token_ids
                 text += ev.chunk.text
                 if ev.chunk.text or ev.chunk.token_ids:
-                    yield sse(llamacpp.chunk(ev.chunk.text, list(ev.chunk.token_ids), len(ids), len(job.prompt_ids)))
+                    probs = llamacpp.probs(ev.chunk.logprobs or [], self.r.engine.model.token_bytes)
+                    yield sse(llamacpp.chunk(ev.chunk.text, list(ev.chunk.token_ids), len(ids), len(job.prompt_ids),
+                                             probs))
                 if ev.kind == "final":
                     break
                 ev = await job.events.get()

@@ -3,8 +3,8 @@ POST /infill (code between a prefix and a suffix, as editor plugins such as llam
 request fields with llama.cpp's defaults, and its response and stream format (tools/server/README.md of
 llama.cpp). Pure functions over JSON values, like protocol.py, whose field readers they reuse.
 
-Sampling llama.cpp has and this engine does not (Mirostat, DRY, XTC, typical, dynamic temperature, n_probs) is
-refused unless it is at its "off" value; fields about slots, timing limits and progress reports are accepted and
+Sampling llama.cpp has and this engine does not (Mirostat, DRY, XTC, typical, dynamic temperature, probabilities
+after the sampling chain) is refused unless it is at its "off" value; fields about slots, timing limits and progress reports are accepted and
 change nothing here.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata_jax.serving.protocol import GenRequest, _bool, _common, _kind, bad
+from strata_jax.serving.protocol import MAX_TOP_LOGPROBS, GenRequest, _bool, _common, _kind, _number, bad
 
 # llama.cpp's sampling defaults for these endpoints (OpenAI's routes keep OpenAI's)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 # its samplers this engine does not have, each with the value that turns it off
 _OFF = {"mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "typical_p": 1.0, "dynatemp_range": 0.0,
-        "n_probs": 0}
+        "post_sampling_probs": False}
 
 
 def parse(body: Any, *, infill: bool = False) -> GenRequest:
@@ -49,6 +49,8 @@ def parse(body: Any, *, infill: bool = False) -> GenRequest:
     common = _common(b)
     common["max_tokens"] = None if n_predict in (None, -1) else n_predict
     req = GenRequest(endpoint="completion", prompt="", **common)
+    req.top_logprobs = _number(body, "n_probs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    req.logprobs = req.top_logprobs > 0
     if infill:
         _infill_fields(body, req)
     else:
@@ -104,10 +106,22 @@ def stop_type(finish_reason: str | None, stop_string: str | None) -> str:
     return "limit" if finish_reason == "length" else "eos"
 
 
-def chunk(content: str, tokens: list[int], predicted: int, evaluated: int) -> dict[str, Any]:
+def probs(entries: list, token_bytes) -> list[dict[str, Any]]:
+    """completion_probabilities (n_probs) for the engine's TokenLogprob entries: each generated token and the
+    n_probs most likely at its step, by id, text, bytes and log-probability."""
+    def one(tid: int, logprob: float) -> dict[str, Any]:
+        b = token_bytes(tid)
+        return {"id": tid, "token": b.decode("utf-8", errors="ignore"), "bytes": list(b), "logprob": logprob}
+
+    return [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]
+
+
+def chunk(content: str, tokens: list[int], predicted: int, evaluated: int,
+          probs_: list[dict] | None = None) -> dict[str, Any]:
     """One streamed piece (`data: {...}`; llama.cpp sends no [DONE])."""
-    return {"index": 0, "content": content, "tokens": tokens, "stop": False, "id_slot": 0,
-            "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+    out = {"index": 0, "content": content, "tokens": tokens, "stop": False, "id_slot": 0,
+           "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+    return out | {"completion_probabilities": probs_} if probs_ else out
 
 
 def final(*, model: str, text: str, ids: list[int], show_ids: bool, prompt: str, evaluated: int, cached: int,
