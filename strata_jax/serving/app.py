@@ -249,22 +249,7 @@ class Routes:
             return JSON(self.metrics.as_json())
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
-    async def props(self, request: Request) -> Response:
-        """GET /props: llama.cpp's server properties, the fields a client reads (context, slots, the chat
-        template, the defaults a /completion or /infill request gets), without llama.cpp's per-slot internals."""
-        try:
-            self.engine.check_accepting()
-        except APIError as e:
-            return error_response(e, request.url.path)
-        m = self.engine.model
-        params = llamacpp.default_settings(m.ctx) | {"speculative.n_max": m.spec_max if m.spec else 0}
-        return JSON({"default_generation_settings": {"n_ctx": m.ctx, "speculative": bool(m.spec), "params": params},
-                     "total_slots": self.engine.parallel, "model_alias": self.model_id,
-                     "model_path": getattr(m.gguf, "path", None), "chat_template": m.tokenizer.chat_template or "",
-                     "modalities": {"vision": False, "audio": False}, "build_info": f"strata-jax {__version__}",
-                     "is_sleeping": False})
-
-    # -- tokens (llama.cpp's /tokenize, /detokenize, /apply-template; OpenAI's input token counts) ----------
+    # -- token counts (OpenAI's input tokens; LlamaCppRoutes' token endpoints answer through _tokens_call too) ----
     async def _tokens_call(self, request: Request, work) -> Response:
         """Read the body, check that the model is ready and answer work(body) (run on a worker thread: it
         uses only the tokenizer) as JSON; bad input is a 400 naming the field."""
@@ -278,52 +263,6 @@ class Routes:
             return error_response(e, request.url.path)
         except ClientDisconnect:
             return Response(status_code=499)
-
-    async def tokenize(self, request: Request) -> Response:
-        """POST /tokenize {content, add_special=false, parse_special=true, with_pieces=false}: {"tokens": ids},
-        or [{"id", "piece"}] with pieces (a piece that is not whole UTF-8 comes as its byte values). content
-        may mix strings and token ids, as llama.cpp's does."""
-        def work(body: dict) -> dict:
-            content = body.get("content")
-            parts = content if isinstance(content, list) else [content]
-            if not isinstance(content, (str, list)) or not all(isinstance(p, str) or _token_id(p) for p in parts):
-                raise bad("'content' must be the text to tokenize: a string, or an array of strings and token ids.",
-                          "content")
-            add, parse, pieces = (_bool(body, k, v) for k, v in (("add_special", False), ("parse_special", True),
-                                                                 ("with_pieces", False)))
-            m = self.engine.model
-            ids: list[int] = []
-            for i, p in enumerate(parts):  # special tokens (BOS) only before the first piece of text
-                ids += [p] if not isinstance(p, str) else m.tokenize(p, add_special=add and i == 0,
-                                                                     parse_special=parse)
-            if not pieces:
-                return {"tokens": ids}
-            return {"tokens": [{"id": t, "piece": _piece_json(m.tokenizer.piece(t))} for t in ids]}
-
-        return await self._tokens_call(request, work)
-
-    async def detokenize(self, request: Request) -> Response:
-        """POST /detokenize {tokens}: {"content": the tokens' pieces joined, special tokens spelled out}."""
-        def work(body: dict) -> dict:
-            tokens, n = body.get("tokens", []), self.engine.model.config.vocab_size
-            if not isinstance(tokens, list) or not all(_token_id(t) for t in tokens):
-                raise bad("'tokens' must be an array of token ids (integers).", "tokens")
-            if outside := [t for t in tokens if not 0 <= t < n]:
-                raise bad(f"token ids {outside[:5]} are outside the vocabulary [0, {n}).", "tokens")
-            tok = self.engine.model.tokenizer
-            return {"content": b"".join(tok.piece(t) for t in tokens).decode("utf-8", errors="replace")}
-
-        return await self._tokens_call(request, work)
-
-    async def apply_template(self, request: Request) -> Response:
-        """POST /apply-template (a chat completions body): {"prompt": the text the chat template makes of it,
-        as a chat request would be prompted, tools and a forced call's opening included}."""
-        def work(body: dict) -> dict:
-            req = parse_chat(body)
-            parser, _ = self.engine.plan_tools(req)
-            return {"prompt": self.engine.render(req, parser.prefix if parser else "")}
-
-        return await self._tokens_call(request, work)
 
     async def chat_input_tokens(self, request: Request) -> Response:
         return await self._input_tokens(request, parse_chat)
@@ -722,10 +661,72 @@ class AnthropicRoutes:
 
 
 class LlamaCppRoutes:
-    """llama.cpp's /completion and /infill over the same engine (wire format: llamacpp.py)."""
+    """llama.cpp's own endpoints over the same engine: /completion and /infill (wire format: llamacpp.py), /props,
+    /tokenize, /detokenize and /apply-template."""
 
     def __init__(self, routes: Routes):
         self.r = routes
+
+    async def props(self, request: Request) -> Response:
+        """GET /props: llama.cpp's server properties, the fields a client reads (context, slots, the chat
+        template, the defaults a /completion or /infill request gets), without llama.cpp's per-slot internals."""
+        try:
+            self.r.engine.check_accepting()
+        except APIError as e:
+            return error_response(e, request.url.path)
+        m = self.r.engine.model
+        params = llamacpp.default_settings(m.ctx) | {"speculative.n_max": m.spec_max if m.spec else 0}
+        return JSON({"default_generation_settings": {"n_ctx": m.ctx, "speculative": bool(m.spec), "params": params},
+                     "total_slots": self.r.engine.parallel, "model_alias": self.r.model_id,
+                     "model_path": getattr(m.gguf, "path", None), "chat_template": m.tokenizer.chat_template or "",
+                     "modalities": {"vision": False, "audio": False}, "build_info": f"strata-jax {__version__}",
+                     "is_sleeping": False})
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize {content, add_special=false, parse_special=true, with_pieces=false}: {"tokens": ids},
+        or [{"id", "piece"}] with pieces (a piece that is not whole UTF-8 comes as its byte values). content
+        may mix strings and token ids, as llama.cpp's does."""
+        def work(body: dict) -> dict:
+            content = body.get("content")
+            parts = content if isinstance(content, list) else [content]
+            if not isinstance(content, (str, list)) or not all(isinstance(p, str) or _token_id(p) for p in parts):
+                raise bad("'content' must be the text to tokenize: a string, or an array of strings and token ids.",
+                          "content")
+            add, parse, pieces = (_bool(body, k, v) for k, v in (("add_special", False), ("parse_special", True),
+                                                                 ("with_pieces", False)))
+            m = self.r.engine.model
+            ids: list[int] = []
+            for i, p in enumerate(parts):  # special tokens (BOS) only before the first piece of text
+                ids += [p] if not isinstance(p, str) else m.tokenize(p, add_special=add and i == 0,
+                                                                     parse_special=parse)
+            if not pieces:
+                return {"tokens": ids}
+            return {"tokens": [{"id": t, "piece": _piece_json(m.tokenizer.piece(t))} for t in ids]}
+
+        return await self.r._tokens_call(request, work)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize {tokens}: {"content": the tokens' pieces joined, special tokens spelled out}."""
+        def work(body: dict) -> dict:
+            tokens, n = body.get("tokens", []), self.r.engine.model.config.vocab_size
+            if not isinstance(tokens, list) or not all(_token_id(t) for t in tokens):
+                raise bad("'tokens' must be an array of token ids (integers).", "tokens")
+            if outside := [t for t in tokens if not 0 <= t < n]:
+                raise bad(f"token ids {outside[:5]} are outside the vocabulary [0, {n}).", "tokens")
+            tok = self.r.engine.model.tokenizer
+            return {"content": b"".join(tok.piece(t) for t in tokens).decode("utf-8", errors="replace")}
+
+        return await self.r._tokens_call(request, work)
+
+    async def apply_template(self, request: Request) -> Response:
+        """POST /apply-template (a chat completions body): {"prompt": the text the chat template makes of it,
+        as a chat request would be prompted, tools and a forced call's opening included}."""
+        def work(body: dict) -> dict:
+            req = parse_chat(body)
+            parser, _ = self.r.engine.plan_tools(req)
+            return {"prompt": self.r.engine.render(req, parser.prefix if parser else "")}
+
+        return await self.r._tokens_call(request, work)
 
     async def completion(self, request: Request) -> Response:
         return await self._run(request, infill=False)
@@ -844,9 +845,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, met
 
     routes = [Route("/health", r.health), Route("/metrics", r.metrics_text), Route("/metrics.json", r.metrics_text),
               Route("/", r.ui), Mount(UI_PREFIX.rstrip("/"), StaticFiles(directory=UI_DIR)),
-              Route(MONITOR_PATH, r.monitor), Route("/props", r.props),
-              Route("/tokenize", r.tokenize, methods=["POST"]), Route("/detokenize", r.detokenize, methods=["POST"]),
-              Route("/apply-template", r.apply_template, methods=["POST"]),
+              Route(MONITOR_PATH, r.monitor), Route("/props", n.props),
+              Route("/tokenize", n.tokenize, methods=["POST"]), Route("/detokenize", n.detokenize, methods=["POST"]),
+              Route("/apply-template", n.apply_template, methods=["POST"]),
               Route("/completion", n.completion, methods=["POST"]), Route("/infill", n.infill, methods=["POST"])]
     for prefix in ("/v1", ""):  # llama.cpp answers without the /v1 prefix too
         routes += [Route(prefix + "/models", r.models),

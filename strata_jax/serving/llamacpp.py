@@ -4,8 +4,8 @@ request fields with llama.cpp's defaults, and its response and stream format (to
 llama.cpp). Pure functions over JSON values, like protocol.py, whose field readers they reuse.
 
 Sampling llama.cpp has and this engine does not (Mirostat, DRY, XTC, typical, dynamic temperature, probabilities
-after the sampling chain) is refused unless it is at its "off" value; fields about slots, timing limits and progress reports are accepted and
-change nothing here.
+after the sampling chain) is refused unless it is at its "off" value; fields about slots, timing limits and
+progress reports are accepted and change nothing here.
 """
 
 from __future__ import annotations
