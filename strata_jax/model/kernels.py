@@ -37,7 +37,8 @@ class Kernels:
     prefill_cached: str = "off"
     # a scanned layer's float matrix (qwen4exp's F16 hyper-connection matrices) in a few-token product: "copy"
     # (its slice of the stack, a copy XLA runs as a loop-dependent dynamic-slice fusion, which keeps the layer
-    # loop out of the CUDA graphs) or "kernel" (the fused kernel reads it in the stack by slot); not measured yet
+    # loop out of the CUDA graphs) or "kernel" (the fused kernel reads it in the stack by slot; slower on qseed:
+    # docs/benchmarks.md, PART=27)
     float_stack: str = "copy"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
