@@ -309,6 +309,8 @@ def test_infill_keeps_the_prefix_end_and_the_suffix_start(qwen):
     cut = _infill(qwen, ctx=4096, prefix="a", suffix="b", extra=big, n_predict=100)
     files = cut[:cut.index(151659)]  # the latest files' tokens, as many as 4096 - 2048 - 2 * 100 leaves
     assert len(files) == 4096 - 2048 - 200 and files[-1 - len(text("filename\n")):] == [151664, *text("filename\n")]
+    open_ended = _infill(qwen, ctx=4096, prefix=pre, suffix=suf, extra=big)  # n_predict -1: still fits, with room
+    assert len(open_ended) <= 4096 - 16 and len(open_ended[:open_ended.index(151659)]) == 4096 - 2048 - 32
 
 
 def test_infill_without_fim_tokens_is_refused(gemma):

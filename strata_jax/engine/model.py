@@ -556,8 +556,9 @@ class Model:
         """The fill-in-the-middle prompt of code between `prefix` and `suffix`, laid out as llama.cpp's /infill
         lays it out: the repository pattern where the vocabulary has its tokens ([REPO]myproject, then each
         `extra` file {"filename", "text"} after [FILE_SEP]), then [PRE]prefix[SUF]suffix[MID]prompt. As there,
-        the prefix keeps its last 3/4 of a FIM_WINDOW-token window and the suffix its first quarter (less the
-        prompt), and the extra files what the context leaves after the window and twice n_predict."""
+        the prefix keeps its last 3/4 of a FIM_WINDOW-token window (half the context where that is less) and the
+        suffix its first quarter (less the prompt), and the extra files, latest kept, what the context leaves after
+        the window and twice n_predict."""
         tok = self.tokenizer
         fim = tok.fim_ids
         if not {"pre", "suf", "mid"} <= fim.keys():
@@ -579,7 +580,8 @@ class Model:
         pre_ids, suf_ids = text(prefix), text(suffix)
         pre_ids = pre_ids[len(pre_ids) - min(len(pre_ids), 3 * (window // 4)):]
         suf_ids = suf_ids[:max(0, window // 4 - (2 + len(prompt_ids)))]
-        n_extra = min(max(0, self.ctx - window - 2 * n_predict), len(extra_ids))
+        # (a reply of unknown length, n_predict < 16, keeps room for 16 tokens all the same: the layout then fits)
+        n_extra = min(max(0, self.ctx - window - 2 * max(n_predict, 16)), len(extra_ids))
         bos = [tok.bos_id] if tok.add_bos else []
         return (extra_ids[len(extra_ids) - n_extra:] + bos + [fim["pre"], *pre_ids, *prompt_ids, fim["suf"], *suf_ids,
                                                              fim["mid"]])
