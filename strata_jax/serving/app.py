@@ -34,8 +34,8 @@ from strata_jax.serving import anthropic, llamacpp
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax import __version__
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, parse_chat, parse_completion,
-                                         timings, usage)
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, is_token_id, parse_chat,
+                                         parse_completion, timings, usage)
 from strata_jax.serving.responses import ResponseBuilder, parse_responses
 from strata_jax.serving.responses import usage as responses_usage
 from strata_jax.serving.tools import ToolCallStream, ToolParser
@@ -143,10 +143,6 @@ def _query_number(request: Request, name: str, default: Any, lo: float, hi: floa
         kind = "an integer" if integer else "a number of seconds"
         raise bad(f"the query parameter {name}={raw[:40]!r} must be {kind} from {lo:g} to {hi:g}.", name)
     return value
-
-
-def _token_id(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _piece_json(piece: bytes) -> str | list[int]:
@@ -472,14 +468,14 @@ class Routes:
         return lambda entries: env.logprobs(entries, m.token_bytes, base)
 
     async def _gather(self, request: Request, job: Job, ev: Event | None,
-                      t0: float) -> tuple[str, Event, int, float, list] | Response:
-        """A one-choice job's whole output: (text, the final event, tokens, time to first token, logprobs),
-        or the response when it ends otherwise."""
+                      t0: float) -> tuple[str, Event, int, float, list, list[int]] | Response:
+        """A one-choice job's whole output: (text, the final event, tokens, time to first token, logprobs, the
+        token ids), or the response when it ends otherwise."""
         got = await self._gather_choices(request, job, ev, t0, 1)
         if isinstance(got, Response):
             return got
-        texts, finals, n, ttft, lps = got
-        return texts[0], finals[0], n, ttft, lps[0]
+        texts, finals, n, ttft, lps, ids = got
+        return texts[0], finals[0], n, ttft, lps[0], ids[0]
 
     async def _gather_calls(self, request: Request, job: Job, ev: Event | None, t0: float,
                             parser: ToolParser | None) -> tuple[str | None, list, Event, int, float] | Response:
@@ -488,16 +484,18 @@ class Routes:
         got = await self._gather(request, job, ev, t0)
         if isinstance(got, Response):
             return got
-        text, ev, n, ttft, _ = got
+        text, ev, n, ttft, _, _ = got
         content, calls = parser.parse(parser.prefix + text) if parser is not None else (text, [])
         return content, calls, ev, n, ttft
 
     async def _gather_choices(self, request: Request, job: Job, ev: Event | None, t0: float,
-                              n_choices: int) -> tuple[list[str], list[Event], int, float, list[list]] | Response:
+                              n_choices: int) -> tuple[list[str], list[Event], int, float, list[list], list[list[int]]
+                                                       ] | Response:
         """Every choice's whole output: (texts, final events, tokens of all choices, time to first token,
-        logprobs), each list by choice index; or the response when the job ends otherwise."""
+        logprobs, token ids), each list by choice index; or the response when the job ends otherwise."""
         parts: list[list[str]] = [[] for _ in range(n_choices)]
         lps: list[list] = [[] for _ in range(n_choices)]
+        ids: list[list[int]] = [[] for _ in range(n_choices)]
         finals: dict[int, Event] = {}
         n, ttft = 0, None
         while True:
@@ -509,11 +507,12 @@ class Routes:
             ttft = ev.t - t0 if ttft is None else ttft
             parts[ev.index].append(ev.chunk.text)
             lps[ev.index] += ev.chunk.logprobs or []
+            ids[ev.index] += ev.chunk.token_ids
             n += len(ev.chunk.token_ids)
             if ev.kind == "final":
                 finals[ev.index] = ev
                 if len(finals) == n_choices:
-                    return ["".join(p) for p in parts], [finals[i] for i in range(n_choices)], n, ttft, lps
+                    return ["".join(p) for p in parts], [finals[i] for i in range(n_choices)], n, ttft, lps, ids
             ev = await self._next(job, request)
 
     async def _collect(self, request: Request, job: Job, req: GenRequest, env: Envelope, ev: Event | None,
@@ -521,7 +520,7 @@ class Routes:
         got = await self._gather_choices(request, job, ev, t0, req.n)
         if isinstance(got, Response):
             return got
-        texts, finals, n, ttft, lps = got
+        texts, finals, n, ttft, lps, _ = got
         use, extra = self._account(job, env.endpoint, finals[0], n, ttft)
         out = None
         for i in range(req.n):
@@ -678,7 +677,7 @@ class LlamaCppRoutes:
         params = llamacpp.default_settings(m.ctx) | {"speculative.n_max": m.spec_max if m.spec else 0}
         return JSON({"default_generation_settings": {"n_ctx": m.ctx, "speculative": bool(m.spec), "params": params},
                      "total_slots": self.r.engine.parallel, "model_alias": self.r.model_id,
-                     "model_path": getattr(m.gguf, "path", None), "chat_template": m.tokenizer.chat_template or "",
+                     "model_path": m.gguf.path, "chat_template": m.tokenizer.chat_template or "",
                      "modalities": {"vision": False, "audio": False}, "build_info": f"strata-jax {__version__}",
                      "is_sleeping": False})
 
@@ -689,7 +688,7 @@ class LlamaCppRoutes:
         def work(body: dict) -> dict:
             content = body.get("content")
             parts = content if isinstance(content, list) else [content]
-            if not isinstance(content, (str, list)) or not all(isinstance(p, str) or _token_id(p) for p in parts):
+            if not isinstance(content, (str, list)) or not all(isinstance(p, str) or is_token_id(p) for p in parts):
                 raise bad("'content' must be the text to tokenize: a string, or an array of strings and token ids.",
                           "content")
             add, parse, pieces = (_bool(body, k, v) for k, v in (("add_special", False), ("parse_special", True),
@@ -709,7 +708,7 @@ class LlamaCppRoutes:
         """POST /detokenize {tokens}: {"content": the tokens' pieces joined, special tokens spelled out}."""
         def work(body: dict) -> dict:
             tokens, n = body.get("tokens", []), self.r.engine.model.config.vocab_size
-            if not isinstance(tokens, list) or not all(_token_id(t) for t in tokens):
+            if not isinstance(tokens, list) or not all(is_token_id(t) for t in tokens):
                 raise bad("'tokens' must be an array of token ids (integers).", "tokens")
             if outside := [t for t in tokens if not 0 <= t < n]:
                 raise bad(f"token ids {outside[:5]} are outside the vocabulary [0, {n}).", "tokens")
@@ -737,10 +736,9 @@ class LlamaCppRoutes:
     async def _run(self, request: Request, infill: bool) -> Response:
         t0 = time.perf_counter()
         r = self.r
-        parse = lambda body: llamacpp.parse(body, infill=infill)  # noqa: E731
         try:
             body = await read_json(request, r.max_body)
-            req = parse(body)
+            req = llamacpp.parse(body, infill=infill)
             if req.max_tokens == 0:  # n_predict 0: llama.cpp evaluates the prompt only; nothing comes back from it
                 r.engine.check_accepting()
                 ids = await run_in_threadpool(r.engine.tokenize, req)
@@ -749,30 +747,21 @@ class LlamaCppRoutes:
             return error_response(e, request.url.path)
         except ClientDisconnect:
             return Response(status_code=499)
-        started = await r._start(request, parse, body)
+        started = await r._start(request, lambda _: req, body)  # parsed above
         if isinstance(started, Response):
             return started
         req, job, _, first = started
         if req.stream:
             return StreamingResponse(self._stream(job, req, body, first, t0), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        ids, parts, lps, ev, ttft = [], [], [], first, None
-        while True:
-            if ev is None:
-                return Response(status_code=499)
-            if ev.kind == "error":
-                return error_response(ev.error, request.url.path)
-            ttft = ev.t - t0 if ttft is None else ttft
-            ids += ev.chunk.token_ids
-            parts.append(ev.chunk.text)
-            lps += ev.chunk.logprobs or []
-            if ev.kind == "final":
-                break
-            ev = await r._next(job, request)
-        _, extra = r._account(job, "llamacpp", ev, len(ids), ttft)
+        got = await r._gather(request, job, first, t0)
+        if isinstance(got, Response):
+            return got
+        text, ev, n, ttft, lps, ids = got
+        _, extra = r._account(job, "llamacpp", ev, n, ttft)
         if req.logprobs:
             extra["completion_probabilities"] = llamacpp.probs(lps, r.engine.model.token_bytes)
-        return JSON(self._final(req, body, job.prompt_ids, "".join(parts), ids, ev, extra.pop("timings"), extra))
+        return JSON(self._final(req, body, job.prompt_ids, text, ids, ev, extra.pop("timings"), extra))
 
     def _final(self, req: GenRequest, body: Any, prompt_ids: list[int], text: str, ids: list[int], ev: Event | None,
                timings: dict, extra: dict, streamed: bool = False) -> dict:

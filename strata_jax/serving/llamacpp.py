@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata_jax.serving.protocol import MAX_TOP_LOGPROBS, GenRequest, _bool, _common, _kind, _number, bad
+from strata_jax.serving.protocol import (MAX_TOP_LOGPROBS, GenRequest, _bool, _common, _kind, _number, bad,
+                                         is_token_id)
 
 # llama.cpp's sampling defaults for these endpoints (OpenAI's routes keep OpenAI's)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
@@ -40,7 +41,7 @@ def parse(body: Any, *, infill: bool = False) -> GenRequest:
         b.pop("seed")
     n_predict = b.pop("n_predict", None)
     n_predict = b.pop("max_tokens", None) if n_predict is None else n_predict
-    if n_predict is not None and (not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < -1):
+    if n_predict is not None and (not is_token_id(n_predict) or n_predict < -1):
         raise bad(f"'n_predict' must be an integer: -1 (until the context is full or the model stops), 0 (the prompt "
                   f"only) or a token count, got {n_predict!r}.", "n_predict")
     stop = b.get("stop")
@@ -55,7 +56,7 @@ def parse(body: Any, *, infill: bool = False) -> GenRequest:
         _infill_fields(body, req)
     else:
         p = body.get("prompt")
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, list) and p and all(is_token_id(t) for t in p):
             req.prompt = p
         elif isinstance(p, str) and p:
             req.prompt = p

@@ -126,6 +126,11 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
     return int(v) if integer else float(v)
 
 
+def is_token_id(v: Any) -> bool:
+    """An integer that is not a bool (JSON's true is not token 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _bool(body: dict, name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
@@ -344,7 +349,7 @@ def parse_completion(body: Any) -> GenRequest:
     if isinstance(p, str):
         if not p and req.suffix is None:  # an infill may start at the very beginning
             raise bad("'prompt' is empty; give some text or token ids.", "prompt")
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    elif isinstance(p, list) and p and all(is_token_id(t) for t in p):
         pass
     elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
         raise bad(f"'prompt' holds {len(p)} prompts; batched prompts are not supported yet, send one per request.",
