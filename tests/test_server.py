@@ -12,6 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -409,6 +410,48 @@ def test_completion_logprobs_legacy_format(client, model):
     assert off["choices"][0]["logprobs"] is None
 
 
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_completion_echo_scores_the_prompt(client, model):
+    """echo (OpenAI's legacy completions, what lm-eval's loglikelihood reads): the reply starts with the prompt,
+    its first token's logprob null and every other one's the model's log-probability given the tokens before
+    it (Model.logits), with alternatives; max_tokens 0 scores the prompt alone; streamed == whole."""
+    prompt = "Once upon a time there was"
+    ids = model.prompt_tokens(prompt)
+    ref = _log_softmax(model.logits(ids))
+    text = lambda t: token_text(model.token_bytes(t))  # noqa: E731
+    for max_tokens in (0, 3):
+        body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                     "echo": True, "logprobs": 2}).json()
+        choice, gen = body["choices"][0], model.generate(prompt, max_tokens=3, temperature=0, logprobs=True)
+        assert choice["text"] == prompt + (gen.text if max_tokens else "")
+        assert body["usage"] == dict(body["usage"], prompt_tokens=len(ids), completion_tokens=max_tokens)
+        lp = choice["logprobs"]
+        assert lp["tokens"][: len(ids)] == [text(t) for t in ids] and len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [ref[j, ids[j + 1]] for j in range(len(ids) - 1)] + [e.logprob for e in gen.logprobs][:max_tokens]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+        for j, top in enumerate(lp["top_logprobs"][1: len(ids)]):
+            best = np.argsort(-ref[j])[:2]
+            assert top == pytest.approx({text(t): ref[j, t] for t in best} | {lp["tokens"][j + 1]: want[j]},
+                                        abs=1e-4)
+        assert lp["text_offset"][: len(ids)] == [len("".join(lp["tokens"][:j])) for j in range(len(ids))]
+        assert lp["text_offset"][len(ids):] == [len(prompt) + e.offset for e in gen.logprobs][:max_tokens]
+        chunks = parse_sse(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                                "temperature": 0, "echo": True, "logprobs": 2,
+                                                                "stream": True}).text)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+        streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        assert sum((s["token_logprobs"] for s in streamed), []) == lp["token_logprobs"]
+    plain = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0,
+                                                  "echo": True}).json()["choices"][0]
+    assert plain["text"] == model.detokenize(ids) + model.generate(prompt, max_tokens=2, temperature=0).text
+    assert plain["logprobs"] is None
+
+
 def test_penalties_through_the_server(client, model):
     for pen in (dict(presence_penalty=2.0), dict(frequency_penalty=1.5, presence_penalty=-0.5),
                 dict(repeat_penalty=1.8, repeat_last_n=16)):
@@ -517,6 +560,14 @@ def test_bad_completion_logprobs_are_400(client, logprobs):
     assert "integer" in assert_error(r, 400, "logprobs")["message"]
 
 
+@pytest.mark.parametrize("body,param", [({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                                        ({"prompt": "hi", "echo": "yes"}, "echo"),
+                                        ({"prompt": "def f(", "suffix": "\n", "echo": True}, "echo"),
+                                        ({"prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens")])
+def test_bad_completion_echo_requests_are_400(client, body, param):
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+
+
 @pytest.mark.parametrize("prompt", ["", [], [1, "x"], ["a", "b"], {"p": 1}, [10**9], None])
 def test_bad_completion_prompts_are_400(client, prompt):
     assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, "prompt")
@@ -553,7 +604,7 @@ VALID = {  # plausible values, so that many fuzzed requests get through validati
     "reasoning_effort": st.sampled_from(["none", "low", "high"]), "cache_prompt": st.booleans(),
     "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 20),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repeat_penalty": st.floats(0.5, 2),
-    "repeat_last_n": st.integers(0, 256), "response_format": st.just({"type": "text"}),
+    "repeat_last_n": st.integers(0, 256), "response_format": st.just({"type": "text"}), "echo": st.booleans(),
     "chat_template_kwargs": st.just({"enable_thinking": False}),
 }
 

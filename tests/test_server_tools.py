@@ -295,3 +295,25 @@ def test_llamacpp_infill(server, ref_tokenizer):
     warm = post(server, "/infill", {**body, "n_predict": 0}).json()
     assert warm["content"] == "" and warm["tokens_predicted"] == 0
     assert warm["tokens_evaluated"] == out["tokens_evaluated"]
+
+
+def test_completions_echo_logprobs_match_transformers(client, server, qwen_gguf_path):
+    """lm-eval's loglikelihood request (official SDK): the prompt as token ids, echo, logprobs=1, max_tokens=1;
+    its tokens' logprobs are transformers' log-softmax of the same model's logits, and its top alternative
+    the argmax (lm-eval's is_greedy)."""
+    import torch
+    from reference_models import hf_model_from_gguf
+
+    ids = post(server, "/tokenize", {"content": "def is_even(n):\n    return n % 2 == 0\n"}).json()["tokens"]
+    r = client.completions.create(model="m", prompt=[ids], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model_from_gguf(qwen_gguf_path)(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    want = [ref[j, ids[j + 1]] for j in range(len(ids) - 1)] + [ref[-1].max()]  # greedy: the last is the argmax
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    for j, top in enumerate(lp.top_logprobs[1: len(ids)]):
+        best = max(top, key=top.get)
+        assert top[best] == pytest.approx(ref[j].max(), abs=2e-3)
+        assert (best == lp.tokens[j + 1]) == (int(ref[j].argmax()) == ids[j + 1])
+    assert r.choices[0].text.startswith("def is_even(n):\n    return n % 2 == 0\n")

@@ -652,6 +652,7 @@ class Model:
         grammar: str | None = None,
         json_schema: dict | None = None,
         spec_max: int | None = None,
+        prompt_logprobs: bool = False,
         **template_kwargs,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation. cache_prompt: reuse the KV cache for the longest token prefix this prompt
@@ -666,14 +667,17 @@ class Model:
         {"type": "json_schema", "json_schema": {"schema": {...}}}), or llama.cpp's grammar (GBNF text) or
         json_schema (a schema dict); at most one of them. spec_max: with speculative decoding on
         (EngineConfig.spec), this request's drafted tokens per verify pass at most (0: none; the config's
-        spec_max bounds it)."""
+        spec_max bounds it). prompt_logprobs (with logprobs): the first chunk's `prompt_logprobs` hold a
+        TokenLogprob for each prompt token after the first (the model's log-probability of it given the
+        tokens before it: what OpenAI's echo with logprobs reports; the prompt is then prefilled whole)."""
         constraint = request_grammar(response_format, grammar, json_schema)
         s = self.session()
         row, chunks = s.admit(prompt_or_messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, min_p=min_p, seed=seed, stop=stop, cache_prompt=cache_prompt,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
-                              top_logprobs=top_logprobs, constraint=constraint, spec_max=spec_max, **template_kwargs)
+                              top_logprobs=top_logprobs, constraint=constraint, spec_max=spec_max,
+                              prompt_logprobs=prompt_logprobs, **template_kwargs)
         try:
             yield from chunks
             while row in s.active_rows:
@@ -684,15 +688,16 @@ class Model:
 
     def generate(self, prompt_or_messages: str | Sequence[dict], **kwargs) -> Generation:
         """Generate to completion; keyword arguments as for generate_stream."""
-        parts, ids, lps = [], [], None
+        parts, ids, lps, plps = [], [], None, None
         for chunk in self.generate_stream(prompt_or_messages, **kwargs):
+            plps = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else plps
             parts.append(chunk.text)
             ids.extend(chunk.token_ids)
             if chunk.logprobs is not None:
                 lps = lps if lps is not None else []
                 lps.extend(chunk.logprobs)
         return Generation("".join(parts), ids, chunk.prompt_token_ids or [], chunk.finish_reason or "length",
-                          chunk.timings or {}, lps)
+                          chunk.timings or {}, lps, plps)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token contributes to decoded text (a byte token's single byte, which may be part of

@@ -72,8 +72,9 @@ from strata_jax.engine.constrained import Constraint
 from strata_jax.engine.convcache import common_prefix, padded
 from strata_jax.engine.lookup import Acceptance, lookup_draft
 from strata_jax.engine.sampling import (GREEDY, REPEAT_WINDOW, TOP_LOGPROBS, PenaltyState, SamplingMode,
-                                       SamplingParams, allowed_mask, validate_sampling)
-from strata_jax.engine.streaming import GenerationChunk, TextStream, kv_cells, request_timings, token_logprob
+                                       SamplingParams, allowed_mask, token_logprobs, validate_sampling)
+from strata_jax.engine.streaming import (GenerationChunk, TextStream, TokenLogprob, kv_cells, request_timings,
+                                        token_logprob)
 
 log = logging.getLogger("strata_jax")
 
@@ -106,6 +107,7 @@ def _with_state(kv: KVCache, state: KVCache) -> KVCache:
     return dataclasses.replace(kv, rec=state.rec, mtp=None if kv.mtp is None else kv.mtp.replace(h_1BD=state.mtp.h_1BD))
 
 
+_prompt_scores = jax.jit(token_logprobs)  # [T, V] logits, the next tokens [T] -> their Logprobs (echo's scores)
 _take_rec = jax.jit(lambda kv, row: _state(kv).take_row(row))  # a row's state that cannot be rewound
 # only that state, in place: put_row over a cache of the state alone
 _put_rec = jax.jit(lambda kv, row, st: _with_state(kv, _state(kv).put_row(row, st)), donate_argnums=0)
@@ -323,7 +325,7 @@ class Session:
               cache_prompt: bool = True, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: bool = False, top_logprobs: int = 0,
               keep_special: Sequence[int] = (), constraint: str | None = None, spec_max: int | None = None,
-              **template_kwargs) -> tuple[int, list[GenerationChunk]]:
+              prompt_logprobs: bool = False, **template_kwargs) -> tuple[int, list[GenerationChunk]]:
         """Prefill a request into a free row and sample its first token; arguments as for
         Model.generate_stream, and keep_special: special token ids whose text stays in the streamed
         text (a tool-call parser's markers); constraint: an llguidance grammar (engine/constrained.py's
@@ -341,6 +343,8 @@ class Session:
             raise ConfigError(f"all {self.n_rows} rows are busy: admit after a request finishes or is released.")
         if constraint is not None:
             constraint = Constraint(constraint, m.tokenizer, m.config.vocab_size)
+        score = n_top if prompt_logprobs and n_top is not None else None
+        cache_prompt = cache_prompt and score is None  # every prompt position's logits are needed then
         row = self._pick_row(ids, cache_prompt)
         n_cached = common_prefix(ids, self._cached[row]) if cache_prompt else 0
         n_cached = min(n_cached, len(ids) - 1)  # at least one token must run to give the next-token logits
@@ -379,7 +383,8 @@ class Session:
         turn_start = tuple(ids[:n_cached])
         if m.config.has_recurrent_state and n_cached and not any(t == turn_start for t, _ in self._snaps[row]):
             self._snaps[row].append((turn_start, jax.device_get(_take_rec(self._kv_now(), np.int32(row)))))
-        out = self._prefill(row, ids, n_cached, start, all_logits=False)
+        scored: list[TokenLogprob] = []
+        out = self._prefill(row, ids, n_cached, start, all_logits=False, score=score, scored=scored)
         tok = int(np.asarray(out.tok_1)[0])
         if m.config.has_recurrent_state:  # keep the turn's start (if it continued one) and the prompt's end
             base = [sn for sn in self._snaps[row] if n_cached and sn[0] == turn_start]
@@ -400,7 +405,14 @@ class Session:
         q.t1 = q.t_steady = time.perf_counter()
         self._reqs[row] = q
         lp = token_logprob(jax.device_get(out.logprobs), 0, tok, n_top, 0) if n_top is not None else None
-        return row, self._push(row, q, tok, lp, first=True)
+        chunks = self._push(row, q, tok, lp, first=True)
+        if score is not None:  # ahead of the first token's chunk (whose text may be held back)
+            dec, at = m.tokenizer.stream_decoder(skip_special=False), 0
+            for e, t in zip(scored, ids):  # entry j scores ids[j + 1]: its text starts after ids[:j + 1]'s
+                at += len(dec.push(t))
+                e.offset = at
+            chunks.insert(0, GenerationChunk("", [], prompt_logprobs=scored))
+        return row, chunks
 
     def step(self) -> dict[int, list[GenerationChunk]]:
         """Dispatch decode calls (keeping one queued ahead), wait for the oldest, and stream its tokens:
@@ -681,9 +693,11 @@ class Session:
         return np.asarray(drafts).tolist()
 
     def _prefill(self, row: int, ids: list[int], start: int, req: programs.RowStart, all_logits: bool,
-                 keep: bool = False):
+                 keep: bool = False, score: int | None = None, scored: list | None = None):
         """Prefill ids[start:] into `row` at positions start.. (ids[:start] are already there); returns the
-        last chunk's PrefillOut (all_logits: the list of every chunk's valid logits)."""
+        last chunk's PrefillOut (all_logits: the list of every chunk's valid logits). score: append to
+        `scored` a TokenLogprob with `score` alternatives for each of ids[start + 1:], from the logits
+        before it (taken on the device: only the scores cross to the host)."""
         m, pos, out, outs = self.model, start, None, []
         if start < len(self._cached[row]) or any(start < len(t) for t, _ in self._snaps[row]):
             self._spill(row)
@@ -696,9 +710,15 @@ class Session:
             toks[0, : len(chunk)] = chunk
             out, routed = self._call(self._prefill_fn, np.int32(row), toks, np.array([pos], np.int32),
                                      np.array([len(chunk)], np.int32), req, self._stop_St, end=pos + T, prefill=True,
-                                     all_logits=all_logits, **m.forced_prefill(pos, T))
+                                     all_logits=all_logits or score is not None, **m.forced_prefill(pos, T))
             if m.routing is not None:
                 m.routing.append(np.asarray(routed).transpose(1, 0, 2)[: len(chunk)])
+            if score is not None:
+                n = min(len(chunk), len(ids) - pos - 1)  # positions whose next token is in the prompt
+                nxt = np.zeros(T, np.int32)
+                nxt[:n] = ids[pos + 1: pos + 1 + n]
+                lp = jax.device_get(_prompt_scores(out.logits[0], nxt))
+                scored += [token_logprob(lp, j, nxt[j], score, 0) for j in range(n)]
             if all_logits:  # the trunk's logits, and the MTP block's where the cache keeps its state
                 outs.append((np.asarray(out.logits[0, : len(chunk)]),
                              None if out.mtp_logits is None else np.asarray(out.mtp_logits[0, : len(chunk)])))

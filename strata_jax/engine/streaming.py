@@ -43,6 +43,9 @@ class GenerationChunk:
     prompt_token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
     stop_string: str | None = None  # on the last chunk: the stop string that ended it (Anthropic reports it)
+    # prompt_logprobs: on a chunk of its own ahead of the first token's, every prompt token's after the first
+    # (its offset is its text's start in the prompt's)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ class Generation:
     finish_reason: str
     timings: dict[str, float]
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # generate(prompt_logprobs=True, logprobs=True)
 
 
 @dataclasses.dataclass

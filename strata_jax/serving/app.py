@@ -34,8 +34,8 @@ from strata_jax.serving import anthropic, llamacpp
 from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax import __version__
-from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, is_token_id, parse_chat,
-                                         parse_completion, timings, usage)
+from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, echo_logprobs, is_token_id,
+                                         joined_logprobs, parse_chat, parse_completion, timings, usage)
 from strata_jax.serving.responses import ResponseBuilder, parse_responses
 from strata_jax.serving.responses import usage as responses_usage
 from strata_jax.serving.tools import ToolCallStream, ToolParser
@@ -505,6 +505,8 @@ class Routes:
                 job.cancel()  # its other choices stop too
                 return error_response(ev.error, request.url.path)
             ttft = ev.t - t0 if ttft is None else ttft
+            if ev.chunk.prompt_logprobs is not None:
+                job.prompt_logprobs = ev.chunk.prompt_logprobs
             parts[ev.index].append(ev.chunk.text)
             lps[ev.index] += ev.chunk.logprobs or []
             ids[ev.index] += ev.chunk.token_ids
@@ -521,21 +523,36 @@ class Routes:
         if isinstance(got, Response):
             return got
         texts, finals, n, ttft, lps, _ = got
+        if req.scores_only:
+            texts, lps, n = [""] * req.n, [[] for _ in lps], 0
         use, extra = self._account(job, env.endpoint, finals[0], n, ttft)
-        out = None
+        out, logprobs = None, self._logprobs_of(job, env)
         for i in range(req.n):
             text, finish, calls = texts[i], finals[i].chunk.finish_reason, []
             if parser is not None:
                 text, calls = parser.parse(parser.prefix + text)
                 finish = "tool_calls" if calls else finish
-            one = env.response(text, finish, use, extra, calls, logprobs=self._logprobs_of(job, env)(lps[i]), index=i)
+            lp = logprobs(lps[i]) if lps[i] or not req.echo else None
+            if req.echo:
+                echoed, echoed_lp = self._echo(job)
+                text, lp = echoed + text, joined_logprobs(echoed_lp, lp)
+            one = env.response(text, finish, use, extra, calls, logprobs=lp, index=i)
             out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
         return JSON(out)
+
+    def _echo(self, job: Job) -> tuple[str, dict | None]:
+        """An echoed prompt: its text (as given, or its token ids' text) and, with logprobs, its logprobs."""
+        m, p = self.engine.model, job.req.prompt
+        text = p if isinstance(p, str) else m.detokenize(p)
+        if not job.req.logprobs:
+            return text, None
+        return text, echo_logprobs(job.prompt_ids, job.prompt_logprobs or [], m.token_bytes)
 
     async def _stream(self, job: Job, req: GenRequest, env: Envelope, ev: Event, t0: float,
                       parser: ToolParser | None):
         """SSE chunks; with n > 1 the choices' chunks interleave, each with its index, and each choice
-        ends with its own finish chunk (the last one carries timings, then the usage chunk)."""
+        ends with its own finish chunk (the last one carries timings, then the usage chunk). echo: each
+        choice starts with the prompt's text (and its logprobs: the first event carries them)."""
         tools = [ToolCallStream(parser) if parser is not None else None for _ in range(req.n)]
         n, ttft, finals = 0, None, 0
         # per choice: logprobs of tokens whose text is not sent yet: they ride on the next chunk
@@ -551,6 +568,11 @@ class Routes:
             if env.endpoint == "chat":
                 for i in range(req.n):
                     yield sse(env.chunk(role=True, text="", index=i))
+            if req.echo:
+                job.prompt_logprobs = ev.chunk.prompt_logprobs
+                text, lp = self._echo(job)
+                for i in range(req.n):
+                    yield sse(env.chunk(text=text, logprobs=lp, index=i))
             while True:
                 if ev.kind == "error":  # after the headers: an error event, as llama.cpp sends, then [DONE]
                     yield sse(ev.error.body())
@@ -558,9 +580,10 @@ class Routes:
                     return
                 i, tool = ev.index, tools[ev.index]
                 ttft = ev.t - t0 if ttft is None else ttft
-                n += len(ev.chunk.token_ids)
-                lps[i] += ev.chunk.logprobs or []
-                text = tool.feed(ev.chunk.text) if tool else ev.chunk.text
+                quiet = req.scores_only  # the one token a prefill gives is not part of the reply
+                n += 0 if quiet else len(ev.chunk.token_ids)
+                lps[i] += [] if quiet else ev.chunk.logprobs or []
+                text = "" if quiet else tool.feed(ev.chunk.text) if tool else ev.chunk.text
                 if text:
                     yield sse(env.chunk(text=text, logprobs=take_lps(i), index=i))
                 for delta in tool.take_deltas() if tool else []:

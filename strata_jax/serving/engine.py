@@ -68,6 +68,7 @@ class Job:
         self._cancel = threading.Event()
         self.expert_base: dict[str, int] = {}  # the engine's expert counters when the job started (batched)
         self.admitted = 0  # choices admitted so far (of req.n)
+        self.prompt_logprobs: list | None = None  # echo with logprobs: the prompt's TokenLogprobs, once they came
 
     def cancel(self) -> None:
         """Ask the engine to skip this job or stop it before its next token."""
@@ -364,6 +365,7 @@ class Engine:
         kwargs = req.sampling()
         if kwargs["max_tokens"] is None:
             kwargs["max_tokens"] = m.ctx  # admit caps it at what the context has left
+        kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0 (req.scores_only): the prefill's token, left out
         if index:
             kwargs["seed"] = choice_seed(kwargs["seed"], index)
             sibling = next((r for r, j in self._active.items() if j is job), None)

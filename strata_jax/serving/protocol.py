@@ -87,6 +87,7 @@ class GenRequest:
     suffix: str | None = None  # fill in the middle (completion): the text after the gap; prompt is the text before
     infill_extra: list[dict] = dataclasses.field(default_factory=list)  # other files ({"filename", "text"})
     infill_prompt: str = ""  # text the infill continues after the prefix (llama.cpp's /infill prompt)
+    echo: bool = False  # completion: the reply starts with the prompt (and its tokens' logprobs, with logprobs)
 
     @property
     def prompt_param(self) -> str:
@@ -101,7 +102,13 @@ class GenRequest:
                     min_p=self.min_p, seed=self.seed, stop=self.stop or None, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
                     repeat_last_n=self.repeat_last_n, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                    constraint=self.constraint, spec_max=self.spec_max)
+                    constraint=self.constraint, spec_max=self.spec_max, prompt_logprobs=self.echo and self.logprobs)
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs only, nothing generated (the engine samples
+        the one token a prefill always gives, and the reply leaves it out)."""
+        return self.echo and self.max_tokens == 0
 
 
 # -- field readers -----------------------------------------------------------------------------------
@@ -140,8 +147,9 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _common(body: Any) -> dict[str, Any]:
-    """Fields shared by both endpoints: sampling, limits, stop, streaming, unsupported features."""
+def _common(body: Any, zero_tokens: bool = False) -> dict[str, Any]:
+    """Fields shared by both endpoints: sampling, limits, stop, streaming, unsupported features.
+    zero_tokens: max_tokens may be 0 (completions' echo: the prompt scored, nothing generated)."""
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_kind(body)}.")
     model = body.get("model")
@@ -150,7 +158,7 @@ def _common(body: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model, "n": _number(body, "n", 1, 1, MAX_CHOICES, integer=True)}
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit_name) is not None:
-        out["max_tokens"] = _number(body, limit_name, 0, 1, 2**31 - 1, integer=True)
+        out["max_tokens"] = _number(body, limit_name, 0, 0 if zero_tokens else 1, 2**31 - 1, integer=True)
     out["temperature"] = _number(body, "temperature", 1.0, 0, 100)
     out["top_p"] = _number(body, "top_p", 1.0, 0, 1, lo_open=True)
     out["top_k"] = _number(body, "top_k", 0, 0, 2**31 - 1, integer=True)
@@ -336,7 +344,8 @@ def parse_chat(body: Any) -> GenRequest:
 
 
 def parse_completion(body: Any) -> GenRequest:
-    req = GenRequest(endpoint="completion", prompt="", **_common(body))
+    echo = isinstance(body, dict) and _bool(body, "echo", False)
+    req = GenRequest(endpoint="completion", prompt="", echo=echo, **_common(body, zero_tokens=echo))
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
@@ -358,8 +367,8 @@ def parse_completion(body: Any) -> GenRequest:
         raise bad(f"'prompt' must be a non-empty string or array of token ids, got {_kind(p)}"
                   f"{' (empty)' if p == [] else ''}.", "prompt")
     req.prompt = p
-    if _bool(body, "echo", False):
-        raise bad("'echo' is not supported yet; omit it.", "echo")
+    if echo and req.suffix is not None:
+        raise bad("'echo' cannot be used with 'suffix': a fill-in-the-middle reply is the gap's text only.", "echo")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' must be 1 (or omitted).", "best_of")
     lp = body.get("logprobs")
@@ -403,6 +412,22 @@ def completion_logprobs(entries: list, token_bytes, base_offset: int) -> dict:
         tops.append(top)
     return {"tokens": [text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": tops, "text_offset": [base_offset + e.offset for e in entries]}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list, token_bytes) -> dict:
+    """The legacy completions `logprobs` of an echoed prompt: its first token has none (null, as OpenAI's),
+    the others their TokenLogprob entries (offsets from the start of the prompt)."""
+    rest = completion_logprobs(entries, token_bytes, 0)
+    return {"tokens": [token_text(token_bytes(prompt_ids[0]))] + rest["tokens"],
+            "token_logprobs": [None] + rest["token_logprobs"], "top_logprobs": [None] + rest["top_logprobs"],
+            "text_offset": [0] + rest["text_offset"]}
+
+
+def joined_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Two legacy completions `logprobs` objects, one after the other (an echoed prompt's, the reply's)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a[k] + b[k] for k in a}
 
 
 # -- responses --------------------------------------------------------------------------------------
