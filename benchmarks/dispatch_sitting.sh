@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..27 are later sittings (each described above its pipeline), PART=27 the newest.
+# PART=2..28 are later sittings (each described above its pipeline), PART=28 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -750,5 +750,27 @@ pipeline27() {
 }
 [ "${PART:-1}" = 27 ] && { pipeline() { pipeline27; }
   RETURNED="progress phases.tsv data-*.json compiles-*.txt cb-*.txt dsf-*.txt"; }
+
+# PART=28 (issues 33, 30), one GPU, ~10 min: split-K in the fused kernel (STRATA_JAX_QMATVEC_SPLIT=1: qseed's routed
+# gate+up in 4 shares of its 12 units, the [3072, 4096] output projections in 8, now on the kernel instead of
+# dequantized every step) against the default, qseed under 32 GiB (same tokens expected); then where a 4,096-token
+# prefill chunk's GPU time goes (scope_profile.py --prefill, qseed cut to 8 layers, half the experts cached).
+pipeline28() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  phase split-off 170 env JAX_LOG_COMPILES=1 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" --label split-off \
+    --out "$S/data-split-off.json"
+  phase split-on 170 env JAX_LOG_COMPILES=1 STRATA_JAX_QMATVEC_SPLIT=1 "$PY" -m strata_jax.cli bench "${QSEED32[@]}" \
+    --label split-on --out "$S/data-split-on.json"
+  rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf  # the 8-layer file needs the disk
+  phase profile-prefill 300 env OUT="$S" TAG=prefill PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/scope_profile.py \
+    --shape qseed --layers 8 --slots-fraction 0.5 --prefill 4096
+  phase profile-split 200 env OUT="$S" TAG=split STRATA_JAX_QMATVEC_SPLIT=1 PYTHONPATH="$PYTHONPATH:." "$PY" \
+    benchmarks/scope_profile.py --shape qseed --layers 8
+  rm -rf "$S/scope-dump" /tmp/qseed-8L.gguf
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 28 ] && { pipeline() { pipeline28; }
+  RETURNED="progress phases.tsv data-*.json scope_profile-*.json"; }  # logs: logs.tar.gz
 
 sitting_main "$@"

@@ -93,7 +93,8 @@ def main():
     model.tokenizer.stop_ids = frozenset()
     prompt = list(range(100, 132))
     if a.prefill:  # a different prompt each time (no prefix reuse), each one chunk
-        prompts = [[100 + (i * 7919 + j * 31) % 5000 for j in range(a.prefill)] for i in range(3)]
+        V = model.config.vocab_size - 100
+        prompts = [[100 + (i * 7919 + j * 31) % V for j in range(a.prefill)] for i in range(3)]
         model.generate(prompts[0], max_tokens=1, temperature=0, cache_prompt=False)
         g = model.generate(prompts[1], max_tokens=1, temperature=0, cache_prompt=False)
         n = 1

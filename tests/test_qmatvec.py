@@ -327,3 +327,68 @@ def test_scanned_float_matrices_read_in_their_stack(monkeypatch, tmp_path):
 
     with pytest.raises(ConfigError, match="STRATA_JAX_FLOAT_STACK='views'"):
         EngineConfig.create()
+
+
+@pytest.mark.parametrize("qtype,n_cols,splits", [(Q.Q4_K, 1024, 2), (Q.Q4_K, 1024, 4), (Q.IQ3_S, 768, 3),
+                                                 (Q.Q8_0, 512, 2)])
+def test_split_k_sums_the_same_products(qtype, n_cols, splits):
+    """Split-K: each (pair, rows) tile over shares of the row's units, the partial sums added after the call
+    (and, with swiglu, activated there), gives the products of gguf-py's dequantized weights; a negative
+    slot still gives zeros."""
+    rng = np.random.default_rng(splits * 100 + n_cols)
+    F, S = 40, 3
+    g, u, rows, parts = _gate_up_rows(rng, qtype, qtype, S, F, n_cols)
+    x = rng.standard_normal((4, 1, n_cols)).astype(np.float32)
+    slots = np.array([2, 0, -1, 1], np.int32)
+    run = lambda **kw: np.asarray(qm.stacked_matvec(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(slots),  # noqa: E731
+                                                    block_rows=16, interpret=True, **kw))
+    y = run(parts=parts[:1], splits=splits)
+    ref = _reference(x, g, np.maximum(slots, 0), qtype, n_cols)
+    ref[2] = 0
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    h = run(parts=parts, swiglu=True, splits=splits, out_dtype=jnp.bfloat16)
+    gx, ux = ref, _reference(x, u, np.maximum(slots, 0), qtype, n_cols)
+    ux[2] = 0
+    want = gx / (1 + np.exp(-gx)) * ux
+    assert h.dtype == jnp.bfloat16
+    np.testing.assert_allclose(h.astype(np.float32), want, rtol=0, atol=1e-2 * np.abs(want).max())
+    np.testing.assert_allclose(h.astype(np.float32), run(parts=parts, swiglu=True, out_dtype=jnp.bfloat16
+                                                          ).astype(np.float32), rtol=0, atol=1e-2 * np.abs(want).max())
+
+
+def test_split_k_is_chosen_for_calls_of_few_tiles():
+    """Kernels.qmatvec_split "auto" splits qseed's routed gate+up (10 pairs x 32 tiles) and its [3072, 4096]
+    output projections (192 tiles: under MIN_PROGRAMS unsplit, so on the kernel only when split), not the LM
+    head; "off" (the default) never."""
+    auto, off = Kernels(platform="gpu", qmatvec_split="auto"), Kernels(platform="gpu")
+    gate, out = qm.dense_part(Q.IQ3_S, 512, 3072), qm.dense_part(Q.Q4_K, 3072, 4096)
+    head = qm.dense_part(Q.Q4_K, 248320, 3072)
+    assert qm.block_config(gate, 10, auto)["splits"] == 4  # 320 tiles, 12 units a row -> 3 each
+    assert qm.block_config(out, 1, auto)["splits"] == 8  # 192 tiles, 16 units -> 2 each
+    assert qm.block_config(head, 1, auto)["splits"] == 1
+    assert all(qm.block_config(p, 10, off)["splits"] == 1 for p in (gate, out, head))
+    assert qm.use_kernel((out,), 1, auto) and not qm.use_kernel((out,), 1, off)
+
+
+def test_model_decodes_the_same_tokens_split(monkeypatch, tmp_path):
+    """qtiny (IQ3_S experts, Q8_0 dense) on the kernel everywhere (STRATA_JAX_QMATVEC=1), split-K on
+    (STRATA_JAX_QMATVEC_SPLIT=1): the tokens and log-probabilities of the unsplit run."""
+    from strata_jax.bench.shapes import SHAPES
+
+    # d_model 1024: the experts' gate/up rows are 4 IQ3_S units long, enough to split (MIN_SPLIT_UNITS)
+    path = write_synthetic_gguf(tmp_path / "qtiny.gguf", dataclasses.replace(SHAPES["qtiny"], d_model=1024))
+    monkeypatch.setenv("STRATA_JAX_QMATVEC", "1")
+    splits, real = [], qm.stacked_matvec
+    monkeypatch.setattr(qm, "stacked_matvec", lambda *a, **k: splits.append(k.get("splits", 1)) or real(*a, **k))
+    outs = []
+    for split in ("0", "1"):
+        monkeypatch.setenv("STRATA_JAX_QMATVEC_SPLIT", split)
+        jax.clear_caches()
+        m = strata_jax.load(path, ctx=64, dequantize_dense=False)
+        assert m.kernels.qmatvec_split == ("auto" if split == "1" else "off")
+        outs.append(m.generate(list(range(5, 17)), max_tokens=5, temperature=0, logprobs=True))
+    jax.clear_caches()
+    assert max(splits) > 1
+    assert outs[0].token_ids == outs[1].token_ids
+    np.testing.assert_allclose([e.logprob for e in outs[0].logprobs], [e.logprob for e in outs[1].logprobs],
+                               atol=1e-4)

@@ -233,8 +233,8 @@ def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
 
 def kernels_from_env() -> Kernels:
     """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL,
-    STRATA_JAX_STATE_ROWS (as QMATVEC), STRATA_JAX_PREFILL_CACHED (1 on, else off) and STRATA_JAX_FLOAT_STACK
-    (copy | kernel)."""
+    STRATA_JAX_STATE_ROWS (as QMATVEC), STRATA_JAX_PREFILL_CACHED (1 on, else off), STRATA_JAX_FLOAT_STACK
+    (copy | kernel) and STRATA_JAX_QMATVEC_SPLIT (1 auto, else off)."""
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
@@ -256,9 +256,14 @@ def kernels_from_env() -> Kernels:
     if fs not in FLOAT_STACK:
         raise ConfigError(f"STRATA_JAX_FLOAT_STACK={fs!r} is invalid: set kernel (a scanned layer's float matrices "
                           "read in their stack by the fused kernel), copy (the default) or leave it unset.")
+    split = os.environ.get("STRATA_JAX_QMATVEC_SPLIT", "")
+    if split not in ("", "0", "1"):
+        raise ConfigError(f"STRATA_JAX_QMATVEC_SPLIT={split!r} is invalid: set 1 (the fused kernel splits the rows of a "
+                          "call of few tiles into more programs, split-K), 0 or leave it unset (never).")
     on_off = {"": "auto", "0": "off", "1": "on"}
     return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows],
-                   prefill_cached="on" if cached == "1" else "off", float_stack=fs)
+                   prefill_cached="on" if cached == "1" else "off", float_stack=fs,
+                   qmatvec_split="auto" if split == "1" else "off")
 
 
 def compilation_cache_from_env() -> bool:

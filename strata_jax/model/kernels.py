@@ -40,6 +40,10 @@ class Kernels:
     # loop out of the CUDA graphs) or "kernel" (the fused kernel reads it in the stack by slot; slower on qseed:
     # docs/benchmarks.md, PART=27)
     float_stack: str = "copy"
+    # split-K in the fused kernel (qmatvec.block_config): "auto" cuts a call of few tiles (qseed's routed gate+up,
+    # the [3072, 4096] output projections) along its rows into more programs, whose partial sums are added after;
+    # "off" never (the default until a GPU run says which is faster)
+    qmatvec_split: str = "off"
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -54,5 +58,7 @@ class Kernels:
             raise ValueError(f"prefill_cached={self.prefill_cached!r}: choose 'on' or 'off'")
         if self.float_stack not in FLOAT_STACK:
             raise ValueError(f"float_stack={self.float_stack!r}: choose one of {FLOAT_STACK}")
+        if self.qmatvec_split not in ("auto", "off"):
+            raise ValueError(f"qmatvec_split={self.qmatvec_split!r}: choose 'auto' or 'off'")
         if self.mla not in MLA_FORMS:
             raise ValueError(f"mla={self.mla!r}: choose one of {MLA_FORMS}")

@@ -454,9 +454,10 @@ def _tables(parts) -> tuple[str, ...]:
     return tuple(dict.fromkeys(_TABLE_OF[p.qtype] for p in parts if p.qtype in _TABLE_OF))
 
 
-def _row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bool):
+def _row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, part: Part, T: int, unroll: bool, split=None):
     """[T] list of float32[O]: the program's rows of `part` dotted with each of the pair's T rows.
-    tab_refs: {table name: ref} of the call's lookup tables."""
+    tab_refs: {table name: ref} of the call's lookup tables. split: (this program's share, shares): only
+    that share of the row's units (split-K: a partial sum)."""
     from jax.experimental.pallas import triton as plgpu
 
     values, nbytes, G = _group(part.qtype, part.n_cols)
@@ -494,10 +495,13 @@ def _row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, part: Part, T: int, 
         for b in range(n_units):
             acc = unit(b, acc)
         return list(acc)
-    return list(jax.lax.fori_loop(0, n_units, unit, acc))
+    if split is None:
+        return list(jax.lax.fori_loop(0, n_units, unit, acc))
+    share = n_units // split[1]  # a static trip count: the shares divide the units (stacked_matvec checks)
+    return list(jax.lax.fori_loop(0, share, lambda i, acc: unit(split[0] * share + i, acc), acc))
 
 
-def _kernel(slot_ref, x_ref, w_ref, *refs, parts, tables, T, block_rows, swiglu, unroll):
+def _kernel(slot_ref, x_ref, w_ref, *refs, parts, tables, T, block_rows, swiglu, unroll, splits):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -508,18 +512,27 @@ def _kernel(slot_ref, x_ref, w_ref, *refs, parts, tables, T, block_rows, swiglu,
     rows_O = pl.program_id(1) * block_rows + _iota(block_rows)
     ok_O = rows_O < parts[0].n_rows if parts[0].n_rows % block_rows else None
     slot = slot_ref[m]
+    split = None if splits == 1 else (pl.program_id(2), splits)
+
+    def put(i, t, y):  # splits > 1: each part's partial sums at [share, part, pair, row, out]
+        at = o_ref.at[m, t, rows_O] if split is None else o_ref.at[split[0], i, m, t, rows_O]
+        plgpu.store(at, y.astype(o_ref.dtype), mask=ok_O)
 
     @pl.when(slot >= 0)
     def _():
-        ys = [_row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, p, T, unroll) for p in parts]
+        ys = [_row_dot(w_ref, x_ref, tab_refs, slot, m, rows_O, ok_O, p, T, unroll, split) for p in parts]
         for t in range(T):
-            y = jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t]
-            plgpu.store(o_ref.at[m, t, rows_O], y.astype(o_ref.dtype), mask=ok_O)
+            if split is not None:
+                for i, y in enumerate(ys):
+                    put(i, t, y[t])
+            else:
+                put(0, t, jax.nn.silu(ys[0][t]) * ys[1][t] if swiglu else ys[0][t])
 
     @pl.when(slot < 0)  # a pair served elsewhere (mixed precision's other pool): zeros, no byte read
     def _():
         for t in range(T):
-            plgpu.store(o_ref.at[m, t, rows_O], jnp.zeros(rows_O.shape, o_ref.dtype), mask=ok_O)
+            for i in range(len(parts) if split is not None else 1):
+                put(i, t, jnp.zeros(rows_O.shape, jnp.float32))
 
 
 def stack_ok(w_XP) -> bool:
@@ -530,14 +543,17 @@ def stack_ok(w_XP) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("parts", "swiglu", "block_rows", "num_warps", "out_dtype", "interpret",
-                                             "unroll"))
+                                             "unroll", "splits"))
 def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool = False, block_rows: int = 32,
-                   num_warps: int = 4, out_dtype=jnp.float32, interpret: bool | None = None, unroll: bool = False):
+                   num_warps: int = 4, out_dtype=jnp.float32, interpret: bool | None = None, unroll: bool = False,
+                   splits: int = 1):
     """y[m, t] = W_{slot_I[m]} @ x[m, t] for the matrix `parts[0]` of each stack row of w_XP (uint8
     [X, P]); with swiglu, silu(W0 x) * (W1 x) for parts (gate, up); zeros where slot_I[m] < 0 (nothing
     read). Returns out_dtype[I, T, F].
     interpret: run in Pallas' interpreter (default: off the GPU). unroll: walk the row in straight-line
-    code instead of a loop (much slower to compile: docs/benchmarks.md)."""
+    code instead of a loop (much slower to compile: docs/benchmarks.md). splits: split-K, each (pair, rows)
+    tile cut into this many programs over shares of the row's units, whose float32 partial sums are added
+    (and, with swiglu, activated) after the call: more programs for few long rows."""
     from jax.experimental import pallas as pl
 
     n_pairs, T, D = x_ITD.shape
@@ -549,22 +565,30 @@ def stacked_matvec(x_ITD, w_XP, slot_I, *, parts: tuple[Part, ...], swiglu: bool
         raise ValueError(f"a stack of {w_XP.nbytes} bytes is between 2 and 4 GiB: see stack_ok")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if splits > 1 and (unroll or (D // _group(parts[0].qtype, D)[0]) % splits):
+        raise ValueError(f"stacked_matvec: splits={splits} must divide the row's units and cannot unroll")
     tables = _tables(parts)
     kernel = functools.partial(_kernel, parts=parts, tables=tables, T=T, block_rows=block_rows, swiglu=swiglu,
-                               unroll=unroll)
+                               unroll=unroll, splits=splits)
     kw = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kw["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-    return pl.pallas_call(
+    out = (n_pairs, T, F) if splits == 1 else (splits, len(parts), n_pairs, T, F)
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_pairs, T, F), out_dtype),
-        grid=(n_pairs, pl.cdiv(F, block_rows)),
+        out_shape=jax.ShapeDtypeStruct(out, out_dtype if splits == 1 else jnp.float32),
+        grid=(n_pairs, pl.cdiv(F, block_rows)) + ((splits,) if splits > 1 else ()),
         interpret=interpret,
-        name=f"qmatvec_{parts[0].qtype.name.lower()}{'_swiglu' if swiglu else ''}_r{block_rows}w{num_warps}",
+        name=f"qmatvec_{parts[0].qtype.name.lower()}{'_swiglu' if swiglu else ''}_r{block_rows}w{num_warps}"
+             f"{f's{splits}' if splits > 1 else ''}",
         **kw,
     )(slot_I.astype(jnp.int32), x_ITD, w_XP, *(jnp.asarray(_TABLES[t]) for t in tables))
+    if splits == 1:
+        return y
+    y = jnp.sum(y, axis=0)
+    return (jax.nn.silu(y[0]) * y[1] if swiglu else y[0]).astype(out_dtype)
 
 
 def dense_part(qtype, n_rows: int, n_cols: int) -> Part:
@@ -595,13 +619,22 @@ def reference_matvec(x_ITD, w_XP, slot_I, parts, swiglu=False):
 # ---- where the model uses it -----------------------------------------------------------------------
 
 MIN_PROGRAMS = 256  # auto mode: fewer programs than ~2 per SM of a large GPU leave it latency-bound
+SPLIT_PROGRAMS = 2048  # split-K: cut a call's tiles until it has about this many programs
+MIN_SPLIT_UNITS = 2  # ... each walking at least this many units of its row
 
 
-def block_config(part: Part, n_pairs: int) -> dict:
+def block_config(part: Part, n_pairs: int, kernels: Kernels | None = None) -> dict:
     """Tile shape: 16-row programs of 2 warps, the fastest tile for the routed experts' gate+up and as
-    fast as any for their down projection (benchmarks/decode_profile.py; figures in docs/benchmarks.md)."""
-    del part, n_pairs
-    return {"block_rows": 16, "num_warps": 2}
+    fast as any for their down projection (benchmarks/decode_profile.py; figures in docs/benchmarks.md).
+    With Kernels.qmatvec_split "auto", a call of few tiles (qseed's routed gate+up: 320; its [3072, 4096]
+    output projections: 192) is also split along its rows' units (split-K) toward SPLIT_PROGRAMS programs."""
+    splits = 1
+    if kernels is not None and kernels.qmatvec_split == "auto":
+        tiles, units = n_pairs * -(-part.n_rows // 16), part.n_cols // _group(part.qtype, part.n_cols)[0]
+        fits = lambda n: tiles * n <= SPLIT_PROGRAMS and units // n >= MIN_SPLIT_UNITS and not units % n  # noqa: E731
+        while fits(splits * 2):
+            splits *= 2
+    return {"block_rows": 16, "num_warps": 2, "splits": splits}
 
 
 # auto mode's IQ types, for routed experts only: measured faster than dequantize + matmul in a qseed decode
@@ -624,8 +657,8 @@ def use_kernel(parts: tuple[Part, ...], n_pairs: int, kernels: Kernels, routed: 
     auto = lambda q: is_k_quant(q) or (routed and (Q(q) in ROUTED_IQ or (skipping and Q(q).name.startswith("IQ"))))  # noqa: E731
     if kernels.platform != "gpu" or not all(auto(p.qtype) for p in parts):
         return False
-    rows = block_config(parts[0], n_pairs)["block_rows"]
-    return n_pairs * -(-parts[0].n_rows // rows) >= MIN_PROGRAMS
+    tile = block_config(parts[0], n_pairs, kernels)
+    return n_pairs * -(-parts[0].n_rows // tile["block_rows"]) * tile["splits"] >= MIN_PROGRAMS
 
 
 def expert_parts(pool, n_pairs: int, kernels: Kernels, skipping: bool = False) -> tuple[Part, ...] | None:
@@ -652,9 +685,9 @@ def experts_swiglu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Ker
     slot_I = slot_Nk.reshape(N * k)
     x_I1D = jnp.repeat(x_ND, k, axis=0)[:, None, :]
     h_I1F = stacked_matvec(x_I1D, pool_data_XP, slot_I, parts=(gate, up), swiglu=True, out_dtype=dtype,
-                           interpret=_interpret(kernels), **block_config(gate, N * k))
+                           interpret=_interpret(kernels), **block_config(gate, N * k, kernels))
     y_I1D = stacked_matvec(h_I1F, pool_data_XP, slot_I, parts=(down,), interpret=_interpret(kernels),
-                           **block_config(down, N * k))
+                           **block_config(down, N * k, kernels))
     return jnp.einsum("nkd,nk->nd", y_I1D.reshape(N, k, -1), w_Nk)
 
 
@@ -670,7 +703,7 @@ def experts_glu(x_ND, w_Nk, slot_Nk, pool_data_XP, parts, dtype, kernels: Kernel
 
     def product(x, part, b):
         y = stacked_matvec(x, pool_data_XP, slot_I, parts=(part,), interpret=_interpret(kernels),
-                           **block_config(part, N * k))[:, 0]
+                           **block_config(part, N * k, kernels))[:, 0]
         return y if b is None else y + b.reshape(N * k, -1)
 
     bg, bu, bd = bias_Nk
@@ -696,8 +729,9 @@ def linear(x_TD, w, kernels: Kernels):
     F, R = w.data.shape[-2:]
     part = dense_part(w.qtype, F, w.n_cols)
     if w.index is None:
-        return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, interpret=_interpret(kernels), **block_config(part, 1))
+        return dense_matvec(x_TD, w.data, w.qtype, w.n_cols, interpret=_interpret(kernels),
+                            **block_config(part, 1, kernels))
     w_XP = w.data.reshape(-1, F * R)
     slot_1 = jnp.reshape(w.index, (1,)).astype(jnp.int32)
     return stacked_matvec(x_TD[None], w_XP, slot_1, parts=(part,), interpret=_interpret(kernels),
-                          **block_config(part, 1))[0]
+                          **block_config(part, 1, kernels))[0]
