@@ -751,7 +751,7 @@ pipeline27() {
 [ "${PART:-1}" = 27 ] && { pipeline() { pipeline27; }
   RETURNED="progress phases.tsv data-*.json compiles-*.txt cb-*.txt dsf-*.txt"; }
 
-# PART=28 (issues 33, 30), one GPU, ~10 min: split-K in the fused kernel (STRATA_JAX_QMATVEC_SPLIT=1: qseed's routed
+# PART=28 (issues 33, 30), one GPU, ~9 min: split-K in the fused kernel (STRATA_JAX_QMATVEC_SPLIT=1: qseed's routed
 # gate+up in 4 shares of its 12 units, the [3072, 4096] output projections in 8, now on the kernel instead of
 # dequantized every step) against the default, qseed under 32 GiB (same tokens expected); then where a 4,096-token
 # prefill chunk's GPU time goes (scope_profile.py --prefill, qseed cut to 8 layers, half the experts cached).
@@ -765,8 +765,6 @@ pipeline28() {
   rm -f "$STRATA_JAX_CACHE"/synthetic/qseed-*.gguf  # the 8-layer file needs the disk
   phase profile-prefill 300 env OUT="$S" TAG=prefill PYTHONPATH="$PYTHONPATH:." "$PY" benchmarks/scope_profile.py \
     --shape qseed --layers 8 --slots-fraction 0.5 --prefill 4096
-  phase profile-split 200 env OUT="$S" TAG=split STRATA_JAX_QMATVEC_SPLIT=1 PYTHONPATH="$PYTHONPATH:." "$PY" \
-    benchmarks/scope_profile.py --shape qseed --layers 8
   rm -rf "$S/scope-dump" /tmp/qseed-8L.gguf
   note "pipeline: done"
 }
