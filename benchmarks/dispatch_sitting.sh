@@ -6,7 +6,7 @@
 #   2. the best with XLA's command-buffer conversion logging why a thunk stays out (hlo-summary.txt);
 #   3. the expert store's load into pinned memory (benchmarks/load_store.py: GB/s, allocation, bytes checked);
 #   4. QSEED=1: qseed under 32 GiB with the setting of the least host time: cold start, then bench.
-# PART=2..28 are later sittings (each described above its pipeline), PART=28 the newest.
+# PART=2..29 are later sittings (each described above its pipeline), PART=29 the newest.
 #
 #   bash benchmarks/dispatch_sitting.sh start [WAIT_S] | wait [WAIT_S [DEADLINE_S]]   (benchmarks/sitting_lib.sh)
 #
@@ -770,5 +770,22 @@ pipeline28() {
 }
 [ "${PART:-1}" = 28 ] && { pipeline() { pipeline28; }
   RETURNED="progress phases.tsv data-*.json scope_profile-*.json"; }  # logs: logs.tar.gz
+
+# PART=29 (issues 33, 17), one GPU, ~10 min: layer-major prefill (STRATA_JAX_PREFILL_SUBCHUNK) on qseed under 32 GiB:
+# a 16,384-token prompt with the auto chunk (1,024: the experts streamed 16 times), then in one 16,384-token chunk of
+# 1,024-token sub-chunks (streamed once), then 4,096-token chunks of 1,024 (4 times); prefill tok/s, expert slots.
+pipeline29() {
+  note "pipeline: start in $PWD (deadline $(deadline) s)"
+  qseed_file
+  local q=(--shape qseed --tokens 8 --prompt-len 32 --routing realistic --prefill-len 16384 --vram-budget 32GiB
+           --no-resident)
+  phase sub-off 200 "$PY" -m strata_jax.cli bench "${q[@]}" --label auto --out "$S/data-sub-off.json"
+  phase sub-16k 200 env STRATA_JAX_PREFILL_SUBCHUNK=1024 "$PY" -m strata_jax.cli bench "${q[@]}" --prefill-chunk 16384 \
+    --label sub1024-chunk16384 --out "$S/data-sub-16k.json"
+  phase sub-4k 200 env STRATA_JAX_PREFILL_SUBCHUNK=1024 "$PY" -m strata_jax.cli bench "${q[@]}" --prefill-chunk 4096 \
+    --label sub1024-chunk4096 --out "$S/data-sub-4k.json"
+  note "pipeline: done"
+}
+[ "${PART:-1}" = 29 ] && { pipeline() { pipeline29; }; RETURNED="progress phases.tsv data-*.json"; }
 
 sitting_main "$@"

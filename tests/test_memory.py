@@ -266,3 +266,26 @@ def test_prefill_chunk_auto_follows_the_memory(moe):
     assert report(gguf, ctx=256)["prefill_chunk"] == 256 and report(gguf)["prefill_chunk"] == 512
     with pytest.raises(ConfigError, match=r"or 'auto'"):
         EngineConfig.create(prefill_chunk="automatic")
+
+
+@pytest.mark.parametrize("shape", ["qtiny", "tiny"])
+def test_subchunk_bound_covers_the_layer_major_prefill(tmp_path, shape):
+    """Layer-major prefill (Kernels.prefill_subchunk): a 1,024-token chunk in 128-token sub-chunks needs less
+    than the whole chunk's bound, and its own bound (a sub-chunk's activations, the chunk's residual, one MoE
+    layer's experts) still covers XLA's temporaries for it."""
+    spec = dataclasses.replace(SHAPES[shape], n_layers=4)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    m = strata_jax.load(path, ctx=1024, **GPU_LIKE)
+    kernels = dataclasses.replace(m.kernels, prefill_subchunk=128)
+    step = jax.jit(forward, static_argnames=("cfg", "dtype", "kernels"))
+    experts = m.experts.take()
+    try:
+        kv = KVCache.zeros(m.config, 1, 1024, m.dtype)
+        compiled = step.lower(m.params, experts, kv, jnp.ones((1, 1024), jnp.int32), jnp.zeros((1,), jnp.int32),
+                              jnp.full((1,), 1024, jnp.int32), cfg=m.config, dtype=m.dtype, kernels=kernels).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        layer = memory.routed_expert_bytes(m.gguf, m.config) // len(m.config.moe_layers)
+        bound = memory.activation_bytes(m.config, 1024, 128, layer)
+        assert temp <= bound < memory.activation_bytes(m.config, 1024), (temp, bound)
+    finally:
+        m.experts.put(experts)

@@ -234,7 +234,7 @@ def check_option(name: str, value: Any, *, flag: bool = False) -> Any:
 def kernels_from_env() -> Kernels:
     """Kernels from STRATA_JAX_QMATVEC (1 on, 0 off, unset or empty auto), STRATA_JAX_MOE_PREFILL,
     STRATA_JAX_STATE_ROWS (as QMATVEC), STRATA_JAX_PREFILL_CACHED (1 on, else off), STRATA_JAX_FLOAT_STACK
-    (copy | kernel) and STRATA_JAX_QMATVEC_SPLIT (1 auto, else off)."""
+    (copy | kernel), STRATA_JAX_QMATVEC_SPLIT (1 auto, else off) and STRATA_JAX_PREFILL_SUBCHUNK (tokens, 0 off)."""
     q = os.environ.get("STRATA_JAX_QMATVEC", "")
     if q not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC={q!r} is invalid: set 1 (the fused kernel wherever it takes the "
@@ -260,10 +260,14 @@ def kernels_from_env() -> Kernels:
     if split not in ("", "0", "1"):
         raise ConfigError(f"STRATA_JAX_QMATVEC_SPLIT={split!r} is invalid: set 1 (the fused kernel splits the rows of a "
                           "call of few tiles into more programs, split-K), 0 or leave it unset (never).")
+    sub = os.environ.get("STRATA_JAX_PREFILL_SUBCHUNK", "") or "0"
+    if not sub.isdigit():
+        raise ConfigError(f"STRATA_JAX_PREFILL_SUBCHUNK={sub!r} is invalid: give a token count (a prefill chunk runs "
+                          "each layer over sub-chunks of that many tokens, its experts streamed once), or 0 / unset.")
     on_off = {"": "auto", "0": "off", "1": "on"}
     return Kernels(qmatvec=on_off[q], moe_prefill=moe, state_rows=on_off[rows],
                    prefill_cached="on" if cached == "1" else "off", float_stack=fs,
-                   qmatvec_split="auto" if split == "1" else "off")
+                   qmatvec_split="auto" if split == "1" else "off", prefill_subchunk=int(sub))
 
 
 def compilation_cache_from_env() -> bool:

@@ -36,7 +36,7 @@ from strata_jax.model.forward import KVCache
 from strata_jax.gguf.reader import GGUFFile, check_vocabulary
 from strata_jax.core.units import fmt_bytes, parse_size
 from strata_jax.model.memory import (activation_bytes, dense_weight_bytes, fixed_device_bytes, kv_cache_bytes,
-                                     kv_label, mtp_bytes)
+                                     kv_label, mtp_bytes, routed_expert_bytes)
 from strata_jax.gguf.tokenizer import GGUFTokenizer
 from strata_jax.model import mtp, runs
 from strata_jax.model.weights import WeightLoader, expert_spec, load_params
@@ -125,7 +125,7 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
                        vram_budget: int | str | None = None, vram_reserve: int | str | None = None,
                        free_bytes: int | None = None, off_device: tuple[str, ...] = (),
                        dense_itemsize: int | None = None, mtp: bool = False,
-                       kv_resident: int | None = None) -> ContextPlan:
+                       kv_resident: int | None = None, subchunk: int = 0) -> ContextPlan:
     """The context load allocates for a model (ctx, or the trained length), checked against the budget
     beside its dense weights (but off_device; dequantized to dense_itemsize bytes a value, or None: in
     their blocks), activations and the fewest expert slots a step needs (spec: its experts' layout, None
@@ -136,7 +136,8 @@ def plan_model_context(gguf, cfg, spec: ExpertSpec | None, *, ctx: int | None, k
     if spec is not None:
         floor = expert_floor_bytes(spec, expert_pools=expert_pools, batch_rows=rows, expert_slots=expert_slots)
     kv_position = kv_cache_bytes(cfg, 1, rows, itemsize, kv)
-    other = dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk)
+    layer = routed_expert_bytes(gguf, cfg) // max(len(cfg.moe_layers), 1) if subchunk else 0
+    other = dense_weight_bytes(gguf, off_device, dense_itemsize) + activation_bytes(cfg, prefill_chunk, subchunk, layer)
     mtp_position = kv_position // max(cfg.n_kv_layers, 1) if mtp else 0  # the MTP block's cache is not streamed
     if mtp:
         other += mtp_bytes(gguf, cfg, 0, rows, itemsize, kv)
@@ -201,7 +202,8 @@ def _plan_context(config: EngineConfig, gguf: GGUFFile, cfg: ModelConfig, spec, 
                               vram_reserve=config.vram_reserve, free_bytes=device_free_bytes(device),
                               off_device=(PLE_TABLE_NAME,) if ple_host else (),
                               dense_itemsize=itemsize if config.dequantize_dense else None,
-                              mtp=config.spec == "mtp", kv_resident=config.kv_resident)
+                              mtp=config.spec == "mtp", kv_resident=config.kv_resident,
+                              subchunk=config.kernels.prefill_subchunk)
 
 
 def _with_rope_override(cfg: ModelConfig, config: EngineConfig) -> ModelConfig:
@@ -349,7 +351,8 @@ class Model:
             return fixed_device_bytes(gguf, cfg, ctx=self.kv_resident or self.ctx, itemsize=itemsize,
                                       rows=config.parallel,
                                       prefill_chunk=config.prefill_chunk, off_device=off_device, kv=config.kv,
-                                      dense_itemsize=itemsize if dequantize_dense else None) + (
+                                      dense_itemsize=itemsize if dequantize_dense else None,
+                                      subchunk=config.kernels.prefill_subchunk) + (
                 mtp_bytes(gguf, cfg, self.ctx, config.parallel, itemsize, config.kv) if config.spec == "mtp" else 0)
 
         self.ple_table = _ple_placement(config, gguf, cfg, spec, fixed(), self.device)

@@ -15,7 +15,7 @@ Shape legend: strata_jax/core/shapes.py
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +125,58 @@ def _streamed(x) -> bool:
     return isinstance(x, StreamedKV)
 
 
+class _Span(NamedTuple):
+    """The tokens a block runs on (the step's, or one sub-chunk of them: Kernels.prefill_subchunk): their
+    positions [B, T], which are real [B*T], where each row starts, how many are valid, which rows start
+    fresh (recurrent state from zeros), the forced routing [M, B*T, k] or None."""
+
+    pos_BT: jax.Array
+    valid_N: jax.Array
+    start_B: jax.Array
+    n_valid_B: jax.Array
+    fresh_B: jax.Array
+    forced_MNk: jax.Array | None
+
+    def sub(self, j, n: int) -> "_Span":
+        """Sub-chunk j (traced) of n equal ones."""
+        B, T = self.pos_BT.shape
+        Ts = T // n
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, j * Ts, Ts, axis=1)  # noqa: E731
+        forced = None
+        if self.forced_MNk is not None:
+            M, _, k = self.forced_MNk.shape
+            forced = cut(self.forced_MNk.reshape(M, B, T, k).transpose(1, 2, 0, 3)).transpose(2, 0, 1, 3)
+            forced = forced.reshape(M, B * Ts, k)
+        return _Span(cut(self.pos_BT), cut(self.valid_N.reshape(B, T)).reshape(B * Ts), self.start_B + j * Ts,
+                     jnp.clip(self.n_valid_B - j * Ts, 0, Ts), self.fresh_B & (j == 0), forced)
+
+
+class _LayerRows:
+    """A many-token MoE step served from one layer's experts already on the device (a layer-major prefill
+    streams them once for all its sub-chunks): the provider calls moe_block makes on that path."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def few_path(self, moe_idx, n_lookups: int) -> bool:
+        return False
+
+    def stream(self, moe_idx, cached: bool = False) -> "_LayerRows":
+        return self
+
+    def group(self, moe_idx, first_expert, n: int, cached: bool = False):
+        return type(self.rows)(jax.lax.dynamic_slice_in_dim(self.rows.data, first_expert, n), self.rows.parts)
+
+    def layer(self, moe_idx):
+        return self.rows
+
+    def card_streamer(self, moe_idx, cached: bool = False):
+        return None
+
+    def count(self, moe_idx, **values) -> "_LayerRows":
+        return self
+
+
 def forward(
     params: Params,
     experts: ExpertProvider | None,
@@ -190,6 +242,7 @@ def forward(
     qsa_idx = set(hybrid.qsa_layers(cfg))
     ple_idx = {layer: j for j, layer in enumerate(cfg.ple.layers if cfg.ple else ())}
     fresh_B = start_B == 0  # rows starting a sequence: their recurrent state starts from zeros
+    span = _Span(pos_BT, valid_N, start_B, n_valid_B, fresh_B, forced_MNk)
     few = experts is not None and all(experts.few_path(m, B * T * cfg.n_experts_used) for m in range(n_moe))
     # MoE layers ahead whose experts each layer prefetches (none in the hybrid family: see model/hybrid.py)
     depth = experts.prefetch_depth if few and not cfg.is_hybrid else 0
@@ -210,47 +263,50 @@ def forward(
     # forward returns: its arrays are addressed by kernels, and a copy of them would not be
     kv, kv_host = kv.split_host()
 
-    def mixer(layer, h, k_all, v_all, rec, taped, i, at):
-        """The token mixer of block i (at: its static stand-in): attention of the layer's kind, or gated
-        DeltaNet. Returns its output, the KV cache, the recurrent state and the tape."""
+    def mixer(sp, layer, h, k_all, v_all, rec, taped, i, at):
+        """The token mixer of block i (at: its static stand-in) on the tokens of span sp: attention of the
+        layer's kind, or gated DeltaNet. Returns its output, the KV cache, the recurrent state and the tape."""
         if at in kv_idx:
             k_all, v_all = kvquant.join_host(k_all, kv_host[0]), kvquant.join_host(v_all, kv_host[1])
-            out, k_all, v_all, rec, taped = token_mixer(layer, h, k_all, v_all, rec, taped, i, at)
+            out, k_all, v_all, rec, taped = token_mixer(sp, layer, h, k_all, v_all, rec, taped, i, at)
             return out, kvquant.split_host(k_all)[0], kvquant.split_host(v_all)[0], rec, taped
-        return token_mixer(layer, h, k_all, v_all, rec, taped, i, at)
+        return token_mixer(sp, layer, h, k_all, v_all, rec, taped, i, at)
 
-    def token_mixer(layer, h, k_all, v_all, rec, taped, i, at):
+    def token_mixer(sp, layer, h, k_all, v_all, rec, taped, i, at):
         if at not in kv_idx:
             with jax.named_scope("linear"):
-                out, lin, *t = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, fresh_B, kernels),
-                                              n_valid_B=n_valid_B, dims=cfg.linear, kernels=kernels,
+                out, lin, *t = deltanet.apply(layer.linear, h, hybrid.layer_state(cfg, rec, "linear", i, sp.fresh_B,
+                                                                                    kernels),
+                                              n_valid_B=sp.n_valid_B, dims=cfg.linear, kernels=kernels,
                                               tape=taped is not None)
             if t:
                 taped = hybrid.put_layer_state(cfg, taped, "linear", i, t[0], kernels)
             return out, k_all, v_all, hybrid.put_layer_state(cfg, rec, "linear", i, lin, kernels), taped
         with jax.named_scope("attn"):
             if cfg.mla is not None:
-                out, k_all = mla.attention(layer.attn, h, pos_BT, k_all, layer_ref.value(i), cfg, kernels, attn_len,
-                                           attn_block)
+                out, k_all = mla.attention(layer.attn, h, sp.pos_BT, k_all, layer_ref.value(i), cfg, kernels,
+                                           attn_len, attn_block)
             elif cfg.is_hybrid:
                 select = None
                 if at in qsa_idx:
-                    select, qsa_s, *t = qsa.apply(layer.attn.indexer, h, hybrid.layer_state(cfg, rec, "qsa", i, fresh_B, kernels),
-                                                  start_B=start_B, n_valid_B=n_valid_B, dims=cfg.qsa[at],
+                    select, qsa_s, *t = qsa.apply(layer.attn.indexer, h,
+                                                  hybrid.layer_state(cfg, rec, "qsa", i, sp.fresh_B, kernels),
+                                                  start_B=sp.start_B, n_valid_B=sp.n_valid_B, dims=cfg.qsa[at],
                                                   kernels=kernels, attn_len=attn_len, tape=taped is not None)
                     rec = hybrid.put_layer_state(cfg, rec, "qsa", i, qsa_s, kernels)
                     if t:
                         taped = hybrid.put_layer_state(cfg, taped, "qsa", i, t[0], kernels)
-                out, k_all, v_all = gated_attention(layer.attn, h, pos_BT, k_all, v_all,
+                out, k_all, v_all = gated_attention(layer.attn, h, sp.pos_BT, k_all, v_all,
                                                     layer_ref.value(layer_ref.mapped(i, kv_idx)), cfg, kernels,
                                                     attn_len, select, attn_block)
             else:
-                out, k_all, v_all = attention(layer.attn, h, pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
+                out, k_all, v_all = attention(layer.attn, h, sp.pos_BT, k_all, v_all, i, cfg, kernels, attn_len,
                                               attn_block)
         return out, k_all, v_all, rec, taped
 
-    def ffn(layer, h, xs, experts, i):
-        """Block i's MoE block or dense MLP on h; xs: the residual it reads for prefetch."""
+    def ffn(sp, layer, h, xs, experts, i):
+        """Block i's MoE block or dense MLP on h (the tokens of span sp); xs: the residual it reads for
+        prefetch."""
         if layer.moe is None:
             with jax.named_scope("mlp"):
                 return swiglu(h, layer.mlp, kernels), None, experts
@@ -263,12 +319,12 @@ def forward(
                 h_next = rms_norm(xs, nxt.ffn_norm_D, cfg.rms_eps).reshape(B * T, -1)
                 p_ids = route(h_next, nxt.moe.router_ED, cfg, bias_E=nxt.moe.score_bias_E,
                               logit_bias_E=nxt.moe.router_bias_E, kernels=kernels)[1]
-                pf.append((ahead, jnp.where(valid_N[:, None], p_ids, -1)))
+                pf.append((ahead, jnp.where(sp.valid_N[:, None], p_ids, -1)))
             if pf:
                 predicted[mi + 1] = pf[0][1]  # precision/recall: the next layer's prediction
-            forced = None if forced_MNk is None else forced_MNk[layer_ref.value(mi)]
+            forced = None if sp.forced_MNk is None else sp.forced_MNk[layer_ref.value(mi)]
             return moe_block(layer.moe, experts, mi, h, cfg, kernels, tuple(pf),
-                             predicted.get(mi) if depth else None, forced, valid_N)
+                             predicted.get(mi) if depth else None, forced, sp.valid_N)
 
     def enter(carry, i):
         """Before block i when it starts a segment (model/runs.py: a PLE layer always does): its PLE."""
@@ -285,18 +341,49 @@ def forward(
             xs = (xs.astype(jnp.float32) + out.astype(jnp.float32)).astype(xs.dtype)
         return xs, k_all, v_all, rec, taped, experts
 
+    def apply(sp, carry, layer, i, at):
+        """Block i on the tokens of span sp."""
+        xs, k_all, v_all, rec, taped, experts = carry
+        norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
+        h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
+        out, k_all, v_all, rec, taped = mixer(sp, layer, h, k_all, v_all, rec, taped, i, at)
+        xs = put_back(xs, out)
+        h, put_back = sub_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
+        out, ids, experts = ffn(sp, layer, h, xs, experts, i)
+        xs = put_back(xs, out)
+        return (xs, k_all, v_all, rec, taped, experts), ids
+
+    # layer-major prefill (Kernels.prefill_subchunk): each block runs the step's tokens as n sub-chunks in
+    # turn, its MoE layer's experts streamed once for all of them, so a long chunk streams every expert once
+    # while its activations stay those of a sub-chunk
+    n_sub = T // kernels.prefill_subchunk if kernels.prefill_subchunk and not few and not tape else 1
+    n_sub = n_sub if n_sub > 1 and T % kernels.prefill_subchunk == 0 else 1
+
     def block(carry, layer, i):
         """Block i (an int, or a LayerRef inside a scanned run of alike layers: model/runs.py)."""
-        xs, k_all, v_all, rec, taped, experts = carry
         at = layer_ref.first(i)  # the static stand-in: a run's layers share kind, QSA ratio, window
         with jax.named_scope(f"layer{i}" if isinstance(i, int) else f"layers{at}+"):
-            norm = layer.attn_norm_D if cfg.is_hybrid else layer.attn.norm_D
-            h, put_back = sub_input(xs, layer.hc.attn if hc else None, norm)
-            out, k_all, v_all, rec, taped = mixer(layer, h, k_all, v_all, rec, taped, i, at)
-            xs = put_back(xs, out)
-            h, put_back = sub_input(xs, layer.hc.ffn if hc else None, layer.ffn_norm_D)
-            out, ids, experts = ffn(layer, h, xs, experts, i)
-            xs = put_back(xs, out)
+            if n_sub == 1:
+                return apply(span, carry, layer, i, at)
+            xs, k_all, v_all, rec, taped, experts = carry
+            rows = None
+            if layer.moe is not None:
+                mi = layer_ref.mapped(i, moe_idx)
+                rows, experts = experts.layer(mi), experts.stream(mi)
+
+            def sub(c, j):
+                xs_j = jax.lax.dynamic_slice_in_dim(xs, j * (T // n_sub), T // n_sub, axis=1)
+                c, ids = apply(span.sub(j, n_sub), (xs_j, *c, None if rows is None else _LayerRows(rows)), layer, i,
+                               at)
+                return c[1:5], (c[0], ids)
+
+            (k_all, v_all, rec, taped), (xs_n, ids_n) = jax.lax.scan(sub, (k_all, v_all, rec, taped),
+                                                                     jnp.arange(n_sub))
+            xs = jnp.moveaxis(xs_n, 0, 1).reshape(xs.shape)  # [n, B, Ts, ...] -> [B, T, ...]
+            ids = None
+            if ids_n is not None:
+                k = ids_n.shape[-1]
+                ids = jnp.moveaxis(ids_n.reshape(n_sub, B, -1, k), 0, 1).reshape(B * T, k)
         return (xs, k_all, v_all, rec, taped, experts), ids
 
     # the recurrent state (hybrid family) travels whole in the carry, as K and V, each block updating its

@@ -44,6 +44,11 @@ class Kernels:
     # the [3072, 4096] output projections) along its rows into more programs, whose partial sums are added after;
     # "off" never (the default until a GPU run says which is faster)
     qmatvec_split: str = "off"
+    # layer-major prefill (model/forward.py): a many-token step of more than this many tokens (a multiple of it)
+    # runs each block over sub-chunks of this size in turn, the MoE layer's experts streamed once for all of
+    # them: a long chunk streams every expert once with a sub-chunk's activations. 0: off (the default until a
+    # GPU measures it)
+    prefill_subchunk: int = 0
     # the device platform "auto" decides for ("gpu", "cpu", ...)
     platform: str = "cpu"
 
@@ -58,6 +63,8 @@ class Kernels:
             raise ValueError(f"prefill_cached={self.prefill_cached!r}: choose 'on' or 'off'")
         if self.float_stack not in FLOAT_STACK:
             raise ValueError(f"float_stack={self.float_stack!r}: choose one of {FLOAT_STACK}")
+        if self.prefill_subchunk < 0:
+            raise ValueError(f"prefill_subchunk={self.prefill_subchunk!r}: give 0 (off) or a token count")
         if self.qmatvec_split not in ("auto", "off"):
             raise ValueError(f"qmatvec_split={self.qmatvec_split!r}: choose 'auto' or 'off'")
         if self.mla not in MLA_FORMS:

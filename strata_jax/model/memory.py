@@ -90,14 +90,20 @@ def mtp_bytes(gguf: GGUFFile, cfg: ModelConfig, ctx: int, rows: int = 1, itemsiz
     return experts + kv_cache_bytes(cfg, ctx, rows, itemsize, kv) // max(cfg.n_kv_layers, 1)
 
 
-def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
+def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512, subchunk: int = 0, layer_bytes: int = 0) -> int:
     """A bound on the live activations of one prefill chunk: 32 float32 buffers of the chunk's tokens by
     the widest per-token dimension (the residual with its hyper-connection streams, the attention's
     projection, a dense or shared MLP), plus, for a MoE model, two steps of the prefill's scan over
     groups of experts (a group's bfloat16 weights and its tokens' hidden units, moe.prefill_group_bytes).
-    Checked against XLA's prefill temporaries (tests/test_memory.py) and a GPU peak (docs/benchmarks.md)."""
+    Checked against XLA's prefill temporaries (tests/test_memory.py) and a GPU peak (docs/benchmarks.md).
+    subchunk (Kernels.prefill_subchunk, where it divides the chunk): a layer-major prefill holds a
+    sub-chunk's activations, the chunk's residual three times (in, the sub-chunks' outputs, out) and
+    one MoE layer's experts (layer_bytes)."""
     width = max(cfg.d_model * max(cfg.hc_count, 1), cfg.q_dim * (1 + cfg.attn_output_gate), cfg.ffn_dim,
                 cfg.shared_expert_ffn_dim)
+    if 0 < subchunk < prefill_chunk and prefill_chunk % subchunk == 0:
+        return (activation_bytes(cfg, subchunk) + 3 * prefill_chunk * width * 4
+                + (layer_bytes if cfg.is_moe else 0))
     groups = 0
     if cfg.is_moe:
         groups = 2 * prefill_group_bytes(prefill_chunk, cfg.n_experts, cfg.expert_ffn_dim, cfg.d_model)
@@ -106,9 +112,10 @@ def activation_bytes(cfg: ModelConfig, prefill_chunk: int = 512) -> int:
 
 def fixed_device_bytes(gguf: GGUFFile, cfg: ModelConfig, *, ctx: int, itemsize: int, rows: int = 1,
                        prefill_chunk: int = 512, off_device: tuple[str, ...] = (), kv: str = "f16",
-                       dense_itemsize: int | None = None) -> int:
+                       dense_itemsize: int | None = None, subchunk: int = 0) -> int:
     """What the device holds before any expert slot: dense weights (but off_device; dense_itemsize as
     for dense_weight_bytes) + KV cache rows + activations (the expert-cache planner's fixed_bytes; its
-    reserve comes on top)."""
+    reserve comes on top; subchunk: see activation_bytes)."""
+    layer = routed_expert_bytes(gguf, cfg) // max(len(cfg.moe_layers), 1) if subchunk else 0
     return (dense_weight_bytes(gguf, off_device, dense_itemsize) + kv_cache_bytes(cfg, ctx, rows, itemsize, kv)
-            + activation_bytes(cfg, prefill_chunk))
+            + activation_bytes(cfg, prefill_chunk, subchunk, layer))
