@@ -452,6 +452,30 @@ def test_completion_echo_scores_the_prompt(client, model):
     assert plain["logprobs"] is None
 
 
+def test_completions_batched_prompts(client, model):
+    """OpenAI's array of prompts (texts or token arrays): one response, choice i * n + j being prompt i's
+    choice j, each what the prompt alone gives; usage sums the prompts; echo per prompt; a streamed batch
+    and an oversized one are refused by name."""
+    prompts = ["Once upon", model.tokenize("hello there", add_special=False), "The tea"]
+    body = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3, "temperature": 0, "n": 2}).json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    alone = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 3, "temperature": 0}).json()
+             for p in prompts]
+    for i, a in enumerate(alone):
+        assert [c["text"] for c in body["choices"][2 * i: 2 * i + 2]] == [a["choices"][0]["text"]] * 2
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert body["usage"]["completion_tokens"] == 6 * 3
+    echoed = client.post("/v1/completions", json={"prompt": prompts[::2], "max_tokens": 0, "echo": True,
+                                                   "logprobs": 1}).json()
+    assert [c["text"] for c in echoed["choices"]] == prompts[::2]
+    assert all(c["logprobs"]["token_logprobs"][0] is None for c in echoed["choices"])
+    assert echoed["usage"]["completion_tokens"] == 0
+    assert_error(client.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True}), 400, "stream")
+    assert_error(client.post("/v1/completions", json={"prompt": ["a"] * 65}), 400, "prompt")
+    err = assert_error(client.post("/v1/completions", json={"prompt": ["a", "", "b"]}), 400, "prompt")
+    assert err["message"].startswith("prompt 1:")
+
+
 def test_penalties_through_the_server(client, model):
     for pen in (dict(presence_penalty=2.0), dict(frequency_penalty=1.5, presence_penalty=-0.5),
                 dict(repeat_penalty=1.8, repeat_last_n=16)):
@@ -568,7 +592,7 @@ def test_bad_completion_echo_requests_are_400(client, body, param):
     assert_error(client.post("/v1/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("prompt", ["", [], [1, "x"], ["a", "b"], {"p": 1}, [10**9], None])
+@pytest.mark.parametrize("prompt", ["", [], [1, "x"], ["a", ""], ["a", [1, "x"]], {"p": 1}, [10**9], None])
 def test_bad_completion_prompts_are_400(client, prompt):
     assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, "prompt")
 

@@ -35,7 +35,8 @@ from strata_jax.serving.engine import Engine, Event, Job
 from strata_jax.serving.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from strata_jax import __version__
 from strata_jax.serving.protocol import (APIError, Envelope, GenRequest, _bool, bad, echo_logprobs, is_token_id,
-                                         joined_logprobs, parse_chat, parse_completion, timings, usage)
+                                         joined_logprobs, parse_chat, parse_completion, parse_completions, timings,
+                                         usage)
 from strata_jax.serving.responses import ResponseBuilder, parse_responses
 from strata_jax.serving.responses import usage as responses_usage
 from strata_jax.serving.tools import ToolCallStream, ToolParser
@@ -326,7 +327,45 @@ class Routes:
         return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
+        try:
+            body = await read_json(request, self.max_body)
+            reqs = parse_completions(body)
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if len(reqs) == 1:
+            return await self._generate(request, "completion", body)
+        return await self._generate_batch(request, reqs)
+
+    async def _generate_batch(self, request: Request, reqs: list[GenRequest]) -> Response:
+        """Several prompts (OpenAI's batched completions): one job each, queued together, answered in one
+        response whose choice i * n + j is prompt i's choice j and whose usage sums theirs."""
+        t0, jobs = time.perf_counter(), []
+        try:
+            for req in reqs:
+                self.engine.check_accepting()
+                jobs.append(Job(req, await run_in_threadpool(self.engine.tokenize, req)))
+        except APIError as e:
+            return error_response(e, request.url.path)
+        for job in jobs:
+            self.engine.submit(job)
+        env, out, use = Envelope("completion", self.model_id), None, None
+        try:
+            for i, job in enumerate(jobs):
+                got = await self._gather_choices(request, job, await self._next(job, request), t0, job.req.n)
+                if isinstance(got, Response):
+                    return got
+                texts, finals, n, ttft, lps, _ = got
+                one_use, extra = self._account(job, env.endpoint, finals[0], 0 if job.req.scores_only else n, ttft)
+                use = one_use if use is None else {k: _added(use[k], one_use[k]) for k in use}
+                for j in range(job.req.n):
+                    one = self._choice(job, env, texts[j], finals[j], lps[j], i * job.req.n + j, extra)
+                    out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
+        finally:
+            for job in jobs:
+                job.cancel()  # a failed or abandoned batch stops the rest (a finished job ignores it)
+        return JSON(dict(out, usage=use))
 
     async def _start(self, request: Request, parse, body: Any = None
                      ) -> tuple[GenRequest, Job, ToolParser | None, Event] | Response:
@@ -355,9 +394,9 @@ class Routes:
             return error_response(first.error, request.url.path)
         return req, job, parser, first
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
+    async def _generate(self, request: Request, endpoint: str, body: Any = None) -> Response:
         t0 = time.perf_counter()
-        started = await self._start(request, parse_chat if endpoint == "chat" else parse_completion)
+        started = await self._start(request, parse_chat if endpoint == "chat" else parse_completion, body)
         if isinstance(started, Response):
             return started
         req, job, parser, first = started
@@ -523,22 +562,27 @@ class Routes:
         if isinstance(got, Response):
             return got
         texts, finals, n, ttft, lps, _ = got
-        if req.scores_only:
-            texts, lps, n = [""] * req.n, [[] for _ in lps], 0
-        use, extra = self._account(job, env.endpoint, finals[0], n, ttft)
-        out, logprobs = None, self._logprobs_of(job, env)
+        use, extra = self._account(job, env.endpoint, finals[0], 0 if req.scores_only else n, ttft)
+        out = None
         for i in range(req.n):
-            text, finish, calls = texts[i], finals[i].chunk.finish_reason, []
-            if parser is not None:
-                text, calls = parser.parse(parser.prefix + text)
-                finish = "tool_calls" if calls else finish
-            lp = logprobs(lps[i]) if lps[i] or not req.echo else None
-            if req.echo:
-                echoed, echoed_lp = self._echo(job)
-                text, lp = echoed + text, joined_logprobs(echoed_lp, lp)
-            one = env.response(text, finish, use, extra, calls, logprobs=lp, index=i)
+            one = self._choice(job, env, texts[i], finals[i], lps[i], i, extra, parser, use)
             out = one if out is None else dict(out, choices=out["choices"] + one["choices"])
         return JSON(out)
+
+    def _choice(self, job: Job, env: Envelope, text: str, final: Event, lps: list, index: int, extra: dict,
+                parser: ToolParser | None = None, use: dict | None = None) -> dict:
+        """One choice's response object (its tool calls parsed, its echo and logprobs in place)."""
+        req, finish, calls = job.req, final.chunk.finish_reason, []
+        if req.scores_only:  # the prefill's one token is not part of the reply
+            text, lps = "", []
+        if parser is not None:
+            text, calls = parser.parse(parser.prefix + text)
+            finish = "tool_calls" if calls else finish
+        lp = self._logprobs_of(job, env)(lps) if lps or not req.echo else None
+        if req.echo:
+            echoed, echoed_lp = self._echo(job)
+            text, lp = echoed + text, joined_logprobs(echoed_lp, lp)
+        return env.response(text, finish, use, extra, calls, logprobs=lp, index=index)
 
     def _echo(self, job: Job) -> tuple[str, dict | None]:
         """An echoed prompt: its text (as given, or its token ids' text) and, with logprobs, its logprobs."""
@@ -612,6 +656,11 @@ class Routes:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a disconnect cancels the stream here; the engine stops before its next token
+
+
+def _added(a: Any, b: Any) -> Any:
+    """Two usage values summed (numbers, or objects of numbers such as prompt_tokens_details)."""
+    return {k: _added(a[k], b[k]) for k in a} if isinstance(a, dict) else a + b
 
 
 class AnthropicRoutes:

@@ -21,6 +21,7 @@ from strata_jax.engine.constrained import request_grammar
 FINGERPRINT = f"strata-jax-{__version__}"
 MAX_STOP = 4
 MAX_CHOICES = 16  # n: each choice holds a KV row while it runs (with --parallel 1 they run one after another)
+MAX_PROMPTS = 64  # completions' batched prompts: each is a request of its own, queued together
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; engine/sampling.py's TOP_LOGPROBS)
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 REPEAT_WINDOW = 256  # the longest repeat_last_n (engine/sampling.py's REPEAT_WINDOW)
@@ -343,6 +344,28 @@ def parse_chat(body: Any) -> GenRequest:
     return req
 
 
+def parse_completions(body: Any) -> list[GenRequest]:
+    """A completions body as one request per prompt: OpenAI's `prompt` may be an array of texts or of token
+    arrays, whose choices come back in one response (choice index = prompt index * n + choice)."""
+    p = body.get("prompt") if isinstance(body, dict) else None
+    if not (isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p)):
+        return [parse_completion(body)]
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds {len(p)} prompts; at most {MAX_PROMPTS} per request.", "prompt")
+    if _bool(body, "stream", False):
+        raise bad(f"'prompt' holds {len(p)} prompts: several prompts are answered whole, not streamed; send them "
+                  "without 'stream' or one per request.", "stream")
+    reqs = []
+    for i, one in enumerate(p):
+        try:
+            reqs.append(parse_completion(dict(body, prompt=one)))
+        except APIError as e:
+            if e.param == "prompt":
+                raise bad(f"prompt {i}: {e.message}", "prompt") from None
+            raise
+    return reqs
+
+
 def parse_completion(body: Any) -> GenRequest:
     echo = isinstance(body, dict) and _bool(body, "echo", False)
     req = GenRequest(endpoint="completion", prompt="", echo=echo, **_common(body, zero_tokens=echo))
@@ -361,8 +384,7 @@ def parse_completion(body: Any) -> GenRequest:
     elif isinstance(p, list) and p and all(is_token_id(t) for t in p):
         pass
     elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
-        raise bad(f"'prompt' holds {len(p)} prompts; batched prompts are not supported yet, send one per request.",
-                  "prompt")
+        raise bad(f"'prompt' holds {len(p)} prompts; parse_completions takes a batch.", "prompt")
     else:
         raise bad(f"'prompt' must be a non-empty string or array of token ids, got {_kind(p)}"
                   f"{' (empty)' if p == [] else ''}.", "prompt")
