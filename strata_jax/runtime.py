@@ -15,6 +15,7 @@ Set STRATA_JAX_XLA_DEFAULTS=0 to leave XLA_FLAGS alone; flags the user already s
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from strata_jax.core.paths import cache_dir
@@ -27,10 +28,15 @@ applied: dict[str, str] = {}
 
 
 def cache_flags() -> dict[str, str]:
-    """The on-disk autotuning cache, unless STRATA_JAX_COMPILATION_CACHE=0 (the cold-compile benchmarks)."""
+    """The on-disk autotuning cache, one per jaxlib version (its XLA's choices), unless
+    STRATA_JAX_COMPILATION_CACHE=0 (the cold-compile benchmarks)."""
     if os.environ.get("STRATA_JAX_COMPILATION_CACHE", "") == "0":
         return {}
-    return {"--xla_gpu_per_fusion_autotune_cache_dir": str(cache_dir() / "xla-autotune")}
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"--xla_gpu_per_fusion_autotune_cache_dir": str(cache_dir() / "xla-autotune" / version)}
 
 
 def configure_xla() -> dict[str, str]:

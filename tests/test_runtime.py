@@ -19,8 +19,11 @@ def flags(tmp_path, **env) -> str:
 
 
 def test_autotune_cache_beside_the_program_cache(tmp_path):
+    import importlib.metadata
+
     got = flags(tmp_path)
-    assert f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla-autotune'}" in got
+    version = importlib.metadata.version("jaxlib")
+    assert f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla-autotune' / version}" in got
     assert "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" in got
 
 
